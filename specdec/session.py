@@ -1,0 +1,197 @@
+"""Session state in Redis (design.md §4).
+
+Terms:
+    session    one Generate request: its committed tokens and its bookkeeping.
+    committed  prompt + output tokens decided so far; what the user sees.
+    cycle      how many draft/verify rounds were committed; the fencing token.
+
+Layout (the `{session_id}` hash tag keeps one session in one Redis Cluster slot):
+    specdec:{<id>}:meta    hash: sampling params, seed, models, cycle, length,
+                           prompt_tokens, statistics, status, timestamps
+    specdec:{<id>}:tokens  list of committed token ids (decimal strings)
+
+Every write that advances a session runs as one Lua script that first checks the
+cycle number it expects, so a retried or duplicated cycle never commits twice, and
+refreshes the TTL of both keys.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+import uuid
+from collections.abc import Mapping, Sequence
+
+import redis.asyncio as aioredis
+
+from specdec.errors import Aborted, AlreadyExists, InvalidArgument, NotFound
+
+REDIS_URL_ENV = "SPECDEC_REDIS_URL"
+DEFAULT_TTL_S = 3600
+MAX_SESSION_ID_LEN = 128
+
+# KEYS: meta, tokens. ARGV: ttl, now, n_fields, field, value, ..., token, token, ...
+_CREATE = """
+if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end
+local n = tonumber(ARGV[3])
+for i = 0, n - 1 do
+  redis.call('HSET', KEYS[1], ARGV[4 + 2 * i], ARGV[5 + 2 * i])
+end
+local first_token = 4 + 2 * n
+if #ARGV >= first_token then
+  redis.call('RPUSH', KEYS[2], unpack(ARGV, first_token))
+end
+redis.call('HSET', KEYS[1], 'cycle', 0, 'length', #ARGV - first_token + 1,
+           'created_at', ARGV[2], 'updated_at', ARGV[2])
+redis.call('EXPIRE', KEYS[1], ARGV[1])
+redis.call('EXPIRE', KEYS[2], ARGV[1])
+return 1
+"""
+
+# KEYS: meta, tokens. ARGV: expected cycle, ttl, now, n_incr, field, incr, ..., token, ...
+# Returns {1, new_cycle, new_length} on success, {0, current_cycle, length} when fenced.
+_COMMIT = """
+local cycle = redis.call('HGET', KEYS[1], 'cycle')
+if not cycle then return {-1, 0, 0} end
+if tonumber(cycle) ~= tonumber(ARGV[1]) then
+  return {0, tonumber(cycle), tonumber(redis.call('HGET', KEYS[1], 'length'))}
+end
+local n = tonumber(ARGV[4])
+for i = 0, n - 1 do
+  redis.call('HINCRBY', KEYS[1], ARGV[5 + 2 * i], ARGV[6 + 2 * i])
+end
+local first_token = 5 + 2 * n
+local length = tonumber(redis.call('HGET', KEYS[1], 'length'))
+if #ARGV >= first_token then
+  length = redis.call('RPUSH', KEYS[2], unpack(ARGV, first_token))
+end
+local new_cycle = redis.call('HINCRBY', KEYS[1], 'cycle', 1)
+redis.call('HSET', KEYS[1], 'length', length, 'updated_at', ARGV[3])
+redis.call('EXPIRE', KEYS[1], ARGV[2])
+redis.call('EXPIRE', KEYS[2], ARGV[2])
+return {1, new_cycle, length}
+"""
+
+
+def meta_key(session_id: str) -> str:
+    return f"specdec:{{{session_id}}}:meta"
+
+
+def tokens_key(session_id: str) -> str:
+    return f"specdec:{{{session_id}}}:tokens"
+
+
+def new_session_id() -> str:
+    return uuid.uuid4().hex
+
+
+def check_session_id(session_id: str) -> str:
+    """Refuse ids that would break the key layout or are unreasonably long."""
+    if not session_id:
+        raise InvalidArgument("session_id is empty")
+    if len(session_id) > MAX_SESSION_ID_LEN:
+        raise InvalidArgument(f"session_id is {len(session_id)} characters; the limit is {MAX_SESSION_ID_LEN}")
+    if any(c in session_id for c in "{}") or not session_id.isprintable():
+        raise InvalidArgument("session_id may not contain braces or unprintable characters")
+    return session_id
+
+
+def redis_url_from_env() -> str | None:
+    return os.environ.get(REDIS_URL_ENV) or None
+
+
+class SessionStore:
+    """Async access to sessions in Redis. One instance per process; cheap to share."""
+
+    def __init__(self, url: str, *, ttl_s: int = DEFAULT_TTL_S, socket_timeout_s: float = 5.0):
+        self.url = url
+        self.ttl_s = ttl_s
+        self.redis = aioredis.Redis.from_url(
+            url,
+            socket_timeout=socket_timeout_s,
+            socket_connect_timeout=socket_timeout_s,
+            decode_responses=True,
+        )
+        self._create = self.redis.register_script(_CREATE)
+        self._commit = self.redis.register_script(_COMMIT)
+
+    async def close(self) -> None:
+        await self.redis.aclose()
+
+    async def ping(self) -> bool:
+        return bool(await self.redis.ping())
+
+    async def create(self, session_id: str, prompt_tokens: Sequence[int], meta: Mapping[str, object]) -> None:
+        """Create a session holding the prompt as its committed tokens.
+
+        Raises AlreadyExists when the id is taken (no field of it is touched)."""
+        check_session_id(session_id)
+        fields: list[object] = []
+        for name, value in meta.items():
+            fields += [name, value if isinstance(value, (str, int, float)) else json.dumps(value)]
+        args = [self.ttl_s, time.time(), len(fields) // 2, *fields, *[int(t) for t in prompt_tokens]]
+        created = await self._create(keys=[meta_key(session_id), tokens_key(session_id)], args=args)
+        if not created:
+            raise AlreadyExists(f"session {session_id!r} already exists; pick another id or omit it")
+
+    async def commit(
+        self,
+        session_id: str,
+        expected_cycle: int,
+        tokens: Sequence[int],
+        increments: Mapping[str, int] | None = None,
+    ) -> tuple[int, int]:
+        """Append one cycle's tokens if the session is still at `expected_cycle`.
+
+        `increments` are integer statistics added to the meta hash in the same step.
+        Returns (new cycle, new length). Raises Aborted when the session has moved
+        on (a stale or replayed cycle) and NotFound when it does not exist; in both
+        cases nothing is written."""
+        pairs: list[object] = []
+        for name, value in (increments or {}).items():
+            pairs += [name, int(value)]
+        args = [expected_cycle, self.ttl_s, time.time(), len(pairs) // 2, *pairs, *[int(t) for t in tokens]]
+        status, cycle, length = await self._commit(keys=[meta_key(session_id), tokens_key(session_id)], args=args)
+        if status == -1:
+            raise NotFound(f"session {session_id!r} does not exist (expired or never created)")
+        if status == 0:
+            raise Aborted(
+                f"session {session_id!r} is at cycle {cycle}, not {expected_cycle}: "
+                "this cycle was already committed or the session moved on"
+            )
+        return int(cycle), int(length)
+
+    async def exists(self, session_id: str) -> bool:
+        return bool(await self.redis.exists(meta_key(session_id)))
+
+    async def meta(self, session_id: str) -> dict[str, str]:
+        meta = await self.redis.hgetall(meta_key(session_id))
+        if not meta:
+            raise NotFound(f"session {session_id!r} does not exist (expired or never created)")
+        return meta
+
+    async def set_fields(self, session_id: str, fields: Mapping[str, object]) -> None:
+        """Set bookkeeping fields (status, finish reason) that do not advance the session."""
+        if fields and await self.redis.exists(meta_key(session_id)):
+            await self.redis.hset(meta_key(session_id), mapping={k: str(v) for k, v in fields.items()})
+
+    async def tokens(self, session_id: str, start: int = 0, end: int | None = None) -> list[int]:
+        """Committed tokens [start, end) (end None means all)."""
+        stop = -1 if end is None else end - 1
+        if end is not None and end <= start:
+            return []
+        values = await self.redis.lrange(tokens_key(session_id), start, stop)
+        return [int(v) for v in values]
+
+    async def length(self, session_id: str) -> int:
+        return int(await self.redis.llen(tokens_key(session_id)))
+
+    async def touch(self, session_id: str) -> None:
+        async with self.redis.pipeline(transaction=True) as pipe:
+            pipe.expire(meta_key(session_id), self.ttl_s)
+            pipe.expire(tokens_key(session_id), self.ttl_s)
+            await pipe.execute()
+
+    async def delete(self, session_id: str) -> None:
+        await self.redis.delete(meta_key(session_id), tokens_key(session_id))
