@@ -1,0 +1,1 @@
+"""The public Coordinator gRPC service: drives draft/verify cycles, streams tokens."""

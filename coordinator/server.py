@@ -1,0 +1,277 @@
+"""Coordinator gRPC server: validates a request, runs the cycle loop, streams chunks."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+import time
+from dataclasses import dataclass
+
+import grpc
+
+from coordinator.cycles import CycleLoop, Plan, Stats
+from coordinator.text import TextStream
+from specdec import serving
+from specdec.errors import FailedPrecondition, InvalidArgument, OutOfRange, Unavailable, grpc_handler
+from specdec.kvcache import check_token_ids
+from specdec.session import SessionStore, check_session_id, new_session_id
+from specdec.v1 import specdec_pb2 as pb
+from specdec.v1 import specdec_pb2_grpc as pb_grpc
+from specdec.wire import Sampling, sampling_from_pb
+
+log = logging.getLogger("specdec.coordinator")
+
+FINISH = {"length": pb.FINISH_REASON_LENGTH, "stop": pb.FINISH_REASON_STOP, "eos": pb.FINISH_REASON_EOS}
+RELEASE_TIMEOUT_S = 2.0
+STARTUP_TIMEOUT_S = 600.0
+
+
+@dataclass
+class CoordinatorConfig:
+    host: str = "127.0.0.1"
+    port: int = 50051
+    draft_address: str = "127.0.0.1:50052"
+    target_address: str = "127.0.0.1:50053"
+    redis_url: str = ""
+    # Tokenizer for text prompts; default: the model the target reports.
+    tokenizer: str = ""
+    # K used when a request does not set one.
+    default_k: int = 4
+    # Largest K a request may ask for (also bounded by what the services accept).
+    max_k: int = 16
+    # max_new_tokens when a request does not set one, and the most it may ask for.
+    default_max_new_tokens: int = 128
+    max_new_tokens_limit: int = 4096
+    # How long to wait for the model services at start-up.
+    startup_timeout_s: float = STARTUP_TIMEOUT_S
+
+
+class CoordinatorServicer(pb_grpc.CoordinatorServicer):
+    def __init__(self, config: CoordinatorConfig, store: SessionStore):
+        self.config = config
+        self.store = store
+        self.draft_channel = serving.insecure_channel(config.draft_address)
+        self.target_channel = serving.insecure_channel(config.target_address)
+        self.draft = pb_grpc.DraftStub(self.draft_channel)
+        self.target = pb_grpc.TargetStub(self.target_channel)
+        self.draft_info: pb.ModelInfoResponse | None = None
+        self.target_info: pb.ModelInfoResponse | None = None
+        self.tokenizer = None
+        self.background: set[asyncio.Task] = set()
+
+    async def load(self) -> None:
+        """Wait for both model services, check they share a vocabulary, load the tokenizer."""
+        timeout = self.config.startup_timeout_s
+        self.target_info = await wait_for_model_info(self.target, "target", self.config.target_address, timeout)
+        self.draft_info = await wait_for_model_info(self.draft, "draft", self.config.draft_address, timeout)
+        if self.draft_info.kind != "ngram":
+            from specdec.models import check_vocab_match
+
+            check_vocab_match(
+                self.draft_info.model,
+                self.draft_info.vocab_fingerprint,
+                self.target_info.model,
+                self.target_info.vocab_fingerprint,
+            )
+        from specdec.models import load_tokenizer
+
+        name = self.config.tokenizer or self.target_info.model
+        self.tokenizer = await asyncio.to_thread(load_tokenizer, name)
+
+    async def close(self) -> None:
+        await self.draft_channel.close()
+        await self.target_channel.close()
+        await self.store.close()
+
+    def max_k(self) -> int:
+        return min(self.config.max_k, self.draft_info.max_k or self.config.max_k, self.target_info.max_k)
+
+    @grpc_handler
+    async def Generate(self, request: pb.GenerateRequest, context):
+        if self.tokenizer is None:
+            raise Unavailable("the coordinator is still starting; retry shortly")
+        plan = self.plan(request)
+        stop = list(request.stop)
+        deadline = None if context.time_remaining() is None else time.monotonic() + context.time_remaining()
+        await self.store.create(plan.session_id, plan.prompt, session_meta(plan, self))
+        loop = CycleLoop(self.draft, self.target, self.store, plan, deadline)
+        text = TextStream(self.tokenizer, stop)
+        started = time.perf_counter()
+        first_token_s = 0.0
+        status = "cancelled"
+        try:
+            async for outcome in loop.run():
+                first_token_s = first_token_s or time.perf_counter() - started
+                text.add(outcome.tokens)
+                finish = ""
+                if text.stopped:
+                    finish = "stop"
+                elif outcome.eos and not request.ignore_eos:
+                    finish = "eos"
+                elif outcome.length_reached:
+                    finish = "length"
+                stats = stats_pb(loop.stats, len(plan.prompt), time.perf_counter() - started, first_token_s)
+                yield pb.GenerateChunk(
+                    token_ids=outcome.tokens,
+                    text=text.take(final=bool(finish)),
+                    finish_reason=FINISH.get(finish, pb.FINISH_REASON_UNSPECIFIED),
+                    stats=stats,
+                    cycle=outcome.info,
+                    session_id=plan.session_id,
+                )
+                if finish:
+                    break
+            else:
+                # The loop ended on the context limit without a cycle saying so.
+                yield pb.GenerateChunk(
+                    text=text.take(final=True),
+                    finish_reason=pb.FINISH_REASON_LENGTH,
+                    stats=stats_pb(loop.stats, len(plan.prompt), time.perf_counter() - started, first_token_s),
+                    session_id=plan.session_id,
+                )
+            status = "finished"
+        except Exception:
+            status = "failed"
+            raise
+        finally:
+            # Runs on cancellation too; the release must outlive the cancelled handler task.
+            self.spawn(self.finish(plan.session_id, status))
+
+    def plan(self, request: pb.GenerateRequest) -> Plan:
+        """Validate a GenerateRequest into a Plan (InvalidArgument / OutOfRange otherwise)."""
+        cfg = self.config
+        prompt = self.prompt_ids(request)
+        max_new = request.max_new_tokens if request.HasField("max_new_tokens") else cfg.default_max_new_tokens
+        if not 1 <= max_new <= cfg.max_new_tokens_limit:
+            raise InvalidArgument(f"max_new_tokens must be between 1 and {cfg.max_new_tokens_limit}, got {max_new}")
+        max_context = self.target_info.max_context
+        if max_context and len(prompt) >= max_context:
+            raise OutOfRange(
+                f"the prompt has {len(prompt)} tokens; the target's context is {max_context}, "
+                "so nothing could be generated"
+            )
+        sampling = sampling_from_pb(request.sampling)
+        if sampling.seed is None:
+            sampling = Sampling(sampling.temperature, sampling.top_k, sampling.top_p, secrets.randbits(63))
+        spec = request.speculation
+        k = spec.num_speculative_tokens if spec.HasField("num_speculative_tokens") else min(cfg.default_k, self.max_k())
+        if not spec.disabled and not 1 <= k <= self.max_k():
+            raise InvalidArgument(f"num_speculative_tokens (K) must be between 1 and {self.max_k()}, got {k}")
+        if any(not s for s in request.stop):
+            raise InvalidArgument("stop strings must not be empty")
+        session_id = check_session_id(request.session_id) if request.session_id else new_session_id()
+        eos = frozenset() if request.ignore_eos else frozenset(self.target_info.eos_token_ids)
+        return Plan(
+            session_id=session_id,
+            prompt=prompt,
+            max_new_tokens=max_new,
+            sampling=sampling,
+            k=0 if spec.disabled else k,
+            eos_token_ids=eos,
+            max_context=max_context,
+            draft_model=self.draft_info.model,
+            draft_fingerprint="" if self.draft_info.kind == "ngram" else self.draft_info.vocab_fingerprint,
+        )
+
+    def prompt_ids(self, request: pb.GenerateRequest) -> list[int]:
+        if request.prompt and request.prompt_token_ids:
+            raise InvalidArgument("set either prompt or prompt_token_ids, not both")
+        if request.prompt_token_ids:
+            ids = list(request.prompt_token_ids)
+            check_token_ids(ids, self.target_info.vocab_size, "prompt_token_ids")
+            return ids
+        if not request.prompt:
+            raise InvalidArgument("the prompt is empty: set prompt (text) or prompt_token_ids")
+        ids = self.tokenizer.encode(request.prompt)
+        if not ids:
+            raise InvalidArgument("the prompt encodes to no tokens")
+        return ids
+
+    async def finish(self, session_id: str, status: str) -> None:
+        """Record how the session ended and free it on both model services."""
+        calls = [
+            self.draft.Release(pb.ReleaseRequest(session_id=session_id), timeout=RELEASE_TIMEOUT_S),
+            self.target.Release(pb.ReleaseRequest(session_id=session_id), timeout=RELEASE_TIMEOUT_S),
+            self.store.set_fields(session_id, {"status": status}),
+        ]
+        for result in await asyncio.gather(*calls, return_exceptions=True):
+            if isinstance(result, Exception):
+                log.warning("releasing session %s: %s", session_id, result)
+
+    def spawn(self, coro) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self.background.add(task)
+        task.add_done_callback(self.background.discard)
+
+    @grpc_handler
+    async def Info(self, request, context):
+        if self.tokenizer is None:
+            raise Unavailable("the coordinator is still starting; retry shortly")
+        return pb.InfoResponse(
+            target=self.target_info,
+            draft=self.draft_info,
+            default_num_speculative_tokens=min(self.config.default_k, self.max_k()),
+            max_new_tokens_limit=self.config.max_new_tokens_limit,
+        )
+
+
+def session_meta(plan: Plan, servicer: CoordinatorServicer) -> dict:
+    s = plan.sampling
+    return {
+        "seed": s.seed,
+        "temperature": s.temperature,
+        "top_k": s.top_k,
+        "top_p": s.top_p,
+        "k": plan.k,
+        "max_new_tokens": plan.max_new_tokens,
+        "prompt_tokens": len(plan.prompt),
+        "target_model": servicer.target_info.model,
+        "target_fingerprint": servicer.target_info.vocab_fingerprint,
+        "draft_model": servicer.draft_info.model,
+        "draft_fingerprint": servicer.draft_info.vocab_fingerprint,
+        "status": "running",
+    }
+
+
+def stats_pb(stats: Stats, prompt_tokens: int, elapsed_s: float, first_token_s: float) -> pb.GenerateStats:
+    return pb.GenerateStats(
+        cycles=stats.cycles,
+        draft_tokens=stats.draft_tokens,
+        accepted_tokens=stats.accepted_tokens,
+        accepted_per_position=stats.accepted_per_position,
+        prompt_tokens=prompt_tokens,
+        generated_tokens=stats.generated_tokens,
+        elapsed_s=elapsed_s,
+        first_token_s=first_token_s,
+    )
+
+
+async def wait_for_model_info(stub, name: str, address: str, timeout_s: float) -> pb.ModelInfoResponse:
+    """ModelInfo from a model service, waiting while it starts and loads its model."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            info = await stub.ModelInfo(pb.ModelInfoRequest(), timeout=5.0, wait_for_ready=True)
+            if info.vocab_size or info.kind == "ngram":
+                return info
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                raise
+        if time.monotonic() > deadline:
+            raise FailedPrecondition(f"the {name} service at {address} did not become ready in {timeout_s:.0f}s")
+        await asyncio.sleep(0.2)
+
+
+async def serve(config: CoordinatorConfig) -> None:
+    store = SessionStore(config.redis_url)
+    servicer = CoordinatorServicer(config, store)
+    await serving.run(
+        name="coordinator",
+        host=config.host,
+        port=config.port,
+        service_names=[serving.COORDINATOR_SERVICE],
+        register=lambda server: pb_grpc.add_CoordinatorServicer_to_server(servicer, server),
+        load=servicer.load,
+        close=servicer.close,
+    )

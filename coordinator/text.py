@@ -1,0 +1,73 @@
+"""Turning committed token ids into streamed text, with stop strings.
+
+Incremental detokenization decodes a short window (from `prefix_offset`) twice:
+once up to what was already emitted (`read_offset`) and once to the end, and
+emits the difference; a window that ends inside a multi-byte character (decodes
+to U+FFFD) waits for the next tokens. Text that could still grow into a stop
+string is held back, so the stream never shows part of a stop string.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+REPLACEMENT_CHAR = "\ufffd"
+
+
+@dataclass
+class TextStream:
+    tokenizer: object
+    stop: Sequence[str] = ()
+    # Output token ids so far (never the prompt).
+    ids: list[int] = field(default_factory=list)
+    # Detokenized output so far, and how much of it was handed out.
+    text: str = ""
+    emitted: int = 0
+    prefix_offset: int = 0
+    read_offset: int = 0
+    # Set once a stop string was found; text is cut before it.
+    stopped: bool = False
+
+    def add(self, new_ids: Sequence[int]) -> None:
+        """Append tokens; look for stop strings in the text they add."""
+        self.ids.extend(new_ids)
+        self.text += self._decode_delta()
+        if self.stop and not self.stopped:
+            cut = first_stop(self.text, self.stop, max(0, self.emitted - max_len(self.stop)))
+            if cut is not None:
+                self.text = self.text[:cut]
+                self.stopped = True
+
+    def take(self, final: bool = False) -> str:
+        """Text ready to stream: all of it when final, else all that cannot begin a stop string."""
+        end = len(self.text)
+        if not final and not self.stopped and self.stop:
+            end = max(self.emitted, end - partial_stop_length(self.text, self.stop))
+        delta = self.text[self.emitted : end]
+        self.emitted = end
+        return delta
+
+    def _decode_delta(self) -> str:
+        decode = self.tokenizer.decode
+        prefix = decode(self.ids[self.prefix_offset : self.read_offset], skip_special_tokens=True)
+        full = decode(self.ids[self.prefix_offset :], skip_special_tokens=True)
+        if len(full) > len(prefix) and not full.endswith(REPLACEMENT_CHAR):
+            self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+            return full[len(prefix) :]
+        return ""
+
+
+def max_len(stop: Sequence[str]) -> int:
+    return max((len(s) for s in stop), default=0)
+
+
+def partial_stop_length(text: str, stop: Sequence[str]) -> int:
+    """Length of the longest end of `text` that is the beginning of a stop string."""
+    return max((n for s in stop for n in range(1, len(s)) if text.endswith(s[:n])), default=0)
+
+
+def first_stop(text: str, stop: Sequence[str], start: int) -> int | None:
+    """Index in `text` where the earliest stop string begins (searching from `start`)."""
+    hits = [i for i in (text.find(s, start) for s in stop if s) if i >= 0]
+    return min(hits) if hits else None

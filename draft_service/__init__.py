@@ -1,0 +1,1 @@
+"""The Draft gRPC service: proposes K tokens per cycle, each with its q."""

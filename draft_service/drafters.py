@@ -1,0 +1,81 @@
+"""Drafters: what proposes tokens for a session.
+
+A drafter's `propose(state, k, sampling, generator)` is a generator of
+(token, q) pairs, at most k of them, computed one at a time so the service can
+stream each the moment it exists. q is the exact warped distribution [V] the
+token was sampled from, or None for a one-hot q (a drafter with no distribution).
+
+After each token the drafter leaves `state` as: held = what its model has seen,
+pending = [that token]; so the next proposal (or the next cycle's `sync`) knows
+what the cache covers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+
+import torch
+
+from specdec.kvcache import SessionState, forward
+from specdec.sampling import sample
+from specdec.wire import Sampling
+
+DEFAULT_MAX_NGRAM = 3
+DEFAULT_MIN_NGRAM = 1
+
+
+class ModelDrafter:
+    """Drafts with a causal LM: one forward pass per drafted token, on the session's KV cache."""
+
+    kind = "model"
+
+    def __init__(self, loaded):
+        self.loaded = loaded
+        self.model = loaded.model
+
+    def propose(
+        self, state: SessionState, k: int, sampling: Sampling, generator: torch.Generator
+    ) -> Iterator[tuple[int, torch.Tensor | None]]:
+        for _ in range(k):
+            logits = forward(self.model, state.cache, state.pending)  # [T, V]
+            state.feed(state.pending)
+            draft_probs = sampling.warp(logits[-1])  # [V]
+            token = sample(draft_probs, generator)
+            state.pending = [token]
+            yield token, draft_probs
+
+
+class NgramDrafter:
+    """Prompt-lookup drafting: find the most recent earlier occurrence of the longest
+    suffix n-gram of the context and propose the tokens that followed it. One-hot q,
+    no weights, no vocabulary of its own."""
+
+    kind = "ngram"
+
+    def __init__(self, max_ngram: int = DEFAULT_MAX_NGRAM, min_ngram: int = DEFAULT_MIN_NGRAM):
+        if not 1 <= min_ngram <= max_ngram:
+            raise ValueError(f"need 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}")
+        self.max_ngram = max_ngram
+        self.min_ngram = min_ngram
+
+    def propose(
+        self, state: SessionState, k: int, sampling: Sampling, generator: torch.Generator
+    ) -> Iterator[tuple[int, torch.Tensor | None]]:
+        for token in find_continuation(state.tokens(), k, self.max_ngram, self.min_ngram):
+            state.feed(state.pending)
+            state.pending = [token]
+            yield token, None
+
+
+def find_continuation(tokens: Sequence[int], k: int, max_ngram: int, min_ngram: int) -> list[int]:
+    """Up to k tokens that followed the latest earlier match of the longest suffix n-gram."""
+    length = len(tokens)
+    for n in range(min(max_ngram, length - 1), min_ngram - 1, -1):
+        suffix = list(tokens[length - n :])
+        # Scan backwards so the most recent match wins; a match must end before the suffix starts.
+        for start in range(length - n - 1, -1, -1):
+            if tokens[start : start + n] == suffix:
+                continuation = list(tokens[start + n : start + n + k])
+                if continuation:
+                    return continuation
+    return []

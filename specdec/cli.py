@@ -1,0 +1,290 @@
+"""The `specdec` command line. Every flag can also be set with the environment
+variable shown in its help ([env: SPECDEC_...])."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import sys
+
+DEFAULT_ADDRESS = "127.0.0.1:50051"
+TRUE = {"1", "true", "yes", "on"}
+
+
+def env_flag(parser: argparse.ArgumentParser, flag: str, env: str, *, default=None, type=str, help: str = "", **kw):
+    """Add `flag`, whose default comes from `env` when that variable is set."""
+    raw = os.environ.get(env)
+    if kw.get("action") == "store_true":
+        value = raw.strip().lower() in TRUE if raw is not None else False
+        parser.add_argument(flag, default=value, help=f"{help} [env: {env}]", **kw)
+        return
+    if raw is not None:
+        try:
+            default = type(raw)
+        except ValueError:
+            parser.error(f"{env}={raw!r} is not a valid value for {flag}")
+    suffix = f" (default: {default})" if default not in (None, "") else ""
+    parser.add_argument(flag, default=default, type=type, help=f"{help}{suffix} [env: {env}]", **kw)
+
+
+# ---------------------------------------------------------------- parser
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="specdec",
+        description="Distributed, lossless speculative decoding: a draft model proposes tokens, "
+        "the target model verifies them in one pass, and the output is distributed exactly "
+        "as the target's own.",
+        epilog="Quick start: `specdec generate \"Hello\"` brings a local stack up for the command. "
+        "Run `specdec COMMAND --help` for each command's flags.",
+    )
+    parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    up = commands.add_parser(
+        "up",
+        help="run the whole stack on this machine",
+        description="Start Redis (embedded unless --redis-url), the draft, target and coordinator services "
+        "as separate processes on loopback; print `ready ADDRESS` once all report SERVING. "
+        "Ctrl-C or SIGTERM stops everything.",
+    )
+    add_stack_flags(up)
+
+    serve = commands.add_parser("serve", help="run one service (for real deployments)",
+                                description="Run one specdec service in the foreground.")  # fmt: skip
+    services = serve.add_subparsers(dest="service", metavar="SERVICE", required=True)
+    add_draft_flags(services.add_parser("draft", help="the draft service", description="Serve Draft.Propose."))
+    add_target_flags(services.add_parser("target", help="the target service", description="Serve Target.Verify."))
+    add_coordinator_flags(
+        services.add_parser("coordinator", help="the public coordinator", description="Serve Coordinator.Generate.")
+    )
+
+    gen = commands.add_parser(
+        "generate",
+        help="generate text from a prompt",
+        description="Stream generated text to the terminal, then print the cycle statistics. "
+        "Without --address and with nothing serving on the default address, a local stack is "
+        "brought up for the duration of the command.",
+    )
+    add_generate_flags(gen)
+
+    models = commands.add_parser("models", help="the built-in model catalog", description="The built-in model catalog.")
+    model_commands = models.add_subparsers(dest="models_command", metavar="ACTION", required=True)
+    model_commands.add_parser("list", help="list catalog models and whether they are cached")
+    pull = model_commands.add_parser("pull", help="fetch and convert a catalog model into the cache")
+    pull.add_argument("name", help="catalog name, e.g. smollm2-135m-instruct")
+    return parser
+
+
+def add_common_service_flags(p: argparse.ArgumentParser, prefix: str, port: int) -> None:
+    env_flag(p, "--host", f"{prefix}_HOST", default="127.0.0.1", help="address to listen on")
+    env_flag(p, "--port", f"{prefix}_PORT", default=port, type=int, help="port to listen on")
+    env_flag(p, "--redis-url", "SPECDEC_REDIS_URL", default="", help="Redis URL (redis://, rediss://) for sessions")
+    env_flag(p, "--log-level", f"{prefix}_LOG_LEVEL", default="INFO", help="logging level")
+
+
+def add_model_flags(p: argparse.ArgumentParser, prefix: str, model: str) -> None:
+    env_flag(p, "--model", f"{prefix}_MODEL", default=model,
+             help="catalog name, Hugging Face directory or .gguf file")  # fmt: skip
+    env_flag(p, "--dtype", f"{prefix}_DTYPE", default="float32", help="float32, float16, bfloat16 or auto")
+    env_flag(p, "--device", f"{prefix}_DEVICE", default="cpu", help="cpu, cuda, cuda:N or auto")
+    env_flag(p, "--threads", f"{prefix}_THREADS", default=0, type=int, help="torch CPU threads (0 = torch's choice)")
+    env_flag(p, "--max-k", f"{prefix}_MAX_K", default=16, type=int, help="largest K accepted per request")
+    env_flag(p, "--max-sessions", f"{prefix}_MAX_SESSIONS", default=256, type=int,
+             help="sessions whose KV cache is kept; least recently used evicted beyond")  # fmt: skip
+
+
+def add_draft_flags(p: argparse.ArgumentParser) -> None:
+    add_common_service_flags(p, "SPECDEC_DRAFT", 50052)
+    add_model_flags(p, "SPECDEC_DRAFT", "ngram")
+    env_flag(p, "--max-ngram", "SPECDEC_DRAFT_MAX_NGRAM", default=3, type=int, help="longest n-gram to look up (ngram)")
+    env_flag(p, "--min-ngram", "SPECDEC_DRAFT_MIN_NGRAM", default=1, type=int, help="shortest n-gram to look up (ngram)")
+
+
+def add_target_flags(p: argparse.ArgumentParser) -> None:
+    add_common_service_flags(p, "SPECDEC_TARGET", 50053)
+    add_model_flags(p, "SPECDEC_TARGET", "smollm2-135m-instruct")
+
+
+def add_coordinator_flags(p: argparse.ArgumentParser) -> None:
+    add_common_service_flags(p, "SPECDEC_COORDINATOR", 50051)
+    env_flag(p, "--draft-address", "SPECDEC_DRAFT_ADDRESS", default="127.0.0.1:50052", help="draft service address")
+    env_flag(p, "--target-address", "SPECDEC_TARGET_ADDRESS", default="127.0.0.1:50053", help="target service address")
+    env_flag(p, "--tokenizer", "SPECDEC_TOKENIZER", default="", help="tokenizer to use (default: the target's model)")
+    env_flag(p, "--default-k", "SPECDEC_DEFAULT_K", default=4, type=int, help="K when a request sets none")
+    env_flag(p, "--max-k", "SPECDEC_COORDINATOR_MAX_K", default=16, type=int, help="largest K a request may ask for")
+    env_flag(p, "--default-max-new-tokens", "SPECDEC_DEFAULT_MAX_NEW_TOKENS", default=128, type=int,
+             help="max_new_tokens when a request sets none")  # fmt: skip
+    env_flag(p, "--max-new-tokens-limit", "SPECDEC_MAX_NEW_TOKENS_LIMIT", default=4096, type=int,
+             help="largest max_new_tokens a request may ask for")  # fmt: skip
+
+
+def add_stack_flags(p: argparse.ArgumentParser) -> None:
+    env_flag(p, "--port", "SPECDEC_PORT", default=50051, type=int, help="port of the public coordinator")
+    env_flag(p, "--host", "SPECDEC_HOST", default="127.0.0.1", help="address the coordinator listens on")
+    env_flag(p, "--target", "SPECDEC_TARGET", default="smollm2-135m-instruct",
+             help="target model: catalog name, Hugging Face directory or .gguf file")  # fmt: skip
+    env_flag(p, "--draft", "SPECDEC_DRAFT", default="ngram",
+             help="draft model (as --target) or `ngram` for prompt lookup")  # fmt: skip
+    env_flag(p, "--redis-url", "SPECDEC_REDIS_URL", default="",
+             help="Redis URL; empty starts an embedded redis-server on a private port")  # fmt: skip
+
+
+def add_generate_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("prompt", help="the text to continue")
+    env_flag(p, "--address", "SPECDEC_ADDRESS", default=None,
+             help=f"coordinator address (default {DEFAULT_ADDRESS}; started locally when nothing serves there)")  # fmt: skip
+    env_flag(p, "--max-new-tokens", "SPECDEC_MAX_NEW_TOKENS", default=64, type=int, help="tokens to generate at most")
+    env_flag(p, "--temperature", "SPECDEC_TEMPERATURE", default=0.0, type=float, help="0 = greedy")
+    env_flag(p, "--top-k", "SPECDEC_TOP_K", default=0, type=int, help="keep the k most likely tokens (0 = off)")
+    env_flag(p, "--top-p", "SPECDEC_TOP_P", default=1.0, type=float, help="nucleus mass to keep (1.0 = off)")
+    env_flag(p, "--seed", "SPECDEC_SEED", default=None, type=int, help="seed for reproducible sampling")
+    env_flag(p, "--k", "SPECDEC_K", default=None, type=int, help="K, tokens drafted per cycle (server default)")
+    env_flag(p, "--stop", "SPECDEC_STOP", default=None, action="append", help="stop string (repeatable)")
+    env_flag(p, "--no-speculate", "SPECDEC_NO_SPECULATE", action="store_true", help="plain target decoding")
+    env_flag(p, "--json", "SPECDEC_JSON", action="store_true", help="print one JSON object instead of text")
+    env_flag(p, "--timeout", "SPECDEC_TIMEOUT", default=None, type=float, help="deadline of the call in seconds")
+    env_flag(p, "--target", "SPECDEC_TARGET", default="smollm2-135m-instruct", help="target for a local stack")
+    env_flag(p, "--draft", "SPECDEC_DRAFT", default="ngram", help="draft for a local stack")
+
+
+# ---------------------------------------------------------------- commands
+
+
+def set_threads(threads: int) -> None:
+    if threads > 0:
+        import torch
+
+        torch.set_num_threads(threads)
+        torch.set_num_interop_threads(1)
+
+
+def run_serve(args) -> int:
+    logging.basicConfig(level=args.log_level.upper(), format=f"%(asctime)s {args.service} %(levelname)s %(message)s")
+    if not args.redis_url:
+        raise SystemExit("--redis-url (or SPECDEC_REDIS_URL) is required: sessions live in Redis")
+    if args.service == "coordinator":
+        from coordinator.server import CoordinatorConfig, serve
+
+        config = CoordinatorConfig(
+            host=args.host, port=args.port, draft_address=args.draft_address, target_address=args.target_address,
+            redis_url=args.redis_url, tokenizer=args.tokenizer, default_k=args.default_k, max_k=args.max_k,
+            default_max_new_tokens=args.default_max_new_tokens, max_new_tokens_limit=args.max_new_tokens_limit,
+        )  # fmt: skip
+    elif args.service == "draft":
+        from draft_service.server import DraftConfig, serve
+
+        set_threads(args.threads)
+        config = DraftConfig(
+            model=args.model, redis_url=args.redis_url, host=args.host, port=args.port, max_k=args.max_k,
+            max_sessions=args.max_sessions, dtype=args.dtype, device=args.device,
+            max_ngram=args.max_ngram, min_ngram=args.min_ngram,
+        )  # fmt: skip
+    else:
+        from target_service.server import TargetConfig, serve
+
+        set_threads(args.threads)
+        config = TargetConfig(
+            model=args.model, redis_url=args.redis_url, host=args.host, port=args.port, max_k=args.max_k,
+            max_sessions=args.max_sessions, dtype=args.dtype, device=args.device,
+        )  # fmt: skip
+    asyncio.run(serve(config))
+    return 0
+
+
+def run_up(args) -> int:
+    import signal
+    import threading
+
+    from specdec.launcher import Stack, StackConfig
+
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    config = StackConfig(port=args.port, host=args.host, target=args.target, draft=args.draft, redis_url=args.redis_url)
+    print(f"starting: target {args.target}, draft {args.draft}", file=sys.stderr, flush=True)
+    with Stack(config) as stack:
+        print(f"ready {stack.address}", flush=True)
+        try:
+            stop.wait()
+        except KeyboardInterrupt:
+            pass
+        print("stopping", file=sys.stderr, flush=True)
+    return 0
+
+
+def run_generate(args) -> int:
+    from specdec.client import Client, SpecdecClientError
+    from specdec.launcher import Stack, StackConfig, is_serving
+
+    address = args.address or DEFAULT_ADDRESS
+    stack = None
+    if args.address is None and not is_serving(address):
+        print(f"nothing serves on {address}: starting a local stack (target {args.target}, draft {args.draft}) "
+              "for this command", file=sys.stderr, flush=True)  # fmt: skip
+        host, port = address.rsplit(":", 1)
+        stack = Stack(StackConfig(port=int(port), host=host, target=args.target, draft=args.draft)).start()
+    try:
+        with Client(address) as client:
+            options = dict(
+                max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                top_p=args.top_p, seed=args.seed, num_speculative_tokens=args.k,
+                speculate=not args.no_speculate, stop=args.stop, timeout=args.timeout,
+            )  # fmt: skip
+            if args.json:
+                result = client.generate(args.prompt, **options)
+                print(json.dumps(result.as_dict()))
+            else:
+                last = None
+                for chunk in client.generate_stream(args.prompt, **options):
+                    print(chunk.text, end="", flush=True)
+                    last = chunk
+                print()
+                if last is not None:
+                    print(format_stats(last.stats, last.finish_reason), file=sys.stderr)
+    except SpecdecClientError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        if stack is not None:
+            stack.stop()
+    return 0
+
+
+def format_stats(stats, finish_reason) -> str:
+    return (
+        f"[{stats.generated_tokens} tokens in {stats.elapsed_s:.2f}s = {stats.tokens_per_second:.1f} tok/s; "
+        f"{stats.cycles} cycles; drafted {stats.draft_tokens}, accepted {stats.accepted_tokens} "
+        f"(α {stats.acceptance_rate:.2f}); {stats.mean_accepted_length:.2f} tokens/cycle; finish: {finish_reason}]"
+    )
+
+
+def run_models(args) -> int:
+    from specdec import models
+
+    if args.models_command == "list":
+        for name in models.list_catalog():
+            state = "cached" if models.is_cached(name) else "not cached"
+            print(f"{name}\t{state}\t{models.CATALOG[name].description}")
+        return 0
+    if args.name not in models.CATALOG:
+        print(f"error: {args.name!r} is not in the catalog; known: {', '.join(models.list_catalog())}", file=sys.stderr)
+        return 2
+    print(models.ensure_catalog_model(args.name))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.verbose:
+        logging.basicConfig(level=logging.INFO)
+    handlers = {"up": run_up, "serve": run_serve, "generate": run_generate, "models": run_models}
+    return handlers[args.command](args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,381 @@
+"""The specdec client SDK: `Client` (blocking) and `AsyncClient` (asyncio).
+
+    client = specdec.Client("localhost:50051")
+    result = client.generate("Once upon a time", max_new_tokens=64)
+    print(result.text, result.stats.acceptance_rate)
+    for chunk in client.generate_stream("Tell me a story", max_new_tokens=64):
+        print(chunk.text, end="", flush=True)
+
+Every gRPC failure surfaces as `SpecdecClientError`, carrying the status code
+(`.code`, a grpc.StatusCode) and the server's message (`.message`).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator, Iterator, Sequence
+from dataclasses import dataclass, field
+
+import grpc
+
+from specdec.v1 import specdec_pb2 as pb
+from specdec.v1 import specdec_pb2_grpc as pb_grpc
+
+DEFAULT_ADDRESS = "localhost:50051"
+FINISH_NAMES = {
+    pb.FINISH_REASON_LENGTH: "length",
+    pb.FINISH_REASON_STOP: "stop",
+    pb.FINISH_REASON_EOS: "eos",
+}
+_CHANNEL_OPTIONS = [
+    ("grpc.max_receive_message_length", 64 * 1024 * 1024),
+    ("grpc.max_send_message_length", 64 * 1024 * 1024),
+]
+
+
+class SpecdecClientError(Exception):
+    """A failed call: `code` is the gRPC status code, `message` what the server said."""
+
+    def __init__(self, code: grpc.StatusCode, message: str):
+        super().__init__(f"{code.name}: {message}")
+        self.code = code
+        self.message = message
+
+
+@dataclass
+class Stats:
+    """Statistics of one request.
+
+    acceptance_rate       accepted draft tokens / drafted tokens (α as measured)
+    mean_accepted_length  tokens committed per cycle = 1 + accepted / cycles
+    tokens_per_second     generated tokens / wall time of the request on the server
+    """
+
+    cycles: int = 0
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    elapsed_s: float = 0.0
+    first_token_s: float = 0.0
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted_tokens / self.draft_tokens if self.draft_tokens else 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        return 1.0 + self.accepted_tokens / self.cycles if self.cycles else 0.0
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.generated_tokens / self.elapsed_s if self.elapsed_s > 0 else 0.0
+
+    @classmethod
+    def from_pb(cls, msg: pb.GenerateStats) -> "Stats":
+        return cls(
+            cycles=msg.cycles,
+            draft_tokens=msg.draft_tokens,
+            accepted_tokens=msg.accepted_tokens,
+            accepted_per_position=list(msg.accepted_per_position),
+            prompt_tokens=msg.prompt_tokens,
+            generated_tokens=msg.generated_tokens,
+            elapsed_s=msg.elapsed_s,
+            first_token_s=msg.first_token_s,
+        )
+
+    def as_dict(self) -> dict:
+        return {
+            "cycles": self.cycles,
+            "draft_tokens": self.draft_tokens,
+            "accepted_tokens": self.accepted_tokens,
+            "accepted_per_position": self.accepted_per_position,
+            "acceptance_rate": self.acceptance_rate,
+            "mean_accepted_length": self.mean_accepted_length,
+            "prompt_tokens": self.prompt_tokens,
+            "generated_tokens": self.generated_tokens,
+            "elapsed_s": self.elapsed_s,
+            "first_token_s": self.first_token_s,
+            "tokens_per_second": self.tokens_per_second,
+        }
+
+
+@dataclass
+class CycleTrace:
+    """One draft/verify cycle as the coordinator reported it."""
+
+    index: int
+    k: int
+    drafted: int
+    accepted: int
+    bonus: bool
+    draft_ms: float
+    verify_ms: float
+
+
+@dataclass
+class Chunk:
+    """Tokens committed by one cycle. `finish_reason` is set on the last chunk."""
+
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+    stats: Stats
+    cycle: CycleTrace | None
+    session_id: str
+
+    @classmethod
+    def from_pb(cls, msg: pb.GenerateChunk) -> "Chunk":
+        cycle = None
+        if msg.HasField("cycle"):
+            c = msg.cycle
+            cycle = CycleTrace(c.index, c.k, c.drafted, c.accepted, c.bonus, c.draft_ms, c.verify_ms)
+        return cls(
+            text=msg.text,
+            token_ids=list(msg.token_ids),
+            finish_reason=FINISH_NAMES.get(msg.finish_reason),
+            stats=Stats.from_pb(msg.stats),
+            cycle=cycle,
+            session_id=msg.session_id,
+        )
+
+
+@dataclass
+class Result:
+    """A finished generation: the generated text and token ids (never the prompt)."""
+
+    text: str
+    token_ids: list[int]
+    finish_reason: str
+    stats: Stats
+    session_id: str
+    cycles: list[CycleTrace] = field(default_factory=list)
+    # Wall time the client measured, from sending the request to the last chunk.
+    client_elapsed_s: float = 0.0
+
+    def as_dict(self) -> dict:
+        return {
+            "text": self.text,
+            "token_ids": self.token_ids,
+            "finish_reason": self.finish_reason,
+            "stats": self.stats.as_dict(),
+            "session_id": self.session_id,
+        }
+
+
+def build_request(
+    prompt: str | None,
+    *,
+    prompt_token_ids: Sequence[int] | None,
+    max_new_tokens: int,
+    temperature: float,
+    top_k: int,
+    top_p: float,
+    seed: int | None,
+    num_speculative_tokens: int | None,
+    speculate: bool,
+    stop: Sequence[str] | None,
+    session_id: str | None,
+    ignore_eos: bool,
+) -> pb.GenerateRequest:
+    if (prompt is None) == (prompt_token_ids is None):
+        raise ValueError("pass exactly one of prompt and prompt_token_ids")
+    request = pb.GenerateRequest(
+        prompt=prompt or "",
+        prompt_token_ids=list(prompt_token_ids or []),
+        max_new_tokens=max_new_tokens,
+        sampling=pb.SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p),
+        stop=list(stop or []),
+        speculation=pb.SpeculationParams(disabled=not speculate),
+        session_id=session_id or "",
+        ignore_eos=ignore_eos,
+    )
+    if seed is not None:
+        request.sampling.seed = seed
+    if num_speculative_tokens is not None:
+        request.speculation.num_speculative_tokens = num_speculative_tokens
+    return request
+
+
+class _Collector:
+    """Folds streamed chunks into a Result."""
+
+    def __init__(self):
+        self.started = time.perf_counter()
+        self.text: list[str] = []
+        self.ids: list[int] = []
+        self.cycles: list[CycleTrace] = []
+        self.last: Chunk | None = None
+
+    def add(self, chunk: Chunk) -> None:
+        self.text.append(chunk.text)
+        self.ids.extend(chunk.token_ids)
+        if chunk.cycle is not None:
+            self.cycles.append(chunk.cycle)
+        self.last = chunk
+
+    def result(self) -> Result:
+        if self.last is None:
+            raise SpecdecClientError(grpc.StatusCode.INTERNAL, "the server ended the stream without a chunk")
+        return Result(
+            text="".join(self.text),
+            token_ids=self.ids,
+            finish_reason=self.last.finish_reason or "length",
+            stats=self.last.stats,
+            session_id=self.last.session_id,
+            cycles=self.cycles,
+            client_elapsed_s=time.perf_counter() - self.started,
+        )
+
+
+_GENERATE_DOC = """
+        Arguments:
+            prompt: the text to continue (or pass prompt_token_ids instead).
+            max_new_tokens: tokens to generate at most.
+            temperature: 0 is greedy; higher samples more freely.
+            top_k: keep only the k most likely tokens (0 = off).
+            top_p: keep the smallest set of tokens with this much mass (1.0 = off).
+            seed: makes sampled output reproducible for a fixed K and setup.
+            num_speculative_tokens: K, tokens drafted per cycle (None = server default).
+            speculate: False decodes with the target alone, through the same services.
+            stop: strings that end generation; the output ends before them.
+            timeout: seconds for the whole call (a gRPC deadline).
+            session_id: optional id for the session (unique); the server makes one.
+            ignore_eos: keep generating past end-of-sequence tokens.
+        """
+
+
+class Client:
+    """Blocking client of the Coordinator service; also a context manager."""
+
+    def __init__(self, address: str = DEFAULT_ADDRESS, *, credentials: grpc.ChannelCredentials | None = None):
+        self.address = address
+        if credentials is None:
+            self._channel = grpc.insecure_channel(address, options=_CHANNEL_OPTIONS)
+        else:
+            self._channel = grpc.secure_channel(address, credentials, options=_CHANNEL_OPTIONS)
+        self._stub = pb_grpc.CoordinatorStub(self._channel)
+
+    def __enter__(self) -> "Client":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def generate_stream(
+        self,
+        prompt: str | None = None,
+        *,
+        prompt_token_ids: Sequence[int] | None = None,
+        max_new_tokens: int = 64,
+        temperature: float = 0.0,
+        top_k: int = 0,
+        top_p: float = 1.0,
+        seed: int | None = None,
+        num_speculative_tokens: int | None = None,
+        speculate: bool = True,
+        stop: Sequence[str] | None = None,
+        timeout: float | None = None,
+        session_id: str | None = None,
+        ignore_eos: bool = False,
+    ) -> Iterator[Chunk]:
+        request = build_request(
+            prompt, prompt_token_ids=prompt_token_ids, max_new_tokens=max_new_tokens, temperature=temperature,
+            top_k=top_k, top_p=top_p, seed=seed, num_speculative_tokens=num_speculative_tokens,
+            speculate=speculate, stop=stop, session_id=session_id, ignore_eos=ignore_eos,
+        )  # fmt: skip
+        call = self._stub.Generate(request, timeout=timeout)
+        try:
+            for msg in call:
+                yield Chunk.from_pb(msg)
+        except grpc.RpcError as exc:
+            raise SpecdecClientError(exc.code(), exc.details() or "") from None
+        finally:
+            call.cancel()  # no-op once finished; frees the server when the caller stops early
+
+    generate_stream.__doc__ = "Yield a Chunk per cycle as the server commits it.\n" + _GENERATE_DOC
+
+    def generate(self, prompt: str | None = None, **kwargs) -> Result:
+        """Generate and return the whole Result (same arguments as generate_stream)."""
+        collector = _Collector()
+        for chunk in self.generate_stream(prompt, **kwargs):
+            collector.add(chunk)
+        return collector.result()
+
+    def info(self, timeout: float | None = 10.0) -> pb.InfoResponse:
+        """Models the stack serves (target and draft), as the coordinator reports them."""
+        try:
+            return self._stub.Info(pb.InfoRequest(), timeout=timeout)
+        except grpc.RpcError as exc:
+            raise SpecdecClientError(exc.code(), exc.details() or "") from None
+
+
+class AsyncClient:
+    """asyncio client of the Coordinator service; the same methods as Client, awaited."""
+
+    def __init__(self, address: str = DEFAULT_ADDRESS, *, credentials: grpc.ChannelCredentials | None = None):
+        self.address = address
+        if credentials is None:
+            self._channel = grpc.aio.insecure_channel(address, options=_CHANNEL_OPTIONS)
+        else:
+            self._channel = grpc.aio.secure_channel(address, credentials, options=_CHANNEL_OPTIONS)
+        self._stub = pb_grpc.CoordinatorStub(self._channel)
+
+    async def __aenter__(self) -> "AsyncClient":
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+    async def generate_stream(
+        self,
+        prompt: str | None = None,
+        *,
+        prompt_token_ids: Sequence[int] | None = None,
+        max_new_tokens: int = 64,
+        temperature: float = 0.0,
+        top_k: int = 0,
+        top_p: float = 1.0,
+        seed: int | None = None,
+        num_speculative_tokens: int | None = None,
+        speculate: bool = True,
+        stop: Sequence[str] | None = None,
+        timeout: float | None = None,
+        session_id: str | None = None,
+        ignore_eos: bool = False,
+    ) -> AsyncIterator[Chunk]:
+        request = build_request(
+            prompt, prompt_token_ids=prompt_token_ids, max_new_tokens=max_new_tokens, temperature=temperature,
+            top_k=top_k, top_p=top_p, seed=seed, num_speculative_tokens=num_speculative_tokens,
+            speculate=speculate, stop=stop, session_id=session_id, ignore_eos=ignore_eos,
+        )  # fmt: skip
+        call = self._stub.Generate(request, timeout=timeout)
+        try:
+            async for msg in call:
+                yield Chunk.from_pb(msg)
+        except grpc.aio.AioRpcError as exc:
+            raise SpecdecClientError(exc.code(), exc.details() or "") from None
+        finally:
+            call.cancel()
+
+    generate_stream.__doc__ = "Yield a Chunk per cycle as the server commits it.\n" + _GENERATE_DOC
+
+    async def generate(self, prompt: str | None = None, **kwargs) -> Result:
+        """Generate and return the whole Result (same arguments as generate_stream)."""
+        collector = _Collector()
+        async for chunk in self.generate_stream(prompt, **kwargs):
+            collector.add(chunk)
+        return collector.result()
+
+    async def info(self, timeout: float | None = 10.0) -> pb.InfoResponse:
+        try:
+            return await self._stub.Info(pb.InfoRequest(), timeout=timeout)
+        except grpc.aio.AioRpcError as exc:
+            raise SpecdecClientError(exc.code(), exc.details() or "") from None

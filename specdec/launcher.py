@@ -1,0 +1,154 @@
+"""Run the whole stack on this machine: Redis, draft, target, coordinator.
+
+Each service is a separate process on loopback, exactly as in a deployment, so
+the draft and the target really run side by side. Used by `specdec up`, by
+`specdec generate` when nothing serves yet, and by the end-to-end tests.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from specdec.redis_server import EmbeddedRedis, free_port
+from specdec.serving import COORDINATOR_SERVICE, DRAFT_SERVICE, TARGET_SERVICE
+
+DEFAULT_TARGET = "smollm2-135m-instruct"
+DEFAULT_DRAFT = "ngram"
+STOP_TIMEOUT_S = 10.0
+
+
+@dataclass
+class StackConfig:
+    port: int = 50051
+    host: str = "127.0.0.1"
+    target: str = DEFAULT_TARGET
+    draft: str = DEFAULT_DRAFT
+    redis_url: str = ""
+    # Torch threads for the target and draft processes (None: split the cores).
+    target_threads: int | None = None
+    draft_threads: int | None = None
+    # Extra flags passed through to each `specdec serve` command.
+    coordinator_args: list[str] = field(default_factory=list)
+    draft_args: list[str] = field(default_factory=list)
+    target_args: list[str] = field(default_factory=list)
+    ready_timeout_s: float = 900.0
+
+
+def default_threads() -> tuple[int, int]:
+    """(target, draft) torch threads: the draft gets one core, the target the rest."""
+    cores = os.cpu_count() or 2
+    return max(1, cores - 1), 1
+
+
+class Stack:
+    """Start with `start()`, stop with `stop()`; also a context manager."""
+
+    def __init__(self, config: StackConfig, *, quiet: bool = False):
+        self.config = config
+        self.quiet = quiet
+        self.redis: EmbeddedRedis | None = None
+        self.processes: dict[str, subprocess.Popen] = {}
+        self.ports: dict[str, int] = {}
+
+    @property
+    def address(self) -> str:
+        return f"{self.config.host}:{self.config.port}"
+
+    @property
+    def redis_url(self) -> str:
+        return self.config.redis_url or (self.redis.url if self.redis else "")
+
+    def start(self) -> "Stack":
+        cfg = self.config
+        try:
+            if not cfg.redis_url:
+                self.redis = EmbeddedRedis().start()
+            target_threads, draft_threads = default_threads()
+            self.ports = {"draft": free_port(), "target": free_port(), "coordinator": cfg.port}
+            self.spawn("target", "target", "--model", cfg.target,
+                       "--threads", str(cfg.target_threads or target_threads), *cfg.target_args)  # fmt: skip
+            self.spawn("draft", "draft", "--model", cfg.draft,
+                       "--threads", str(cfg.draft_threads or draft_threads), *cfg.draft_args)  # fmt: skip
+            self.spawn(
+                "coordinator", "coordinator",
+                "--draft-address", f"127.0.0.1:{self.ports['draft']}",
+                "--target-address", f"127.0.0.1:{self.ports['target']}",
+                *cfg.coordinator_args,
+            )  # fmt: skip
+            self.wait_ready()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def spawn(self, name: str, service: str, *args: str) -> None:
+        host = self.config.host if name == "coordinator" else "127.0.0.1"
+        command = [
+            sys.executable, "-m", "specdec.cli", "serve", service,
+            "--host", host, "--port", str(self.ports[name]), "--redis-url", self.redis_url, *args,
+        ]  # fmt: skip
+        out = subprocess.DEVNULL if self.quiet else None
+        self.processes[name] = subprocess.Popen(command, stdout=out, stderr=out if self.quiet else None)
+
+    def restart(self, name: str, *, kill: bool = False) -> None:
+        """Stop one service (SIGKILL when kill) and start it again with the same command."""
+        process = self.processes[name]
+        (process.kill if kill else process.terminate)()
+        process.wait(timeout=STOP_TIMEOUT_S)
+        out = subprocess.DEVNULL if self.quiet else None
+        self.processes[name] = subprocess.Popen(process.args, stdout=out, stderr=out)
+
+    def wait_ready(self, names: tuple[str, ...] = ("target", "draft", "coordinator")) -> None:
+        services = {"target": TARGET_SERVICE, "draft": DRAFT_SERVICE, "coordinator": COORDINATOR_SERVICE}
+        deadline = time.monotonic() + self.config.ready_timeout_s
+        for name in names:
+            address = f"127.0.0.1:{self.ports[name]}"
+            while not is_serving(address, services[name]):
+                process = self.processes[name]
+                if process.poll() is not None:
+                    raise RuntimeError(f"the {name} service exited with code {process.returncode} while starting")
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"the {name} service did not report SERVING in {self.config.ready_timeout_s}s")
+                time.sleep(0.2)
+
+    def stop(self) -> None:
+        for process in self.processes.values():
+            if process.poll() is None:
+                process.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + STOP_TIMEOUT_S
+        for process in self.processes.values():
+            try:
+                process.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+        self.processes.clear()
+        if self.redis is not None:
+            self.redis.stop()
+            self.redis = None
+
+    def __enter__(self) -> "Stack":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def is_serving(address: str, service: str = "", timeout_s: float = 1.0) -> bool:
+    """True when the gRPC health service at `address` reports SERVING for `service`."""
+    with grpc.insecure_channel(address) as channel:
+        try:
+            reply = health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(service=service), timeout=timeout_s
+            )
+        except grpc.RpcError:
+            return False
+    return reply.status == health_pb2.HealthCheckResponse.SERVING

@@ -1,0 +1,67 @@
+"""Verification of one cycle on the target model.
+
+One forward pass over pending + drafts gives the target's logits at every
+position; the last K+1 rows, warped exactly as the draft warped q, are p for the
+K drafts and for the bonus position. `rejection_sample` decides; the KV cache is
+cropped back to the accepted prefix so it never covers a rejected draft.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from specdec.errors import OutOfRange
+from specdec.kvcache import SessionState, forward
+from specdec.sampling import rejection_sample
+from specdec.wire import Draft, Sampling, stack_draft_probs
+
+
+@dataclass
+class Verdict:
+    num_accepted: int
+    next_token: int
+    bonus: bool
+    forward_ms: float
+    accept_ms: float
+
+
+class Verifier:
+    def __init__(self, loaded):
+        self.loaded = loaded
+        self.model = loaded.model
+
+    def verify(
+        self, state: SessionState, drafts: Sequence[Draft], sampling: Sampling, generator: torch.Generator
+    ) -> Verdict:
+        k = len(drafts)
+        fed = state.pending + [d.token for d in drafts]
+        if self.loaded.max_context and len(state.held) + len(fed) > self.loaded.max_context:
+            raise OutOfRange(
+                f"{len(state.held) + len(fed)} positions exceed the target's context of {self.loaded.max_context}"
+            )
+        start = time.perf_counter()
+        logits = forward(self.model, state.cache, fed)  # [P+K, V]
+        target_probs = sampling.warp(logits[-(k + 1) :])  # [K+1, V]
+        forward_done = time.perf_counter()
+
+        draft_tokens = torch.tensor([d.token for d in drafts], dtype=torch.long)  # [K]
+        draft_probs = stack_draft_probs(drafts)  # [K, V] or None (one-hot)
+        num_accepted, next_token = rejection_sample(draft_tokens, draft_probs, target_probs, generator)
+
+        # Keep what the target saw up to the accepted prefix; `next_token` is not fed yet.
+        accepted_length = len(state.held) + len(state.pending) + num_accepted
+        state.feed(fed)
+        state.crop(accepted_length)
+        state.pending = [next_token]
+        done = time.perf_counter()
+        return Verdict(
+            num_accepted=num_accepted,
+            next_token=next_token,
+            bonus=num_accepted == k,
+            forward_ms=(forward_done - start) * 1000,
+            accept_ms=(done - forward_done) * 1000,
+        )

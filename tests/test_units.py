@@ -1,0 +1,238 @@
+"""Unit tests of the small pieces the services are built from."""
+
+import asyncio
+
+import pytest
+import torch
+
+from coordinator.text import TextStream, first_stop
+from draft_service.drafters import find_continuation
+from specdec.errors import InvalidArgument, NotFound, OutOfRange, ResourceExhausted
+from specdec.kvcache import SessionPool, SessionState
+from specdec.rng import DRAFT, TARGET, cycle_generator
+from specdec.v1 import specdec_pb2 as pb
+from specdec.wire import Sampling, draft_from_pb, draft_token_to_pb, sampling_from_pb, stack_draft_probs
+
+
+# ---------------------------------------------------------------- n-gram lookup
+
+
+def test_ngram_proposes_what_followed_the_latest_match_of_the_longest_suffix():
+    tokens = [1, 2, 3, 9, 1, 2, 3, 7, 8, 5, 2, 3]
+    # Suffix [2, 3] last occurred before at index 5..6, followed by 7, 8, 5.
+    assert find_continuation(tokens, 3, max_ngram=3, min_ngram=1) == [7, 8, 5]
+
+
+def test_ngram_prefers_a_longer_match_over_a_more_recent_shorter_one():
+    tokens = [4, 5, 6, 10, 11, 9, 6, 12, 4, 5, 6]
+    # [4, 5, 6] matches at 0 (followed by 10); [6] alone would match at 6 (followed by 12).
+    assert find_continuation(tokens, 2, max_ngram=3, min_ngram=1) == [10, 11]
+
+
+def test_ngram_without_a_match_proposes_nothing():
+    assert find_continuation([1, 2, 3, 4], 4, max_ngram=3, min_ngram=1) == []
+    assert find_continuation([7], 4, max_ngram=3, min_ngram=1) == []
+
+
+def test_ngram_continuation_is_capped_at_k():
+    assert find_continuation([1, 2, 3, 4, 5, 6, 1], 2, max_ngram=2, min_ngram=1) == [2, 3]
+
+
+# ---------------------------------------------------------------- text stream
+
+
+class CharTokenizer:
+    """Token id = code point; enough to test the streaming logic."""
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(chr(i) for i in ids)
+
+
+def stream_text(pieces, stop):
+    stream = TextStream(CharTokenizer(), stop)
+    out = []
+    for piece in pieces:
+        stream.add([ord(c) for c in piece])
+        out.append(stream.take(final=stream.stopped))
+        if stream.stopped:
+            break
+    out.append(stream.take(final=True))
+    return out, stream
+
+
+def test_output_ends_before_the_stop_string_even_across_chunks():
+    out, stream = stream_text(["hello wo", "rld EN", "D more"], ["END"])
+    assert "".join(out) == "hello world "
+    assert stream.stopped
+
+
+def test_partial_stop_string_is_held_back_not_streamed():
+    out, _ = stream_text(["abc E", "N"], ["END"])
+    assert out[0] == "abc "  # "E" might start "END"
+    assert "".join(out) == "abc EN"
+
+
+def test_text_without_stop_strings_streams_everything():
+    out, stream = stream_text(["ab", "cd"], [])
+    assert out[:2] == ["ab", "cd"] and not stream.stopped
+
+
+def test_first_stop_picks_the_earliest_of_several():
+    assert first_stop("xx STOP yy END", ["END", "STOP"], 0) == 3
+
+
+# ---------------------------------------------------------------- wire conversions
+
+
+def test_sampling_defaults_when_unset():
+    s = sampling_from_pb(pb.SamplingParams())
+    assert (s.temperature, s.top_k, s.top_p, s.seed) == (1.0, 0, 1.0, None)
+
+
+@pytest.mark.parametrize(
+    "msg, field",
+    [
+        (pb.SamplingParams(temperature=-0.5), "temperature"),
+        (pb.SamplingParams(temperature=float("nan")), "temperature"),
+        (pb.SamplingParams(top_k=-1), "top_k"),
+        (pb.SamplingParams(top_p=0.0), "top_p"),
+        (pb.SamplingParams(top_p=1.5), "top_p"),
+    ],
+)
+def test_bad_sampling_params_are_invalid_arguments(msg, field):
+    with pytest.raises(InvalidArgument, match=field):
+        sampling_from_pb(msg)
+
+
+def test_truncated_q_travels_as_its_exact_sparse_support():
+    q = torch.zeros(1000)
+    q[[3, 17, 999]] = torch.tensor([0.5, 0.25, 0.25])
+    msg = draft_token_to_pb(0, 17, q)
+    assert msg.WhichOneof("q") == "sparse"
+    assert list(msg.sparse.ids) == [3, 17, 999]
+    assert torch.equal(draft_from_pb(msg, 1000).q, q)
+
+
+def test_full_support_q_travels_dense_and_one_hot_travels_as_one_hot():
+    q = torch.softmax(torch.randn(50, generator=torch.Generator().manual_seed(0)), -1)
+    msg = draft_token_to_pb(1, 4, q)
+    assert msg.WhichOneof("q") == "dense"
+    assert torch.equal(draft_from_pb(msg, 50).q, q)
+    one_hot = draft_token_to_pb(2, 4, None)
+    assert one_hot.WhichOneof("q") == "one_hot" and draft_from_pb(one_hot, 50).q is None
+
+
+def test_stacked_q_of_a_mixed_cycle_makes_one_hot_rows_explicit():
+    q = torch.tensor([0.5, 0.5, 0.0])
+    drafts = [draft_from_pb(draft_token_to_pb(0, 1, q), 3), draft_from_pb(draft_token_to_pb(1, 2, None), 3)]
+    assert torch.equal(stack_draft_probs(drafts), torch.tensor([[0.5, 0.5, 0.0], [0.0, 0.0, 1.0]]))
+
+
+@pytest.mark.parametrize(
+    "msg, message",
+    [
+        (pb.DraftToken(token_id=5, sparse=pb.SparseProbs(ids=[1], probs=[1.0])), "q = 0"),
+        (pb.DraftToken(token_id=1, sparse=pb.SparseProbs(ids=[1, 2], probs=[0.9, 0.9])), "sum"),
+        (pb.DraftToken(token_id=1, sparse=pb.SparseProbs(ids=[1], probs=[float("nan")])), "NaN"),
+        (pb.DraftToken(token_id=1, sparse=pb.SparseProbs(ids=[1, 77], probs=[0.5, 0.5])), "77"),
+        (pb.DraftToken(token_id=1, dense=pb.DenseProbs(probs=[1.0])), "entries"),
+        (pb.DraftToken(token_id=11), "vocabulary"),
+    ],
+)
+def test_a_q_that_is_not_a_distribution_is_an_invalid_argument(msg, message):
+    with pytest.raises(InvalidArgument, match=message):
+        draft_from_pb(msg, 10)
+
+
+# ---------------------------------------------------------------- random streams
+
+
+def test_cycle_streams_are_reproducible_and_distinct_per_cycle_and_role():
+    draw = lambda seed, cycle, role: torch.rand(4, generator=cycle_generator(seed, cycle, role)).tolist()
+    assert draw(1, 0, DRAFT) == draw(1, 0, DRAFT)
+    assert draw(1, 0, DRAFT) != draw(1, 1, DRAFT)
+    assert draw(1, 0, DRAFT) != draw(1, 0, TARGET)
+    assert draw(1, 0, DRAFT) != draw(2, 0, DRAFT)
+
+
+# ---------------------------------------------------------------- session state
+
+
+def committed_fetcher(committed):
+    async def fetch(session_id, start, end):
+        return committed[start:end]
+
+    return fetch
+
+
+def test_sync_keeps_the_valid_prefix_and_never_the_last_token():
+    async def go():
+        state = SessionState("s")
+        fetch = committed_fetcher([])
+        await state.sync(0, [1, 2, 3], fetch, 100)
+        assert (state.held, state.pending) == ([], [1, 2, 3])
+        state.feed(state.pending)
+        state.pending = [9]  # e.g. a draft fed next
+        state.feed([9])
+        # The caller says the first 3 are valid and 4 follows.
+        await state.sync(3, [4], fetch, 100)
+        assert (state.held, state.pending) == ([1, 2, 3], [4])
+        # Position covering everything: the last token is re-fed for its logits.
+        state.feed([4])
+        state.pending = []
+        await state.sync(4, [], fetch, 100)
+        assert (state.held, state.pending) == ([1, 2, 3], [4])
+
+    asyncio.run(go())
+
+
+def test_sync_fetches_what_a_restarted_service_lacks_from_the_store():
+    async def go():
+        state = SessionState("s")
+        await state.sync(4, [5, 6], committed_fetcher([1, 2, 3, 4, 5, 6]), 100)
+        assert state.tokens() == [1, 2, 3, 4, 5, 6]
+
+    asyncio.run(go())
+
+
+def test_sync_refuses_positions_past_the_session_and_ids_outside_the_vocabulary():
+    async def go():
+        state = SessionState("s")
+        with pytest.raises(OutOfRange):
+            await state.sync(10, [1], committed_fetcher([1, 2]), 100)
+        with pytest.raises(InvalidArgument, match="outside the vocabulary"):
+            await state.sync(0, [1, 100], committed_fetcher([]), 100)
+        with pytest.raises(InvalidArgument, match="position"):
+            await state.sync(-1, [1], committed_fetcher([]), 100)
+
+    asyncio.run(go())
+
+
+def test_pool_evicts_least_recently_used_but_never_a_busy_session():
+    async def go():
+        async def exists(_):
+            return True
+
+        pool = SessionPool(2, lambda: None)
+        await pool.acquire("a", exists)
+        await pool.acquire("b", exists)
+        await pool.acquire("a", exists)  # a is now most recent
+        await pool.acquire("c", exists)
+        assert set(pool.sessions) == {"a", "c"} and pool.evictions == 1
+        async with pool.use("a", exists):
+            async with pool.use("c", exists):
+                with pytest.raises(ResourceExhausted):
+                    await pool.acquire("d", exists)
+
+    asyncio.run(go())
+
+
+def test_pool_refuses_sessions_the_store_does_not_know():
+    async def go():
+        async def exists(_):
+            return False
+
+        with pytest.raises(NotFound, match="unknown session"):
+            await SessionPool(2, lambda: None).acquire("ghost", exists)
+
+    asyncio.run(go())
