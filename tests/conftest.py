@@ -14,3 +14,76 @@ def redis_server():
 @pytest.fixture(scope="session")
 def redis_url(redis_server):
     return redis_server.url
+
+
+# ---------------------------------------------------------------- models
+
+import os
+from types import SimpleNamespace
+
+from specdec.launcher import Stack, StackConfig
+from specdec.redis_server import free_port
+
+# Init scale of the tiny models: the default 0.02 gives nearly uniform next-token
+# distributions that collapse to one repeated token under greedy decoding; 0.2 gives
+# varied text, a top token near 0.3, and two models that overlap ~30% in mass.
+TINY_INIT_RANGE = 0.2
+
+
+def make_tiny_model_dir(tokenizer, directory, *, hidden_size, num_layers, seed, vocab_size=None, noise=0.0):
+    """Save a tiny random model; `noise` > 0 perturbs every weight by that fraction of its
+    tensor's spread (a noisy copy of the model with the same seed: a draft that partly agrees)."""
+    import torch
+
+    from specdec.models import build_tiny_model, save_model
+
+    model = build_tiny_model(
+        tokenizer, hidden_size=hidden_size, num_layers=num_layers, seed=seed,
+        initializer_range=TINY_INIT_RANGE, vocab_size=vocab_size,
+    )  # fmt: skip
+    if noise:
+        generator = torch.Generator().manual_seed(seed + 1000)
+        with torch.no_grad():
+            for weight in model.parameters():
+                weight.add_(torch.randn(weight.shape, generator=generator) * noise * weight.std().clamp_min(1e-3))
+    save_model(model, tokenizer, directory)
+    return str(directory)
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory):
+    """A tiny target and a tiny draft sharing a ~40-token vocabulary. The draft is the target
+    with 20% weight noise: TV(p, q) ~0.46, greedy agreement ~0.3, so cycles both accept and reject."""
+    from specdec.models import build_tiny_tokenizer
+
+    tokenizer = build_tiny_tokenizer()
+    root = tmp_path_factory.mktemp("tiny-models")
+    return SimpleNamespace(
+        tokenizer=tokenizer,
+        target=make_tiny_model_dir(tokenizer, root / "target", hidden_size=64, num_layers=2, seed=1),
+        draft=make_tiny_model_dir(tokenizer, root / "draft", hidden_size=64, num_layers=2, seed=1, noise=0.2),
+    )
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir():
+    """The real SmolLM2-135M-Instruct, fetched and converted once into the user's cache."""
+    from specdec.models import ensure_catalog_model
+
+    return str(ensure_catalog_model("smollm2-135m-instruct", progress=False))
+
+
+def start_stack(redis_url, target, draft, **kw) -> Stack:
+    config = StackConfig(
+        port=free_port(), target=target, draft=draft, redis_url=redis_url,
+        target_threads=1, draft_threads=1, ready_timeout_s=300, **kw,
+    )  # fmt: skip
+    return Stack(config).start()
+
+
+@pytest.fixture(scope="module")
+def tiny_stack(redis_url, tiny_models):
+    """Draft, target and coordinator processes on loopback serving the tiny models."""
+    stack = start_stack(redis_url, tiny_models.target, tiny_models.draft)
+    yield stack
+    stack.stop()

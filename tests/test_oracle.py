@@ -1,0 +1,91 @@
+"""Oracle: greedy speculative decoding through the three services must reproduce the
+target's own greedy decoding (`transformers` generate(do_sample=False)) token for
+token, on the real SmolLM2-135M-Instruct, whatever the draft."""
+
+import pytest
+import torch
+
+import specdec
+from specdec.models import load_model
+
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):\n    ",
+    "Repeat after me: the quick brown fox jumps over the lazy dog. The quick brown fox",
+    "List three colors of the rainbow:",
+    "Once upon a time, in a small village,",
+]
+NEW_TOKENS = 24
+KS = (1, 3, 5)
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def target(smollm2_dir):
+    return load_model(smollm2_dir)
+
+
+@pytest.fixture(scope="module")
+def oracle(target):
+    """prompt ids -> the target's greedy continuation, from transformers generate."""
+    expected = {}
+    for prompt in PROMPTS:
+        ids = target.tokenizer.encode(prompt)
+        out = target.model.generate(
+            torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+            do_sample=False, max_new_tokens=NEW_TOKENS, pad_token_id=target.tokenizer.pad_token_id,
+        )  # fmt: skip
+        expected[tuple(ids)] = out[0, len(ids) :].tolist()
+    return expected
+
+
+@pytest.fixture(scope="module")
+def tiny_shared_vocab_draft(smollm2_dir, target, tmp_path_factory):
+    """A tiny random model on SmolLM2's tokenizer: it shares the vocabulary, agrees with nothing."""
+    from conftest import make_tiny_model_dir
+
+    directory = tmp_path_factory.mktemp("tiny-smol") / "draft"
+    return make_tiny_model_dir(
+        target.tokenizer, directory, hidden_size=32, num_layers=1, seed=3, vocab_size=target.vocab_size
+    )
+
+
+@pytest.fixture(scope="module", params=["ngram", "tiny-random", "target-itself"])
+def stack(request, redis_url, smollm2_dir, tiny_shared_vocab_draft):
+    from conftest import start_stack
+
+    draft = {"ngram": "ngram", "tiny-random": tiny_shared_vocab_draft, "target-itself": smollm2_dir}[request.param]
+    stack = start_stack(redis_url, smollm2_dir, draft)
+    stack.draft_kind = request.param
+    yield stack
+    stack.stop()
+
+
+def test_greedy_output_equals_transformers_generate_for_every_draft_and_k(stack, oracle):
+    drafted = accepted = 0
+    with specdec.Client(stack.address) as client:
+        for ids, expected in oracle.items():
+            for k in KS:
+                result = client.generate(prompt_token_ids=list(ids), max_new_tokens=NEW_TOKENS, num_speculative_tokens=k)
+                assert result.token_ids == expected, f"draft {stack.draft_kind}, K={k}, prompt {ids[:6]}..."
+                drafted += result.stats.draft_tokens
+                accepted += result.stats.accepted_tokens
+    rate = accepted / drafted if drafted else 0.0
+    print(f"\n{stack.draft_kind}: drafted {drafted}, accepted {accepted}, acceptance {rate:.3f}")
+    if stack.draft_kind == "target-itself":
+        assert rate == 1.0, "a draft identical to the target must have every token accepted"
+    elif stack.draft_kind == "tiny-random":
+        assert drafted > 0 and rate < 0.05, "a random draft should almost never be accepted"
+    else:
+        assert drafted > 0 and accepted > 0, "prompt lookup should find something in the repeat prompt"
+
+
+def test_text_prompt_is_tokenized_like_the_oracle(stack, oracle, target):
+    if stack.draft_kind != "ngram":
+        pytest.skip("one draft is enough for tokenization")
+    prompt = PROMPTS[0]
+    with specdec.Client(stack.address) as client:
+        result = client.generate(prompt, max_new_tokens=NEW_TOKENS)
+    assert result.token_ids == oracle[tuple(target.tokenizer.encode(prompt))]
+    assert result.text == target.tokenizer.decode(result.token_ids, skip_special_tokens=True)

@@ -1,0 +1,274 @@
+"""The three services end to end over real gRPC on loopback, with a real redis-server,
+serving tiny random models (a ~40-token character vocabulary) so each request is fast."""
+
+import asyncio
+import collections
+import time
+
+import grpc
+import pytest
+import redis
+import torch
+
+import specdec
+from specdec.models import load_model
+from specdec.sampling import warp
+from specdec.session import meta_key
+from specdec.v1 import specdec_pb2 as pb
+from specdec.v1 import specdec_pb2_grpc as pb_grpc
+
+PROMPT = "hello world"
+
+
+@pytest.fixture(scope="module")
+def client(tiny_stack):
+    with specdec.Client(tiny_stack.address) as client:
+        yield client
+
+
+def internal_stub(stack, name):
+    channel = grpc.insecure_channel(f"127.0.0.1:{stack.ports[name]}")
+    return {"draft": pb_grpc.DraftStub, "target": pb_grpc.TargetStub}[name](channel)
+
+
+def hf_greedy(model_dir, prompt_ids, n):
+    loaded = load_model(model_dir)
+    out = loaded.model.generate(
+        torch.tensor([prompt_ids]), attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
+        do_sample=False, max_new_tokens=n, pad_token_id=loaded.tokenizer.pad_token_id,
+    )  # fmt: skip
+    return out[0, len(prompt_ids) :].tolist()
+
+
+# ---------------------------------------------------------------- correctness
+
+
+def test_greedy_output_equals_the_targets_own_greedy_decoding(client, tiny_models):
+    prompt_ids = tiny_models.tokenizer.encode(PROMPT)
+    expected = hf_greedy(tiny_models.target, prompt_ids, 40)
+    for k in (1, 3, 5):
+        result = client.generate(prompt_token_ids=prompt_ids, max_new_tokens=40, num_speculative_tokens=k)
+        assert result.token_ids == expected[: len(result.token_ids)], f"K={k}"
+        assert result.finish_reason == ("eos" if len(result.token_ids) < 40 else "length")
+        assert result.stats.draft_tokens > 0
+
+
+def test_speculation_off_gives_the_same_greedy_output_as_on(client):
+    on = client.generate(PROMPT, max_new_tokens=30)
+    off = client.generate(PROMPT, max_new_tokens=30, speculate=False)
+    assert on.token_ids == off.token_ids and on.text == off.text
+    assert off.stats.draft_tokens == 0 and off.stats.cycles == len(off.token_ids)
+
+
+def test_seeded_sampling_is_reproducible_and_different_seeds_differ(client):
+    options = dict(max_new_tokens=30, temperature=1.0, top_p=0.95, ignore_eos=True)
+    first = client.generate(PROMPT, seed=7, **options)
+    again = client.generate(PROMPT, seed=7, **options)
+    assert first.token_ids == again.token_ids and first.stats.cycles == again.stats.cycles
+    others = {tuple(client.generate(PROMPT, seed=s, **options).token_ids) for s in (8, 9, 10)}
+    assert tuple(first.token_ids) not in others and len(others) > 1
+
+
+def test_first_two_tokens_through_the_stack_follow_the_targets_distribution(tiny_stack, tiny_models):
+    """Sampled through draft + target services, the joint law of the first two tokens must
+    be the target's own (computed exactly from the target model), not the draft's."""
+    samples, temperature, top_k = 3000, 1.0, 3
+    prompt_ids = tiny_models.tokenizer.encode(PROMPT)
+
+    def joint(model_dir):
+        model = load_model(model_dir).model
+        with torch.inference_mode():
+            first = warp(model(torch.tensor([prompt_ids])).logits[0, -1], temperature, top_k)
+            law = {}
+            for a in torch.nonzero(first)[:, 0].tolist():
+                second = warp(model(torch.tensor([prompt_ids + [a]])).logits[0, -1], temperature, top_k)
+                for b in torch.nonzero(second)[:, 0].tolist():
+                    law[(a, b)] = first[a].item() * second[b].item()
+        return law
+
+    async def draw():
+        async with specdec.AsyncClient(tiny_stack.address) as aclient:
+            semaphore = asyncio.Semaphore(16)
+
+            async def one(seed):
+                async with semaphore:
+                    result = await aclient.generate(
+                        prompt_token_ids=prompt_ids, max_new_tokens=2, temperature=temperature, top_k=top_k,
+                        seed=seed, num_speculative_tokens=2, ignore_eos=True,
+                    )  # fmt: skip
+                    return tuple(result.token_ids), result.stats
+
+            return await asyncio.gather(*[one(seed) for seed in range(samples)])
+
+    results = asyncio.run(draw())
+    counts = collections.Counter(ids for ids, _ in results)
+    p, q = joint(tiny_models.target), joint(tiny_models.draft)
+    tv = lambda law: 0.5 * sum(abs(counts[o] / samples - law.get(o, 0.0)) for o in set(counts) | set(law))
+    # 9 outcomes at 3000 draws: the expected TV of the empirical law is ~0.02; 0.06 is > 4 sigma.
+    assert tv(p) < 0.06, f"TV to the target's law {tv(p):.3f}"
+    assert tv(q) > 0.2, f"TV to the draft's law {tv(q):.3f} (the test needs a draft that differs)"
+    # Both branches of the rejection rule ran: some drafts accepted, some rejected.
+    accepted = sum(stats.accepted_tokens for _, stats in results)
+    drafted = sum(stats.draft_tokens for _, stats in results)
+    assert 0 < accepted < drafted
+
+
+# ---------------------------------------------------------------- streaming, cancellation
+
+
+def test_first_chunk_arrives_before_generation_ends(client):
+    stream = client.generate_stream(PROMPT, max_new_tokens=60, ignore_eos=True, num_speculative_tokens=2)
+    first = next(stream)
+    first_at = time.perf_counter()
+    rest = list(stream)
+    assert rest, "a single chunk: nothing was streamed"
+    assert first.stats.generated_tokens < rest[-1].stats.generated_tokens == 60
+    assert first.stats.elapsed_s < rest[-1].stats.elapsed_s
+    assert first_at < time.perf_counter()
+    assert rest[-1].finish_reason == "length" and all(c.finish_reason is None for c in [first, *rest[:-1]])
+
+
+def sessions_held(stack, name):
+    return internal_stub(stack, name).ModelInfo(pb.ModelInfoRequest(), timeout=5).sessions_held
+
+
+def wait_until(predicate, timeout_s=10.0):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.05)
+    return predicate()
+
+
+def test_a_cancelled_stream_releases_the_session_on_both_model_services(tiny_stack, client, redis_url):
+    assert wait_until(lambda: sessions_held(tiny_stack, "draft") == sessions_held(tiny_stack, "target") == 0)
+    stream = client.generate_stream(PROMPT, max_new_tokens=1500, ignore_eos=True, session_id="cancel-me")
+    next(stream)
+    assert sessions_held(tiny_stack, "target") == 1
+    stream.close()  # cancels the call
+    assert wait_until(lambda: sessions_held(tiny_stack, "draft") == sessions_held(tiny_stack, "target") == 0)
+    store = redis.Redis.from_url(redis_url, decode_responses=True)
+    assert wait_until(lambda: store.hget(meta_key("cancel-me"), "status") == "cancelled")
+    assert int(store.hget(meta_key("cancel-me"), "length")) < len(PROMPT) + 1500
+
+
+def test_finished_requests_release_their_sessions_and_record_them_in_redis(tiny_stack, client, redis_url):
+    result = client.generate(PROMPT, max_new_tokens=12, ignore_eos=True, session_id="done-1")
+    assert wait_until(lambda: sessions_held(tiny_stack, "target") == 0)
+    store = redis.Redis.from_url(redis_url, decode_responses=True)
+    meta = store.hgetall(meta_key("done-1"))
+    tokens = [int(t) for t in store.lrange("specdec:{done-1}:tokens", 0, -1)]
+    assert tokens[len(tokens) - 12 :] == result.token_ids
+    assert int(meta["cycles"]) == result.stats.cycles == int(meta["cycle"])
+    assert int(meta["accepted_tokens"]) == result.stats.accepted_tokens
+    assert wait_until(lambda: store.hget(meta_key("done-1"), "status") == "finished")
+    assert 0 < store.ttl(meta_key("done-1")) <= 3600
+
+
+def test_stop_strings_end_the_output_before_the_stop_string(client):
+    full = client.generate(PROMPT, max_new_tokens=40, ignore_eos=True).text
+    stop = full[10:13]
+    cut = client.generate(PROMPT, max_new_tokens=40, ignore_eos=True, stop=[stop])
+    assert cut.finish_reason == "stop"
+    assert cut.text == full[: full.index(stop)]
+
+
+# ---------------------------------------------------------------- bad input
+
+
+def code_of(call):
+    with pytest.raises(specdec.SpecdecClientError) as info:
+        call()
+    return info.value.code, info.value.message
+
+
+@pytest.mark.parametrize(
+    "kwargs, code, words",
+    [
+        (dict(prompt=""), grpc.StatusCode.INVALID_ARGUMENT, "prompt is empty"),
+        (dict(num_speculative_tokens=0), grpc.StatusCode.INVALID_ARGUMENT, "between 1 and"),
+        (dict(num_speculative_tokens=99), grpc.StatusCode.INVALID_ARGUMENT, "between 1 and"),
+        (dict(temperature=-1.0), grpc.StatusCode.INVALID_ARGUMENT, "temperature"),
+        (dict(top_p=0.0), grpc.StatusCode.INVALID_ARGUMENT, "top_p"),
+        (dict(top_p=1.5), grpc.StatusCode.INVALID_ARGUMENT, "top_p"),
+        (dict(top_k=-3), grpc.StatusCode.INVALID_ARGUMENT, "top_k"),
+        (dict(max_new_tokens=0), grpc.StatusCode.INVALID_ARGUMENT, "max_new_tokens"),
+        (dict(max_new_tokens=10**6), grpc.StatusCode.INVALID_ARGUMENT, "max_new_tokens"),
+        (dict(prompt=None, prompt_token_ids=[1, 99999]), grpc.StatusCode.INVALID_ARGUMENT, "outside the vocabulary"),
+        (dict(prompt="a" * 3000), grpc.StatusCode.OUT_OF_RANGE, "context"),
+        (dict(session_id="bad{id}"), grpc.StatusCode.INVALID_ARGUMENT, "session_id"),
+    ],
+)
+def test_bad_requests_get_their_status_code_and_the_server_keeps_serving(client, kwargs, code, words):
+    args = dict(prompt=PROMPT, max_new_tokens=4)
+    args.update(kwargs)
+    got, message = code_of(lambda: client.generate(**args))
+    assert got == code and words in message
+    assert len(client.generate(PROMPT, max_new_tokens=3, ignore_eos=True).token_ids) == 3
+
+
+def test_a_session_id_in_use_is_refused(client):
+    client.generate(PROMPT, max_new_tokens=2, session_id="taken-1")
+    got, message = code_of(lambda: client.generate(PROMPT, max_new_tokens=2, session_id="taken-1"))
+    assert got == grpc.StatusCode.ALREADY_EXISTS and "taken-1" in message
+
+
+def test_internal_calls_for_unknown_sessions_are_not_found(tiny_stack):
+    sampling = pb.SamplingParams(temperature=0.0, seed=1)
+    with pytest.raises(grpc.RpcError) as info:
+        list(internal_stub(tiny_stack, "draft").Propose(
+            pb.ProposeRequest(session_id="ghost", position=0, new_tokens=[5], k=2, sampling=sampling), timeout=10))  # fmt: skip
+    assert info.value.code() == grpc.StatusCode.NOT_FOUND and "ghost" in info.value.details()
+    with pytest.raises(grpc.RpcError) as info:
+        internal_stub(tiny_stack, "target").Verify(
+            pb.VerifyRequest(session_id="ghost", position=0, new_tokens=[5], sampling=sampling), timeout=10)  # fmt: skip
+    assert info.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+def test_target_refuses_a_draft_with_another_vocabulary(tiny_stack):
+    request = pb.VerifyRequest(
+        session_id="whatever", position=0, new_tokens=[5], sampling=pb.SamplingParams(seed=1),
+        draft_fingerprint="0123456789abcdef", draft_model="some-other-model",
+    )  # fmt: skip
+    with pytest.raises(grpc.RpcError) as info:
+        internal_stub(tiny_stack, "target").Verify(request, timeout=10)
+    assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "some-other-model" in info.value.details() and "vocabulary" in info.value.details()
+
+
+def test_target_refuses_a_q_that_is_not_a_distribution(tiny_stack, client):
+    # A real session to aim at, so only the q is wrong.
+    client.generate(PROMPT, max_new_tokens=2, session_id="q-bad")
+    bad = pb.DraftToken(token_id=5, sparse=pb.SparseProbs(ids=[5, 6], probs=[0.9, 0.9]))
+    request = pb.VerifyRequest(session_id="q-bad", position=0, new_tokens=[5, 6], drafts=[bad],
+                               sampling=pb.SamplingParams(seed=1))  # fmt: skip
+    with pytest.raises(grpc.RpcError) as info:
+        internal_stub(tiny_stack, "target").Verify(request, timeout=10)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "sum" in info.value.details()
+
+
+# ---------------------------------------------------------------- faults
+
+
+@pytest.mark.parametrize("service", ["target", "draft"])
+def test_a_model_service_restarted_mid_session_rebuilds_it_and_the_output_is_unchanged(
+    redis_url, tiny_models, service
+):
+    from conftest import start_stack
+
+    stack = start_stack(redis_url, tiny_models.target, tiny_models.draft)
+    try:
+        with specdec.Client(stack.address) as client:
+            options = dict(max_new_tokens=1200, ignore_eos=True, num_speculative_tokens=3)
+            expected = client.generate(PROMPT, **options)
+            chunks = []
+            for chunk in client.generate_stream(PROMPT, **options):
+                chunks.append(chunk)
+                if len(chunks) == 3:
+                    stack.restart(service, kill=True)
+            output = [t for c in chunks for t in c.token_ids]
+            assert output == expected.token_ids
+            assert chunks[-1].finish_reason == "length"
+    finally:
+        stack.stop()
