@@ -196,7 +196,9 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             self.store.set_fields(session_id, {"status": status}),
         ]
         for result in await asyncio.gather(*calls, return_exceptions=True):
-            if isinstance(result, Exception):
+            if isinstance(result, grpc.aio.AioRpcError):
+                log.warning("releasing session %s: %s %s", session_id, result.code().name, result.details())
+            elif isinstance(result, Exception):
                 log.warning("releasing session %s: %s", session_id, result)
 
     def spawn(self, coro) -> None:

@@ -95,16 +95,20 @@ class Stack:
             sys.executable, "-m", "specdec.cli", "serve", service,
             "--host", host, "--port", str(self.ports[name]), "--redis-url", self.redis_url, *args,
         ]  # fmt: skip
-        out = subprocess.DEVNULL if self.quiet else None
-        self.processes[name] = subprocess.Popen(command, stdout=out, stderr=out if self.quiet else None)
+        self.processes[name] = subprocess.Popen(command, **self.output())
 
     def restart(self, name: str, *, kill: bool = False) -> None:
         """Stop one service (SIGKILL when kill) and start it again with the same command."""
         process = self.processes[name]
         (process.kill if kill else process.terminate)()
         process.wait(timeout=STOP_TIMEOUT_S)
-        out = subprocess.DEVNULL if self.quiet else None
-        self.processes[name] = subprocess.Popen(process.args, stdout=out, stderr=out)
+        self.processes[name] = subprocess.Popen(process.args, **self.output())
+
+    def output(self) -> dict:
+        """Children log to our stderr (stdout stays for `ready ADDRESS`), or nowhere when quiet."""
+        if self.quiet:
+            return {"stdout": subprocess.DEVNULL, "stderr": subprocess.DEVNULL}
+        return {"stdout": 2, "stderr": 2}
 
     def wait_ready(self, names: tuple[str, ...] = ("target", "draft", "coordinator")) -> None:
         services = {"target": TARGET_SERVICE, "draft": DRAFT_SERVICE, "coordinator": COORDINATOR_SERVICE}
@@ -120,16 +124,19 @@ class Stack:
                 time.sleep(0.2)
 
     def stop(self) -> None:
-        for process in self.processes.values():
-            if process.poll() is None:
-                process.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + STOP_TIMEOUT_S
-        for process in self.processes.values():
-            try:
-                process.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
+        """Stop the coordinator first (it releases sessions on the model services), then the rest."""
+        ordered = [self.processes[n] for n in ("coordinator", "draft", "target") if n in self.processes]
+        for group in (ordered[:1], ordered[1:]):
+            for process in group:
+                if process.poll() is None:
+                    process.send_signal(signal.SIGTERM)
+            deadline = time.monotonic() + STOP_TIMEOUT_S
+            for process in group:
+                try:
+                    process.wait(timeout=max(0.1, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    process.kill()
+                    process.wait()
         self.processes.clear()
         if self.redis is not None:
             self.redis.stop()

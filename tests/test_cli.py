@@ -1,0 +1,100 @@
+"""The command line as a user runs it: `specdec up`, then `specdec generate --json`."""
+
+import json
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+
+from specdec.launcher import is_serving
+from specdec.redis_server import free_port
+
+SPECDEC = [sys.executable, "-m", "specdec.cli"]
+
+
+def run_cli(*args, env=None, timeout=600):
+    return subprocess.run([*SPECDEC, *args], capture_output=True, text=True, timeout=timeout, env=env)
+
+
+def test_help_explains_every_command():
+    top = run_cli("--help")
+    assert top.returncode == 0
+    for command in ("up", "serve", "generate", "models"):
+        assert command in top.stdout
+        assert run_cli(command, "--help").returncode == 0
+    for service in ("draft", "target", "coordinator"):
+        helptext = run_cli("serve", service, "--help").stdout
+        assert "--port" in helptext and "[env: SPECDEC_" in helptext
+
+
+def test_flags_take_their_default_from_the_environment():
+    from specdec.cli import build_parser
+
+    os.environ["SPECDEC_DRAFT_MAX_K"] = "7"
+    try:
+        args = build_parser().parse_args(["serve", "draft"])
+    finally:
+        del os.environ["SPECDEC_DRAFT_MAX_K"]
+    assert args.max_k == 7
+
+
+def test_models_list_names_the_catalog():
+    out = run_cli("models", "list")
+    assert out.returncode == 0 and "smollm2-135m-instruct" in out.stdout
+    bad = run_cli("models", "pull", "no-such-model")
+    assert bad.returncode == 2 and "not in the catalog" in bad.stderr
+
+
+def descendants(pid):
+    try:
+        return psutil.Process(pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        return []
+
+
+def test_up_then_generate_json_end_to_end(tiny_models):
+    port = free_port()
+    up = subprocess.Popen(
+        [*SPECDEC, "up", "--port", str(port), "--target", tiny_models.target, "--draft", tiny_models.draft],
+        stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        line = up.stdout.readline().strip()
+        assert line == f"ready 127.0.0.1:{port}", line
+        children = descendants(up.pid)
+        assert len(children) >= 4  # redis-server, draft, target, coordinator
+        out = run_cli("generate", "hello world", "--address", f"127.0.0.1:{port}", "--json",
+                      "--max-new-tokens", "12", "--k", "3")  # fmt: skip
+        assert out.returncode == 0, out.stderr
+        result = json.loads(out.stdout)
+        assert set(result) >= {"text", "token_ids", "finish_reason", "stats"}
+        assert 0 < len(result["token_ids"]) <= 12 and result["finish_reason"] in ("length", "eos")
+        assert result["stats"]["cycles"] >= 1 and result["stats"]["draft_tokens"] >= 1
+        # Plain mode streams text to stdout and prints the statistics on stderr.
+        plain = run_cli("generate", "hello world", "--address", f"127.0.0.1:{port}", "--max-new-tokens", "8")
+        assert plain.returncode == 0 and "tokens/cycle" in plain.stderr
+        # A server error is reported with its status code and a non-zero exit.
+        bad = run_cli("generate", "hello", "--address", f"127.0.0.1:{port}", "--temperature", "-1")
+        assert bad.returncode == 1 and "INVALID_ARGUMENT" in bad.stderr and "temperature" in bad.stderr
+    finally:
+        up.send_signal(signal.SIGTERM)
+        assert up.wait(timeout=60) == 0
+    time.sleep(0.5)
+    assert not [c for c in children if c.is_running() and c.status() != psutil.STATUS_ZOMBIE], "processes left behind"
+    assert not is_serving(f"127.0.0.1:{port}")
+
+
+def test_generate_brings_a_local_stack_up_when_nothing_serves(tiny_models, tmp_path):
+    if is_serving("127.0.0.1:50051"):
+        pytest.skip("something already serves on the default address")
+    env = dict(os.environ, SPECDEC_TARGET=tiny_models.target, SPECDEC_DRAFT=tiny_models.draft)
+    out = run_cli("generate", "hello world", "--json", "--max-new-tokens", "6", env=env)
+    assert out.returncode == 0, out.stderr
+    assert "starting a local stack" in out.stderr
+    assert len(json.loads(out.stdout)["token_ids"]) >= 1
+    assert not is_serving("127.0.0.1:50051")
