@@ -20,7 +20,10 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 
 import grpc
+from opentelemetry import context as otel_context
+from opentelemetry import trace
 
+from specdec import telemetry
 from specdec.session import SessionStore
 from specdec.v1 import specdec_pb2 as pb
 from specdec.wire import Sampling, sampling_to_pb
@@ -62,6 +65,7 @@ class Outcome:
 @dataclass
 class Stats:
     cycles: int = 0
+    draft_cycles: int = 0
     draft_tokens: int = 0
     accepted_tokens: int = 0
     accepted_per_position: list[int] = field(default_factory=list)
@@ -69,6 +73,7 @@ class Stats:
 
     def add(self, drafted: int, accepted: int, committed: int) -> None:
         self.cycles += 1
+        self.draft_cycles += drafted > 0
         self.draft_tokens += drafted
         self.accepted_tokens += accepted
         self.generated_tokens += committed
@@ -79,7 +84,15 @@ class Stats:
 
 
 class CycleLoop:
-    def __init__(self, draft, target, store: SessionStore, plan: Plan, deadline: float | None):
+    def __init__(
+        self,
+        draft,
+        target,
+        store: SessionStore,
+        plan: Plan,
+        deadline: float | None,
+        trace_context: otel_context.Context | None = None,
+    ):
         self.draft = draft  # DraftStub
         self.target = target  # TargetStub
         self.store = store
@@ -92,6 +105,9 @@ class CycleLoop:
         self.stats = Stats()
         self.draft_failures = 0
         self.draft_paused_until = 0  # cycle index from which drafting resumes
+        # Parent of the cycle spans: the request's specdec.generate span.
+        self.trace_context = trace_context
+        self.tracer = telemetry.tracer()
 
     async def run(self) -> AsyncIterator[Outcome]:
         plan = self.plan
@@ -109,6 +125,17 @@ class CycleLoop:
                 return
 
     async def run_cycle(self, k: int, remaining: int) -> Outcome:
+        attributes = {"specdec.cycle": self.cycle, "specdec.k": k}
+        with self.tracer.start_as_current_span(
+            telemetry.CYCLE_SPAN, context=self.trace_context, attributes=attributes
+        ) as span:
+            outcome = await self.run_traced_cycle(k, remaining)
+            span.set_attribute("specdec.accepted", outcome.info.accepted)
+            span.set_attribute("specdec.bonus", outcome.info.bonus)
+            span.set_attribute("specdec.drafted", outcome.info.drafted)
+            return outcome
+
+    async def run_traced_cycle(self, k: int, remaining: int) -> Outcome:
         start = time.perf_counter()
         drafts = await self.propose(k) if k > 0 else []
         drafted_at = time.perf_counter()
@@ -163,13 +190,16 @@ class CycleLoop:
             cycle=self.cycle,
         )
         drafts: list[pb.DraftToken] = []
-        call = self.draft.Propose(request, timeout=self.timeout())
         try:
-            async for token in call:
-                drafts.append(token)
-                if token.token_id in self.plan.eos_token_ids:
-                    call.cancel()  # nothing after an end token can be kept
-                    break
+            with self.tracer.start_as_current_span(telemetry.PROPOSE_SPAN, attributes={"specdec.k": k}) as span:
+                call = self.draft.Propose(request, timeout=self.timeout())
+                async for token in call:
+                    drafts.append(token)
+                    span.add_event("draft_token", {"index": token.index, "token_id": token.token_id})
+                    if token.token_id in self.plan.eos_token_ids:
+                        call.cancel()  # nothing after an end token can be kept
+                        break
+                span.set_attribute("specdec.drafted", len(drafts))
         except grpc.aio.AioRpcError as exc:
             if exc.code() not in RETRYABLE | {grpc.StatusCode.DEADLINE_EXCEEDED}:
                 raise
@@ -196,7 +226,14 @@ class CycleLoop:
         )
         for attempt, pause in enumerate((*TARGET_RETRY_BACKOFF_S, None)):
             try:
-                return await self.target.Verify(request, timeout=self.timeout(), wait_for_ready=True)
+                with self.tracer.start_as_current_span(telemetry.VERIFY_SPAN) as span:
+                    span.set_attribute("specdec.drafts", len(drafts))
+                    span.set_attribute("specdec.attempt", attempt)
+                    reply = await self.target.Verify(request, timeout=self.timeout(), wait_for_ready=True)
+                    span.set_attribute("specdec.forward_ms", reply.forward_ms)
+                    span.set_attribute("specdec.accept_ms", reply.accept_ms)
+                    span.set_attribute("specdec.accepted", reply.num_accepted)
+                    return reply
             except grpc.aio.AioRpcError as exc:
                 if exc.code() not in RETRYABLE or pause is None:
                     raise

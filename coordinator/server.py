@@ -9,11 +9,14 @@ import time
 from dataclasses import dataclass
 
 import grpc
+from opentelemetry import trace
+from opentelemetry.trace import StatusCode
 
 from coordinator.cycles import CycleLoop, Plan, Stats
 from coordinator.text import TextStream
-from specdec import serving
-from specdec.errors import FailedPrecondition, InvalidArgument, OutOfRange, Unavailable, grpc_handler
+from specdec import serving, telemetry
+from specdec.errors import FailedPrecondition, InvalidArgument, OutOfRange, Unavailable, grpc_handler, status_for
+from specdec.metrics import CoordinatorMetrics
 from specdec.kvcache import check_token_ids
 from specdec.session import SessionStore, check_session_id, new_session_id
 from specdec.v1 import specdec_pb2 as pb
@@ -23,6 +26,7 @@ from specdec.wire import Sampling, sampling_from_pb
 log = logging.getLogger("specdec.coordinator")
 
 FINISH = {"length": pb.FINISH_REASON_LENGTH, "stop": pb.FINISH_REASON_STOP, "eos": pb.FINISH_REASON_EOS}
+FINISH_NAMES = {code: name for name, code in FINISH.items()}
 RELEASE_TIMEOUT_S = 2.0
 STARTUP_TIMEOUT_S = 600.0
 
@@ -45,6 +49,8 @@ class CoordinatorConfig:
     max_new_tokens_limit: int = 4096
     # How long to wait for the model services at start-up.
     startup_timeout_s: float = STARTUP_TIMEOUT_S
+    # Port of the Prometheus /metrics endpoint; 0 = off.
+    metrics_port: int = 0
 
 
 class CoordinatorServicer(pb_grpc.CoordinatorServicer):
@@ -59,6 +65,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         self.target_info: pb.ModelInfoResponse | None = None
         self.tokenizer = None
         self.background: set[asyncio.Task] = set()
+        self.metrics = CoordinatorMetrics()
 
     async def load(self) -> None:
         """Wait for both model services, check they share a vocabulary, load the tokenizer."""
@@ -92,51 +99,74 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         if self.tokenizer is None:
             raise Unavailable("the coordinator is still starting; retry shortly")
         plan = self.plan(request)
-        stop = list(request.stop)
         deadline = None if context.time_remaining() is None else time.monotonic() + context.time_remaining()
-        await self.store.create(plan.session_id, plan.prompt, session_meta(plan, self))
-        loop = CycleLoop(self.draft, self.target, self.store, plan, deadline)
-        text = TextStream(self.tokenizer, stop)
-        started = time.perf_counter()
-        first_token_s = 0.0
+        span = telemetry.tracer().start_span(telemetry.GENERATE_SPAN, attributes=generate_attributes(plan, self))
+        metrics = self.metrics
+        metrics.requests_running.inc()
         status = "cancelled"
         try:
-            async for outcome in loop.run():
-                first_token_s = first_token_s or time.perf_counter() - started
-                text.add(outcome.tokens)
-                finish = ""
-                if text.stopped:
-                    finish = "stop"
-                elif outcome.eos and not request.ignore_eos:
-                    finish = "eos"
-                elif outcome.length_reached:
-                    finish = "length"
-                stats = stats_pb(loop.stats, len(plan.prompt), time.perf_counter() - started, first_token_s)
-                yield pb.GenerateChunk(
-                    token_ids=outcome.tokens,
-                    text=text.take(final=bool(finish)),
-                    finish_reason=FINISH.get(finish, pb.FINISH_REASON_UNSPECIFIED),
-                    stats=stats,
-                    cycle=outcome.info,
-                    session_id=plan.session_id,
-                )
-                if finish:
-                    break
-            else:
-                # The loop ended on the context limit without a cycle saying so.
-                yield pb.GenerateChunk(
-                    text=text.take(final=True),
-                    finish_reason=pb.FINISH_REASON_LENGTH,
-                    stats=stats_pb(loop.stats, len(plan.prompt), time.perf_counter() - started, first_token_s),
-                    session_id=plan.session_id,
-                )
+            async for chunk in self.generate_chunks(request, plan, deadline, trace.set_span_in_context(span)):
+                yield chunk
             status = "finished"
-        except Exception:
-            status = "failed"
+            finish_reason = FINISH_NAMES[chunk.finish_reason]  # generate_chunks always yields a last chunk
+            span.set_attribute("specdec.output_tokens", chunk.stats.generated_tokens)
+            span.set_attribute("specdec.finish_reason", finish_reason)
+            metrics.request_success.labels(finished_reason=finish_reason).inc()
+        except BaseException as exc:
+            code = status_for(exc)[0].name if isinstance(exc, Exception) else "CANCELLED"
+            status = "cancelled" if code == "CANCELLED" else "failed"
+            metrics.request_failure.labels(status=code).inc()
+            span.set_status(StatusCode.ERROR, code)
             raise
         finally:
+            metrics.requests_running.dec()
+            span.end()
             # Runs on cancellation too; the release must outlive the cancelled handler task.
             self.spawn(self.finish(plan.session_id, status))
+
+    async def generate_chunks(self, request, plan: Plan, deadline: float | None, trace_context):
+        """Create the session, run the cycles, and turn each outcome into a GenerateChunk."""
+        metrics = self.metrics
+        await self.store.create(plan.session_id, plan.prompt, session_meta(plan, self))
+        metrics.prompt_tokens.inc(len(plan.prompt))
+        loop = CycleLoop(self.draft, self.target, self.store, plan, deadline, trace_context)
+        text = TextStream(self.tokenizer, list(request.stop))
+        started = time.perf_counter()
+        first_token_s = 0.0
+        last_chunk_at = None
+        finish = ""
+        async for outcome in loop.run():
+            now = time.perf_counter()
+            first_token_s = first_token_s or now - started
+            metrics.observe_cycle(outcome.info.drafted, outcome.info.accepted)
+            metrics.observe_chunk(len(outcome.tokens), now - started, None if last_chunk_at is None else now - last_chunk_at)
+            last_chunk_at = now
+            text.add(outcome.tokens)
+            if text.stopped:
+                finish = "stop"
+            elif outcome.eos:
+                finish = "eos"
+            elif outcome.length_reached:
+                finish = "length"
+            yield pb.GenerateChunk(
+                token_ids=outcome.tokens,
+                text=text.take(final=bool(finish)),
+                finish_reason=FINISH[finish] if finish else pb.FINISH_REASON_UNSPECIFIED,
+                stats=stats_pb(loop.stats, len(plan.prompt), time.perf_counter() - started, first_token_s),
+                cycle=outcome.info,
+                session_id=plan.session_id,
+            )
+            if finish:
+                break
+        if not finish:
+            # The loop ended on the context limit without a cycle saying so.
+            yield pb.GenerateChunk(
+                text=text.take(final=True),
+                finish_reason=pb.FINISH_REASON_LENGTH,
+                stats=stats_pb(loop.stats, len(plan.prompt), time.perf_counter() - started, first_token_s),
+                session_id=plan.session_id,
+            )
+        metrics.e2e_latency.observe(time.perf_counter() - started)
 
     def plan(self, request: pb.GenerateRequest) -> Plan:
         """Validate a GenerateRequest into a Plan (InvalidArgument / OutOfRange otherwise)."""
@@ -218,6 +248,21 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         )
 
 
+def generate_attributes(plan: Plan, servicer: CoordinatorServicer) -> dict:
+    s = plan.sampling
+    return {
+        "specdec.session_id": plan.session_id,
+        "specdec.target_model": servicer.target_info.model,
+        "specdec.draft_model": servicer.draft_info.model,
+        "specdec.prompt_tokens": len(plan.prompt),
+        "specdec.k": plan.k,
+        "specdec.temperature": s.temperature,
+        "specdec.top_k": s.top_k,
+        "specdec.top_p": s.top_p,
+        "specdec.max_new_tokens": plan.max_new_tokens,
+    }
+
+
 def session_meta(plan: Plan, servicer: CoordinatorServicer) -> dict:
     s = plan.sampling
     return {
@@ -239,6 +284,7 @@ def session_meta(plan: Plan, servicer: CoordinatorServicer) -> dict:
 def stats_pb(stats: Stats, prompt_tokens: int, elapsed_s: float, first_token_s: float) -> pb.GenerateStats:
     return pb.GenerateStats(
         cycles=stats.cycles,
+        draft_cycles=stats.draft_cycles,
         draft_tokens=stats.draft_tokens,
         accepted_tokens=stats.accepted_tokens,
         accepted_per_position=stats.accepted_per_position,
@@ -266,6 +312,7 @@ async def wait_for_model_info(stub, name: str, address: str, timeout_s: float) -
 
 
 async def serve(config: CoordinatorConfig) -> None:
+    telemetry.setup_tracing("specdec-coordinator")
     store = SessionStore(config.redis_url)
     servicer = CoordinatorServicer(config, store)
     await serving.run(
@@ -276,4 +323,6 @@ async def serve(config: CoordinatorConfig) -> None:
         register=lambda server: pb_grpc.add_CoordinatorServicer_to_server(servicer, server),
         load=servicer.load,
         close=servicer.close,
+        metrics_registry=servicer.metrics.registry,
+        metrics_port=config.metrics_port,
     )

@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
-import grpc
-
 from draft_service.drafters import ModelDrafter, NgramDrafter
-from specdec import serving
+from specdec import serving, telemetry
 from specdec.errors import InvalidArgument, Unavailable, grpc_handler
 from specdec.kvcache import SessionPool
+from specdec.metrics import ModelServiceMetrics
 from specdec.rng import DRAFT, cycle_generator
 from specdec.session import SessionStore, check_session_id
 from specdec.v1 import specdec_pb2 as pb
@@ -35,6 +35,8 @@ class DraftConfig:
     # Longest and shortest suffix n-gram the n-gram drafter looks up.
     max_ngram: int = 3
     min_ngram: int = 1
+    # Port of the Prometheus /metrics endpoint; 0 = off.
+    metrics_port: int = 0
 
 
 class DraftServicer(pb_grpc.DraftServicer):
@@ -45,13 +47,14 @@ class DraftServicer(pb_grpc.DraftServicer):
         self.drafter = None
         self.info = pb.ModelInfoResponse(model=config.model, max_k=config.max_k)
         self.pool: SessionPool | None = None
+        self.metrics = ModelServiceMetrics("draft")
 
     def load(self) -> None:
         """Load the drafter (blocking; run off the event loop)."""
         if self.config.model == NGRAM:
             self.drafter = NgramDrafter(self.config.max_ngram, self.config.min_ngram)
             self.info.kind = NGRAM
-            self.pool = SessionPool(self.config.max_sessions, lambda: None)
+            self.pool = SessionPool(self.config.max_sessions, lambda: None, self.metrics.observe_pool)
             return
         from specdec.models import load_model
         from transformers import DynamicCache
@@ -60,7 +63,9 @@ class DraftServicer(pb_grpc.DraftServicer):
         self.drafter = ModelDrafter(loaded)
         self.info.MergeFrom(model_info_to_pb(loaded))
         self.info.kind = "model"
-        self.pool = SessionPool(self.config.max_sessions, lambda: DynamicCache(config=loaded.model.config))
+        self.pool = SessionPool(
+            self.config.max_sessions, lambda: DynamicCache(config=loaded.model.config), self.metrics.observe_pool
+        )
 
     @grpc_handler
     async def Propose(self, request: pb.ProposeRequest, context):
@@ -79,9 +84,11 @@ class DraftServicer(pb_grpc.DraftServicer):
             generator = cycle_generator(sampling.seed, request.cycle, DRAFT)
             drafts = self.drafter.propose(state, k, sampling, generator)
             for index in range(k):
+                started = time.perf_counter()
                 item = await self.worker.run(next, drafts, None)
                 if item is None:
                     break
+                self.metrics.forward_latency.observe(time.perf_counter() - started)
                 token, q = item
                 yield draft_token_to_pb(index, token, q)
 
@@ -103,6 +110,7 @@ class DraftServicer(pb_grpc.DraftServicer):
 
 
 async def serve(config: DraftConfig) -> None:
+    telemetry.setup_tracing("specdec-draft")
     store = SessionStore(config.redis_url)
     servicer = DraftServicer(config, store)
 
@@ -117,4 +125,6 @@ async def serve(config: DraftConfig) -> None:
         register=lambda server: pb_grpc.add_DraftServicer_to_server(servicer, server),
         load=load,
         close=store.close,
+        metrics_registry=servicer.metrics.registry,
+        metrics_port=config.metrics_port,
     )

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import logging
 import os
@@ -72,6 +73,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_generate_flags(gen)
 
+    trace = commands.add_parser(
+        "trace",
+        help="generate once and print a per-cycle timeline",
+        description="Run one request and print, per cycle, K, drafted and accepted tokens, the draft "
+        "and verify times as the coordinator measured them, and a bar of where the cycle's time went: "
+        "what you would otherwise read off a trace viewer. Takes the flags of `generate`.",
+    )
+    add_generate_flags(trace)
+
     models = commands.add_parser("models", help="the built-in model catalog", description="The built-in model catalog.")
     model_commands = models.add_subparsers(dest="models_command", metavar="ACTION", required=True)
     model_commands.add_parser("list", help="list catalog models and whether they are cached")
@@ -85,6 +95,8 @@ def add_common_service_flags(p: argparse.ArgumentParser, prefix: str, port: int)
     env_flag(p, "--port", f"{prefix}_PORT", default=port, type=int, help="port to listen on")
     env_flag(p, "--redis-url", "SPECDEC_REDIS_URL", default="", help="Redis URL (redis://, rediss://) for sessions")
     env_flag(p, "--log-level", f"{prefix}_LOG_LEVEL", default="INFO", help="logging level")
+    env_flag(p, "--metrics-port", f"{prefix}_METRICS_PORT", default=0, type=int,
+             help="serve Prometheus /metrics on this port (0 = off)")  # fmt: skip
 
 
 def add_model_flags(p: argparse.ArgumentParser, prefix: str, model: str) -> None:
@@ -132,6 +144,8 @@ def add_stack_flags(p: argparse.ArgumentParser) -> None:
              help="draft model (as --target) or `ngram` for prompt lookup")  # fmt: skip
     env_flag(p, "--redis-url", "SPECDEC_REDIS_URL", default="",
              help="Redis URL; empty starts an embedded redis-server on a private port")  # fmt: skip
+    env_flag(p, "--metrics-port-base", "SPECDEC_METRICS_PORT_BASE", default=9400, type=int,
+             help="Prometheus /metrics of coordinator, draft, target on this port and the next two (0 = off)")  # fmt: skip
 
 
 def add_generate_flags(p: argparse.ArgumentParser) -> None:
@@ -174,6 +188,7 @@ def run_serve(args) -> int:
             host=args.host, port=args.port, draft_address=args.draft_address, target_address=args.target_address,
             redis_url=args.redis_url, tokenizer=args.tokenizer, default_k=args.default_k, max_k=args.max_k,
             default_max_new_tokens=args.default_max_new_tokens, max_new_tokens_limit=args.max_new_tokens_limit,
+            metrics_port=args.metrics_port,
         )  # fmt: skip
     elif args.service == "draft":
         from draft_service.server import DraftConfig, serve
@@ -182,7 +197,7 @@ def run_serve(args) -> int:
         config = DraftConfig(
             model=args.model, redis_url=args.redis_url, host=args.host, port=args.port, max_k=args.max_k,
             max_sessions=args.max_sessions, dtype=args.dtype, device=args.device,
-            max_ngram=args.max_ngram, min_ngram=args.min_ngram,
+            max_ngram=args.max_ngram, min_ngram=args.min_ngram, metrics_port=args.metrics_port,
         )  # fmt: skip
     else:
         from target_service.server import TargetConfig, serve
@@ -190,7 +205,7 @@ def run_serve(args) -> int:
         set_threads(args.threads)
         config = TargetConfig(
             model=args.model, redis_url=args.redis_url, host=args.host, port=args.port, max_k=args.max_k,
-            max_sessions=args.max_sessions, dtype=args.dtype, device=args.device,
+            max_sessions=args.max_sessions, dtype=args.dtype, device=args.device, metrics_port=args.metrics_port,
         )  # fmt: skip
     asyncio.run(serve(config))
     return 0
@@ -204,9 +219,14 @@ def run_up(args) -> int:
 
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    config = StackConfig(port=args.port, host=args.host, target=args.target, draft=args.draft, redis_url=args.redis_url)
+    config = StackConfig(
+        port=args.port, host=args.host, target=args.target, draft=args.draft, redis_url=args.redis_url,
+        metrics_port_base=args.metrics_port_base,
+    )  # fmt: skip
     print(f"starting: target {args.target}, draft {args.draft}", file=sys.stderr, flush=True)
     with Stack(config) as stack:
+        for name, port in stack.metrics_ports.items():
+            print(f"metrics: {name} http://127.0.0.1:{port}/metrics", file=sys.stderr, flush=True)
         print(f"ready {stack.address}", flush=True)
         try:
             stop.wait()
@@ -216,42 +236,96 @@ def run_up(args) -> int:
     return 0
 
 
-def run_generate(args) -> int:
-    from specdec.client import Client, SpecdecClientError
+@contextlib.contextmanager
+def serving_address(args):
+    """The coordinator address to use; brings a local stack up when none was given and none serves."""
     from specdec.launcher import Stack, StackConfig, is_serving
 
     address = args.address or DEFAULT_ADDRESS
-    stack = None
-    if args.address is None and not is_serving(address):
-        print(f"nothing serves on {address}: starting a local stack (target {args.target}, draft {args.draft}) "
-              "for this command", file=sys.stderr, flush=True)  # fmt: skip
-        host, port = address.rsplit(":", 1)
-        stack = Stack(StackConfig(port=int(port), host=host, target=args.target, draft=args.draft)).start()
+    if args.address is not None or is_serving(address):
+        yield address
+        return
+    print(f"nothing serves on {address}: starting a local stack (target {args.target}, draft {args.draft}) "
+          "for this command", file=sys.stderr, flush=True)  # fmt: skip
+    host, port = address.rsplit(":", 1)
+    with Stack(StackConfig(port=int(port), host=host, target=args.target, draft=args.draft)):
+        yield address
+
+
+def generate_options(args) -> dict:
+    return dict(
+        max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+        seed=args.seed, num_speculative_tokens=args.k, speculate=not args.no_speculate, stop=args.stop,
+        timeout=args.timeout,
+    )  # fmt: skip
+
+
+def run_generate(args) -> int:
+    from specdec import telemetry
+    from specdec.client import Client, SpecdecClientError
+
+    telemetry.setup_tracing("specdec-cli")
     try:
-        with Client(address) as client:
-            options = dict(
-                max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-                top_p=args.top_p, seed=args.seed, num_speculative_tokens=args.k,
-                speculate=not args.no_speculate, stop=args.stop, timeout=args.timeout,
-            )  # fmt: skip
+        with serving_address(args) as address, Client(address) as client:
             if args.json:
-                result = client.generate(args.prompt, **options)
-                print(json.dumps(result.as_dict()))
-            else:
-                last = None
-                for chunk in client.generate_stream(args.prompt, **options):
-                    print(chunk.text, end="", flush=True)
-                    last = chunk
-                print()
-                if last is not None:
-                    print(format_stats(last.stats, last.finish_reason), file=sys.stderr)
+                print(json.dumps(client.generate(args.prompt, **generate_options(args)).as_dict()))
+                return 0
+            last = None
+            for chunk in client.generate_stream(args.prompt, **generate_options(args)):
+                print(chunk.text, end="", flush=True)
+                last = chunk
+            print()
+            if last is not None:
+                print(format_stats(last.stats, last.finish_reason), file=sys.stderr)
     except SpecdecClientError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     finally:
-        if stack is not None:
-            stack.stop()
+        telemetry.shutdown_tracing()
     return 0
+
+
+def run_trace(args) -> int:
+    from specdec import telemetry
+    from specdec.client import Client, SpecdecClientError
+
+    telemetry.setup_tracing("specdec-cli")
+    try:
+        with serving_address(args) as address, Client(address) as client:
+            result = client.generate(args.prompt, **generate_options(args))
+    except SpecdecClientError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        telemetry.shutdown_tracing()
+    if args.json:
+        print(json.dumps({**result.as_dict(), "cycles": [vars(c) for c in result.cycles]}))
+        return 0
+    print(format_timeline(result))
+    return 0
+
+
+TIMELINE_WIDTH = 40
+
+
+def format_timeline(result) -> str:
+    """One line per cycle: K, drafted, accepted, bonus, draft and verify ms, and a bar in which
+    `d` is drafting and `v` verifying, scaled to the slowest cycle."""
+    longest = max((c.draft_ms + c.verify_ms for c in result.cycles), default=0.0) or 1.0
+    lines = [f"session {result.session_id}: {len(result.token_ids)} tokens, {len(result.cycles)} cycles, "
+             f"finish {result.finish_reason}",  # fmt: skip
+             f"{'cycle':>5} {'k':>3} {'drafted':>7} {'accepted':>8} {'bonus':>5} {'draft ms':>9} {'verify ms':>9}  time"]
+    for c in result.cycles:
+        bar = "d" * round(TIMELINE_WIDTH * c.draft_ms / longest) + "v" * round(TIMELINE_WIDTH * c.verify_ms / longest)
+        lines.append(f"{c.index:>5} {c.k:>3} {c.drafted:>7} {c.accepted:>8} {'yes' if c.bonus else '':>5} "
+                     f"{c.draft_ms:>9.1f} {c.verify_ms:>9.1f}  {bar}")  # fmt: skip
+    stats = result.stats
+    draft_total = sum(c.draft_ms for c in result.cycles)
+    verify_total = sum(c.verify_ms for c in result.cycles)
+    lines.append(f"total: draft {draft_total:.1f} ms, verify {verify_total:.1f} ms, request {stats.elapsed_s * 1000:.1f} ms "
+                 f"(other {max(0.0, stats.elapsed_s * 1000 - draft_total - verify_total):.1f} ms: Redis, gRPC, coordinator)")  # fmt: skip
+    lines.append(format_stats(stats, result.finish_reason))
+    return "\n".join(lines)
 
 
 def format_stats(stats, finish_reason) -> str:
@@ -282,7 +356,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.verbose:
         logging.basicConfig(level=logging.INFO)
-    handlers = {"up": run_up, "serve": run_serve, "generate": run_generate, "models": run_models}
+    handlers = {"up": run_up, "serve": run_serve, "generate": run_generate, "trace": run_trace, "models": run_models}
     return handlers[args.command](args)
 
 

@@ -46,12 +46,16 @@ class SpecdecClientError(Exception):
 class Stats:
     """Statistics of one request.
 
+    cycles                draft/verify rounds (including target-only ones)
+    draft_cycles          cycles in which the draft proposed at least one token
     acceptance_rate       accepted draft tokens / drafted tokens (α as measured)
-    mean_accepted_length  tokens committed per cycle = 1 + accepted / cycles
+    mean_accepted_length  tokens per drafting cycle = 1 + accepted / draft_cycles (vLLM's
+                          mean acceptance length); 1.0 when nothing was drafted
     tokens_per_second     generated tokens / wall time of the request on the server
     """
 
     cycles: int = 0
+    draft_cycles: int = 0
     draft_tokens: int = 0
     accepted_tokens: int = 0
     accepted_per_position: list[int] = field(default_factory=list)
@@ -66,7 +70,7 @@ class Stats:
 
     @property
     def mean_accepted_length(self) -> float:
-        return 1.0 + self.accepted_tokens / self.cycles if self.cycles else 0.0
+        return 1.0 + self.accepted_tokens / self.draft_cycles if self.draft_cycles else 1.0
 
     @property
     def tokens_per_second(self) -> float:
@@ -76,6 +80,7 @@ class Stats:
     def from_pb(cls, msg: pb.GenerateStats) -> "Stats":
         return cls(
             cycles=msg.cycles,
+            draft_cycles=msg.draft_cycles,
             draft_tokens=msg.draft_tokens,
             accepted_tokens=msg.accepted_tokens,
             accepted_per_position=list(msg.accepted_per_position),
@@ -88,6 +93,7 @@ class Stats:
     def as_dict(self) -> dict:
         return {
             "cycles": self.cycles,
+            "draft_cycles": self.draft_cycles,
             "draft_tokens": self.draft_tokens,
             "accepted_tokens": self.accepted_tokens,
             "accepted_per_position": self.accepted_per_position,
@@ -198,6 +204,15 @@ def build_request(
     return request
 
 
+def stop_call(call) -> None:
+    """Cancel a streaming call (a no-op once it finished), so a caller that stops reading
+    early frees the server. With OpenTelemetry's gRPC instrumentation the call is wrapped
+    in a generator: closing that cancels the call it wraps."""
+    stop = getattr(call, "cancel", None) or getattr(call, "close", None)
+    if stop is not None:
+        stop()
+
+
 class _Collector:
     """Folds streamed chunks into a Result."""
 
@@ -295,7 +310,7 @@ class Client:
         except grpc.RpcError as exc:
             raise SpecdecClientError(exc.code(), exc.details() or "") from None
         finally:
-            call.cancel()  # no-op once finished; frees the server when the caller stops early
+            stop_call(call)
 
     generate_stream.__doc__ = "Yield a Chunk per cycle as the server commits it.\n" + _GENERATE_DOC
 
@@ -363,7 +378,7 @@ class AsyncClient:
         except grpc.aio.AioRpcError as exc:
             raise SpecdecClientError(exc.code(), exc.details() or "") from None
         finally:
-            call.cancel()
+            stop_call(call)
 
     generate_stream.__doc__ = "Yield a Chunk per cycle as the server commits it.\n" + _GENERATE_DOC
 

@@ -120,11 +120,18 @@ def crop_cache(cache: DynamicCache | None, length: int) -> None:
 class SessionPool:
     """Sessions held by one service, least recently used evicted past `max_sessions`."""
 
-    def __init__(self, max_sessions: int, new_cache: Callable[[], DynamicCache | None]):
+    def __init__(
+        self,
+        max_sessions: int,
+        new_cache: Callable[[], DynamicCache | None],
+        on_change: Callable[["SessionPool"], None] | None = None,
+    ):
         if max_sessions < 1:
             raise ValueError("max_sessions must be at least 1")
         self.max_sessions = max_sessions
         self.new_cache = new_cache
+        # Called after the set of held sessions changed (metrics).
+        self.on_change = on_change or (lambda pool: None)
         self.sessions: collections.OrderedDict[str, SessionState] = collections.OrderedDict()
         self.evictions = 0
 
@@ -143,6 +150,7 @@ class SessionPool:
             self._make_room()
             state = SessionState(session_id, cache=self.new_cache())
             self.sessions[session_id] = state
+            self.on_change(self)
         self.sessions.move_to_end(session_id)
         return state
 
@@ -159,7 +167,9 @@ class SessionPool:
                 state.last_used = time.monotonic()
 
     def release(self, session_id: str) -> bool:
-        return self.sessions.pop(session_id, None) is not None
+        released = self.sessions.pop(session_id, None) is not None
+        self.on_change(self)
+        return released
 
     def _make_room(self) -> None:
         while len(self.sessions) >= self.max_sessions:

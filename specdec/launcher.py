@@ -40,6 +40,10 @@ class StackConfig:
     draft_args: list[str] = field(default_factory=list)
     target_args: list[str] = field(default_factory=list)
     ready_timeout_s: float = 900.0
+    # /metrics ports: coordinator at base, draft at base + 1, target at base + 2; 0 = off.
+    metrics_port_base: int = 0
+    # Extra environment for the service processes (OTEL_* settings are inherited anyway).
+    env: dict[str, str] = field(default_factory=dict)
 
 
 def default_threads() -> tuple[int, int]:
@@ -56,11 +60,17 @@ class Stack:
         self.quiet = quiet
         self.redis: EmbeddedRedis | None = None
         self.processes: dict[str, subprocess.Popen] = {}
+        self.envs: dict[str, dict[str, str]] = {}
         self.ports: dict[str, int] = {}
 
     @property
     def address(self) -> str:
         return f"{self.config.host}:{self.config.port}"
+
+    @property
+    def metrics_ports(self) -> dict[str, int]:
+        base = self.config.metrics_port_base
+        return {"coordinator": base, "draft": base + 1, "target": base + 2} if base else {}
 
     @property
     def redis_url(self) -> str:
@@ -95,14 +105,20 @@ class Stack:
             sys.executable, "-m", "specdec.cli", "serve", service,
             "--host", host, "--port", str(self.ports[name]), "--redis-url", self.redis_url, *args,
         ]  # fmt: skip
-        self.processes[name] = subprocess.Popen(command, **self.output())
+        if self.metrics_ports:
+            command += ["--metrics-port", str(self.metrics_ports[name])]
+        env = {**os.environ, **self.config.env}
+        # Each process gets its own service name in traces: specdec-draft, or <yours>-draft.
+        env["OTEL_SERVICE_NAME"] = f"{env.get('OTEL_SERVICE_NAME') or 'specdec'}-{name}"
+        self.envs[name] = env
+        self.processes[name] = subprocess.Popen(command, env=env, **self.output())
 
     def restart(self, name: str, *, kill: bool = False) -> None:
         """Stop one service (SIGKILL when kill) and start it again with the same command."""
         process = self.processes[name]
         (process.kill if kill else process.terminate)()
         process.wait(timeout=STOP_TIMEOUT_S)
-        self.processes[name] = subprocess.Popen(process.args, **self.output())
+        self.processes[name] = subprocess.Popen(process.args, env=self.envs[name], **self.output())
 
     def output(self) -> dict:
         """Children log to our stderr (stdout stays for `ready ADDRESS`), or nowhere when quiet."""

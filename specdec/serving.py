@@ -18,6 +18,8 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from specdec import telemetry
+from specdec.metrics import serve_metrics
 from specdec.v1 import specdec_pb2 as pb
 
 log = logging.getLogger("specdec")
@@ -73,8 +75,11 @@ async def run(
     load: Callable[[], Awaitable[None]],
     close: Callable[[], Awaitable[None]] | None = None,
     grace_s: float = DEFAULT_GRACE_S,
+    metrics_registry=None,
+    metrics_port: int = 0,
 ) -> None:
-    """Serve until a termination signal; see the module docstring for the order of steps."""
+    """Serve until a termination signal; see the module docstring for the order of steps.
+    Call telemetry.setup_tracing before this (and before making channels or Redis clients)."""
     server = create_server()
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -86,6 +91,9 @@ async def run(
     await set_health(health_servicer, service_names, health_pb2.HealthCheckResponse.NOT_SERVING)
     await server.start()
     log.info("%s listening on %s, loading", name, address)
+    if metrics_registry is not None and metrics_port:
+        serve_metrics(metrics_registry, metrics_port, host)
+        log.info("%s metrics on http://%s:%d/metrics", name, host, metrics_port)
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -109,6 +117,7 @@ async def run(
     await server.stop(grace_s)
     if close is not None:
         await close()
+    telemetry.shutdown_tracing()
 
 
 async def set_health(servicer, service_names: Sequence[str], status) -> None:

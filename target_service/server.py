@@ -4,9 +4,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from specdec import serving
+from opentelemetry import trace
+
+from specdec import serving, telemetry
 from specdec.errors import FailedPrecondition, InvalidArgument, Unavailable, grpc_handler
 from specdec.kvcache import SessionPool
+from specdec.metrics import ModelServiceMetrics
 from specdec.rng import TARGET, cycle_generator
 from specdec.session import SessionStore, check_session_id
 from specdec.v1 import specdec_pb2 as pb
@@ -28,6 +31,8 @@ class TargetConfig:
     max_sessions: int = 256
     dtype: str = "float32"
     device: str = "cpu"
+    # Port of the Prometheus /metrics endpoint; 0 = off.
+    metrics_port: int = 0
 
 
 class TargetServicer(pb_grpc.TargetServicer):
@@ -38,6 +43,7 @@ class TargetServicer(pb_grpc.TargetServicer):
         self.verifier: Verifier | None = None
         self.pool: SessionPool | None = None
         self.info = pb.ModelInfoResponse(model=config.model, kind="model", max_k=config.max_k)
+        self.metrics = ModelServiceMetrics("target")
 
     def load(self) -> None:
         """Load the target model (blocking; run off the event loop)."""
@@ -47,7 +53,9 @@ class TargetServicer(pb_grpc.TargetServicer):
         loaded = load_model(self.config.model, dtype=self.config.dtype, device=self.config.device)
         self.verifier = Verifier(loaded)
         self.info.MergeFrom(model_info_to_pb(loaded))
-        self.pool = SessionPool(self.config.max_sessions, lambda: DynamicCache(config=loaded.model.config))
+        self.pool = SessionPool(
+            self.config.max_sessions, lambda: DynamicCache(config=loaded.model.config), self.metrics.observe_pool
+        )
 
     def ready(self) -> SessionPool:
         if self.pool is None:
@@ -71,6 +79,11 @@ class TargetServicer(pb_grpc.TargetServicer):
             )
             generator = cycle_generator(sampling.seed, request.cycle, TARGET)
             verdict = await self.worker.run(self.verifier.verify, state, drafts, sampling, generator)
+        self.metrics.forward_latency.observe(verdict.forward_ms / 1000)
+        span = trace.get_current_span()  # the gRPC server span, when tracing is on
+        span.set_attribute("specdec.forward_ms", verdict.forward_ms)
+        span.set_attribute("specdec.accept_ms", verdict.accept_ms)
+        span.set_attribute("specdec.accepted", verdict.num_accepted)
         return pb.VerifyResponse(
             num_accepted=verdict.num_accepted,
             next_token=verdict.next_token,
@@ -102,6 +115,7 @@ class TargetServicer(pb_grpc.TargetServicer):
 
 
 async def serve(config: TargetConfig) -> None:
+    telemetry.setup_tracing("specdec-target")
     store = SessionStore(config.redis_url)
     servicer = TargetServicer(config, store)
 
@@ -116,4 +130,6 @@ async def serve(config: TargetConfig) -> None:
         register=lambda server: pb_grpc.add_TargetServicer_to_server(servicer, server),
         load=load,
         close=store.close,
+        metrics_registry=servicer.metrics.registry,
+        metrics_port=config.metrics_port,
     )

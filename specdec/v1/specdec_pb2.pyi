@@ -135,7 +135,7 @@ class CycleInfo(_message.Message):
     def __init__(self, index: _Optional[int] = ..., drafted: _Optional[int] = ..., accepted: _Optional[int] = ..., bonus: _Optional[bool] = ..., draft_ms: _Optional[float] = ..., verify_ms: _Optional[float] = ..., k: _Optional[int] = ...) -> None: ...
 
 class GenerateStats(_message.Message):
-    __slots__ = ("cycles", "draft_tokens", "accepted_tokens", "accepted_per_position", "prompt_tokens", "generated_tokens", "elapsed_s", "first_token_s")
+    __slots__ = ("cycles", "draft_tokens", "accepted_tokens", "accepted_per_position", "prompt_tokens", "generated_tokens", "elapsed_s", "first_token_s", "draft_cycles")
     CYCLES_FIELD_NUMBER: _ClassVar[int]
     DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -144,6 +144,7 @@ class GenerateStats(_message.Message):
     GENERATED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     ELAPSED_S_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_S_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_CYCLES_FIELD_NUMBER: _ClassVar[int]
     cycles: int
     draft_tokens: int
     accepted_tokens: int
@@ -152,7 +153,8 @@ class GenerateStats(_message.Message):
     generated_tokens: int
     elapsed_s: float
     first_token_s: float
-    def __init__(self, cycles: _Optional[int] = ..., draft_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., accepted_per_position: _Optional[_Iterable[int]] = ..., prompt_tokens: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., elapsed_s: _Optional[float] = ..., first_token_s: _Optional[float] = ...) -> None: ...
+    draft_cycles: int
+    def __init__(self, cycles: _Optional[int] = ..., draft_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., accepted_per_position: _Optional[_Iterable[int]] = ..., prompt_tokens: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., elapsed_s: _Optional[float] = ..., first_token_s: _Optional[float] = ..., draft_cycles: _Optional[int] = ...) -> None: ...
 
 class GenerateChunk(_message.Message):
     __slots__ = ("token_ids", "text", "finish_reason", "stats", "cycle", "session_id")

@@ -1,0 +1,266 @@
+"""Traces and metrics: a real OTLP/gRPC receiver in the test collects what the three
+service processes (and the CLI's SDK client) export; /metrics is scraped over HTTP."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from concurrent import futures
+
+import grpc
+import pytest
+from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
+from prometheus_client.parser import text_string_to_metric_families
+
+import specdec
+from specdec import telemetry
+
+
+class Receiver(trace_service_pb2_grpc.TraceServiceServicer):
+    """An OTLP/gRPC trace endpoint that keeps every span with its service name."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.spans = []  # (service name, span)
+
+    def Export(self, request, context):
+        with self.lock:
+            for resource_spans in request.resource_spans:
+                attributes = {a.key: a.value.string_value for a in resource_spans.resource.attributes}
+                for scope_spans in resource_spans.scope_spans:
+                    for span in scope_spans.spans:
+                        self.spans.append((attributes.get("service.name", ""), span))
+        return trace_service_pb2.ExportTraceServiceResponse()
+
+    def take(self):
+        with self.lock:
+            spans, self.spans = self.spans, []
+        return spans
+
+
+@pytest.fixture(scope="module")
+def receiver():
+    servicer = Receiver()
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+    trace_service_pb2_grpc.add_TraceServiceServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    servicer.endpoint = f"http://127.0.0.1:{port}"
+    yield servicer
+    server.stop(0)
+
+
+def consecutive_free_ports(count=3):
+    for _ in range(50):
+        sockets = []
+        try:
+            first = socket.socket()
+            first.bind(("127.0.0.1", 0))
+            sockets.append(first)
+            base = first.getsockname()[1]
+            for offset in range(1, count):
+                extra = socket.socket()
+                extra.bind(("127.0.0.1", base + offset))
+                sockets.append(extra)
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in sockets:
+                s.close()
+    raise RuntimeError("no run of free ports")
+
+
+def otel_env(receiver):
+    return {
+        "OTEL_EXPORTER_OTLP_ENDPOINT": receiver.endpoint,
+        "OTEL_EXPORTER_OTLP_INSECURE": "true",
+        "OTEL_TRACES_SAMPLER": "always_on",
+        "OTEL_BSP_SCHEDULE_DELAY": "50",
+    }
+
+
+@pytest.fixture(scope="module")
+def traced_stack(redis_url, tiny_models, receiver):
+    from conftest import start_stack
+
+    stack = start_stack(
+        redis_url, tiny_models.target, tiny_models.draft,
+        env=otel_env(receiver), metrics_port_base=consecutive_free_ports(),
+    )  # fmt: skip
+    yield stack
+    stack.stop()
+
+
+def collect(receiver, predicate, timeout_s=15.0, settle_s=0.5):
+    """Spans received until `predicate(spans)` holds and nothing new arrived for settle_s."""
+    spans, deadline, quiet_since = [], time.monotonic() + timeout_s, time.monotonic()
+    while time.monotonic() < deadline:
+        new = receiver.take()
+        if new:
+            spans += new
+            quiet_since = time.monotonic()
+        elif predicate(spans) and time.monotonic() - quiet_since > settle_s:
+            break
+        time.sleep(0.05)
+    return spans
+
+
+def attr(span, key):
+    for a in span.attributes:
+        if a.key == key:
+            v = a.value
+            return {"int_value": v.int_value, "bool_value": v.bool_value, "string_value": v.string_value,
+                    "double_value": v.double_value}[v.WhichOneof("value")]  # fmt: skip
+    return None
+
+
+def test_one_generate_is_one_trace_across_client_coordinator_draft_and_target(traced_stack, receiver):
+    time.sleep(0.5)
+    receiver.take()  # drop start-up spans (ModelInfo calls)
+    env = dict(os.environ, **otel_env(receiver), OTEL_SERVICE_NAME="specdec-cli")
+    out = subprocess.run(
+        [sys.executable, "-m", "specdec.cli", "trace", "hello world", "--json", "--address", traced_stack.address,
+         "--max-new-tokens", "20", "--k", "3"],
+        capture_output=True, text=True, env=env, timeout=120,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    result = json.loads(out.stdout)
+    stats = result["stats"]
+
+    def complete(spans):
+        names = [s.name for _, s in spans]
+        return telemetry.GENERATE_SPAN in names and names.count(telemetry.CYCLE_SPAN) >= stats["cycles"]
+
+    spans = collect(receiver, complete)
+    assert {s.trace_id for _, s in spans} == {spans[0][1].trace_id}, "spans of one request in several traces"
+    services = {service for service, _ in spans}
+    assert {"specdec-cli", "specdec-coordinator", "specdec-draft", "specdec-target"} <= services
+
+    by_id = {s.span_id: s for _, s in spans}
+    generate = [s for _, s in spans if s.name == telemetry.GENERATE_SPAN]
+    cycles = [s for _, s in spans if s.name == telemetry.CYCLE_SPAN]
+    assert len(generate) == 1 and attr(generate[0], "specdec.session_id") == result["session_id"]
+    assert attr(generate[0], "specdec.output_tokens") == len(result["token_ids"])
+    assert len(cycles) == stats["cycles"] == len(result["cycles"])
+    assert sorted(attr(c, "specdec.cycle") for c in cycles) == list(range(stats["cycles"]))
+    assert sum(attr(c, "specdec.accepted") for c in cycles) == stats["accepted_tokens"]
+    assert all(c.parent_span_id == generate[0].span_id for c in cycles)
+
+    def ancestors(span):
+        while span.parent_span_id in by_id:
+            span = by_id[span.parent_span_id]
+            yield span
+
+    server_spans = [(svc, s) for svc, s in spans if svc in ("specdec-draft", "specdec-target") and s.kind == s.SPAN_KIND_SERVER]
+    assert {svc for svc, _ in server_spans} == {"specdec-draft", "specdec-target"}
+    for service, span in server_spans:
+        if "Release" in span.name:
+            continue
+        assert any(a.name == telemetry.CYCLE_SPAN for a in ancestors(span)), f"{service} {span.name} outside a cycle"
+    proposes = [s for _, s in spans if s.name == telemetry.PROPOSE_SPAN]
+    assert sum(len(p.events) for p in proposes) == stats["draft_tokens"], "one event per streamed draft token"
+    verifies = [s for _, s in spans if s.name == telemetry.VERIFY_SPAN]
+    assert all(attr(v, "specdec.forward_ms") > 0 for v in verifies)
+    # Redis commands (session create and the fenced commits) are spans of the coordinator.
+    redis_spans = [s for svc, s in spans if svc == "specdec-coordinator" and attr(s, "db.system") == "redis"]
+    assert len(redis_spans) >= stats["cycles"]
+
+
+def scrape(port):
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    samples = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            samples[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
+    return samples
+
+
+def test_metrics_counters_equal_the_statistics_the_sdk_returned(traced_stack):
+    ports = traced_stack.metrics_ports
+    before = scrape(ports["coordinator"])
+    results = []
+    with specdec.Client(traced_stack.address) as client:
+        for k, n in ((1, 10), (3, 17), (5, 25)):
+            results.append(client.generate("hello world", max_new_tokens=n, num_speculative_tokens=k, ignore_eos=True))
+    after = scrape(ports["coordinator"])
+    delta = lambda name, **labels: after.get((name, tuple(sorted(labels.items()))), 0) - before.get(
+        (name, tuple(sorted(labels.items()))), 0
+    )
+    drafts = delta("specdec:spec_decode_num_drafts_total")
+    accepted = delta("specdec:spec_decode_num_accepted_tokens_total")
+    assert drafts == sum(r.stats.draft_cycles for r in results)
+    assert delta("specdec:spec_decode_num_draft_tokens_total") == sum(r.stats.draft_tokens for r in results)
+    assert accepted == sum(r.stats.accepted_tokens for r in results)
+    per_pos = [sum(r.stats.accepted_per_position[i] for r in results if i < len(r.stats.accepted_per_position))
+               for i in range(5)]  # fmt: skip
+    assert [delta("specdec:spec_decode_num_accepted_tokens_per_pos_total", position=str(i)) for i in range(5)] == per_pos
+    assert delta("specdec:request_success_total", finished_reason="length") == 3
+    assert delta("specdec:generation_tokens_total") == 10 + 17 + 25
+    assert delta("specdec:time_to_first_token_seconds_count") == 3
+    assert delta("specdec:e2e_request_latency_seconds_count") == 3
+    assert after[("specdec:num_requests_running", ())] == 0
+    # Mean acceptance length as vLLM defines it, from the counters and from the SDK.
+    single = results[-1].stats
+    assert single.mean_accepted_length == pytest.approx(1 + single.accepted_tokens / single.draft_cycles)
+    assert 1 + accepted / drafts == pytest.approx(
+        1 + sum(r.stats.accepted_tokens for r in results) / sum(r.stats.draft_cycles for r in results)
+    )
+    # The model services: a forward-latency histogram per step, sessions released afterwards.
+    draft, target = scrape(ports["draft"]), scrape(ports["target"])
+    assert draft[("specdec:forward_latency_seconds_count", (("service", "draft"),))] >= sum(
+        r.stats.draft_tokens for r in results
+    )
+    assert target[("specdec:forward_latency_seconds_count", (("service", "target"),))] >= sum(
+        r.stats.cycles for r in results
+    )
+    assert target[("specdec:sessions_held", (("service", "target"),))] == 0
+    assert ("specdec:cache_evictions_total", (("service", "draft"),)) in draft
+
+
+def test_a_failed_request_is_counted_by_its_status(traced_stack):
+    port = traced_stack.metrics_ports["coordinator"]
+    before = scrape(port).get(("specdec:request_failure_total", (("status", "INVALID_ARGUMENT"),)), 0)
+    with specdec.Client(traced_stack.address) as client:
+        with pytest.raises(specdec.SpecdecClientError):
+            client.generate("hello", temperature=-1.0)
+    # Validation fails before a request starts running: it is not a failure of a running request.
+    after = scrape(port).get(("specdec:request_failure_total", (("status", "INVALID_ARGUMENT"),)), 0)
+    assert after == before
+
+
+DISABLED_CHECK = """
+import os, sys
+from specdec import telemetry
+called = []
+telemetry.make_exporters = lambda: called.append(1) or []
+provider = telemetry.setup_tracing("x")
+from opentelemetry import trace
+print(provider is None, type(trace.get_tracer_provider()).__name__, called == [])
+"""
+
+
+@pytest.mark.parametrize(
+    "env",
+    [
+        {},
+        {"OTEL_SDK_DISABLED": "true", "OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:9"},
+        {"OTEL_TRACES_EXPORTER": "none", "OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:9"},
+    ],
+)
+def test_with_tracing_disabled_no_exporter_or_provider_is_created(env):
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
+    out = subprocess.run([sys.executable, "-c", DISABLED_CHECK], capture_output=True, text=True,
+                         env={**clean, **env}, timeout=60)  # fmt: skip
+    assert out.stdout.split() == ["True", "ProxyTracerProvider", "True"], out.stderr
+
+
+def test_tracing_is_on_when_an_endpoint_is_given():
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
+    out = subprocess.run([sys.executable, "-c", DISABLED_CHECK], capture_output=True, text=True,
+                         env={**clean, "OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:9"}, timeout=60)  # fmt: skip
+    assert out.stdout.split() == ["False", "TracerProvider", "False"], out.stderr
