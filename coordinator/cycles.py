@@ -169,6 +169,7 @@ class CycleLoop:
             draft_ms=(drafted_at - start) * 1000,
             verify_ms=(verified_at - drafted_at) * 1000,
             k=k,
+            draft_bytes=sum(d.ByteSize() for d in drafts),
         )
         self.cycle += 1
         generated = len(self.committed) - len(self.plan.prompt)

@@ -82,6 +82,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_generate_flags(trace)
 
+    from specdec.bench import add_bench_parser
+
+    add_bench_parser(commands)
+
     models = commands.add_parser("models", help="the built-in model catalog", description="The built-in model catalog.")
     model_commands = models.add_subparsers(dest="models_command", metavar="ACTION", required=True)
     model_commands.add_parser("list", help="list catalog models and whether they are cached")
@@ -351,12 +355,21 @@ def run_models(args) -> int:
     return 0
 
 
+def run_bench(args) -> int:
+    from specdec.bench import run_bench as bench
+
+    return bench(args)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.verbose:
         logging.basicConfig(level=logging.INFO)
-    handlers = {"up": run_up, "serve": run_serve, "generate": run_generate, "trace": run_trace, "models": run_models}
+    handlers = {
+        "up": run_up, "serve": run_serve, "generate": run_generate, "trace": run_trace, "models": run_models,
+        "bench": run_bench,
+    }  # fmt: skip
     return handlers[args.command](args)
 
 

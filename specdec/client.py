@@ -118,6 +118,8 @@ class CycleTrace:
     bonus: bool
     draft_ms: float
     verify_ms: float
+    # Serialized size of the cycle's drafts and their q on the wire.
+    draft_bytes: int = 0
 
 
 @dataclass
@@ -136,7 +138,7 @@ class Chunk:
         cycle = None
         if msg.HasField("cycle"):
             c = msg.cycle
-            cycle = CycleTrace(c.index, c.k, c.drafted, c.accepted, c.bonus, c.draft_ms, c.verify_ms)
+            cycle = CycleTrace(c.index, c.k, c.drafted, c.accepted, c.bonus, c.draft_ms, c.verify_ms, c.draft_bytes)
         return cls(
             text=msg.text,
             token_ids=list(msg.token_ids),

@@ -1,0 +1,347 @@
+"""`specdec bench`: specdec side by side with `transformers` on the same prompts and models.
+
+In one invocation, on one machine, for the same prompt token ids:
+    target_only   the target alone, `model.generate` (greedy or sampled)
+    hf_assisted   transformers' in-process speculative decoding on the same pair
+                  (`assistant_model=` for a model draft, `prompt_lookup_num_tokens=` for ngram)
+    specdec       the three services as separate processes on loopback, through the SDK
+
+Terms (the seed's performance model, design.md §3):
+    α          acceptance rate: accepted draft tokens / drafted tokens (measured by specdec)
+    c_q        ms per draft token (one draft step with a KV cache; ~0 for ngram)
+    c_p        ms per single-token target step with a KV cache
+    c_verify   ms per target pass over K+1 tokens with a KV cache
+    E[tokens]  (1 − α^(K+1)) / (1 − α) tokens per cycle
+    sequential analytic tokens/s = E[tokens] / (K·c_q + c_verify)
+    pipelined  analytic tokens/s = E[tokens] / max(K·c_q, c_verify)
+    efficiency = measured specdec tokens/s / sequential analytic tokens/s
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+from importlib import resources
+
+DEFAULT_PROMPTS = "bench_prompts.jsonl"
+NGRAM = "ngram"
+
+
+@dataclass
+class Run:
+    """One system's outputs and timings over all prompts."""
+
+    outputs: list[list[int]] = field(default_factory=list)
+    seconds: float = 0.0
+    tokens: int = 0
+    token_ms: list[float] = field(default_factory=list)  # per-token latencies (specdec only)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.seconds if self.seconds else 0.0
+
+
+def add_bench_parser(commands) -> None:
+    p = commands.add_parser(
+        "bench",
+        help="benchmark specdec against transformers on the same model pair",
+        description=__doc__.split("\n\n")[1] if __doc__ else None,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--target", default="smollm2-135m-instruct", help="target model (default: %(default)s)")
+    p.add_argument("--draft", default=NGRAM, help="draft model or `ngram` (default: %(default)s)")
+    p.add_argument("--k", type=int, default=4, help="tokens drafted per cycle (default: %(default)s)")
+    p.add_argument("--prompts", default=None, help='JSONL file, one {"prompt": ...} per line (default: the shipped set)')
+    p.add_argument("--max-new-tokens", type=int, default=64, help="tokens per prompt (default: %(default)s)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default: %(default)s)")
+    p.add_argument("--repeats", type=int, default=1, help="passes over the prompt set (default: %(default)s)")
+    p.add_argument("--threads", type=int, default=0,
+                   help="torch threads of the in-process baselines (0 = torch's default, all cores)")  # fmt: skip
+    p.add_argument("--no-chat-template", action="store_true", help="use prompts as raw text")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+
+
+def load_prompts(path: str | None) -> list[str]:
+    if path is None:
+        text = resources.files("specdec.data").joinpath(DEFAULT_PROMPTS).read_text()
+    else:
+        with open(path) as f:
+            text = f.read()
+    prompts = []
+    for number, line in enumerate(text.splitlines(), 1):
+        if line.strip():
+            item = json.loads(line)
+            if not isinstance(item, dict) or not isinstance(item.get("prompt"), str):
+                raise SystemExit(f"{path or DEFAULT_PROMPTS}:{number}: expected an object with a string 'prompt'")
+            prompts.append(item["prompt"])
+    if not prompts:
+        raise SystemExit("no prompts")
+    return prompts
+
+
+def encode(tokenizer, prompt: str, chat: bool) -> list[int]:
+    if chat and getattr(tokenizer, "chat_template", None):
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True)
+        return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+    return tokenizer.encode(prompt)
+
+
+def progress(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+# ---------------------------------------------------------------- in-process baselines
+
+
+def hf_generate(model, ids: list[int], args, **extra) -> list[int]:
+    import torch
+
+    sampled = args.temperature > 0
+    out = model.generate(
+        torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+        do_sample=sampled, temperature=args.temperature if sampled else None, top_k=None, top_p=None,
+        max_new_tokens=args.max_new_tokens, **extra,
+    )  # fmt: skip
+    return out[0, len(ids) :].tolist()
+
+
+def run_hf(model, prompts_ids, args, **extra) -> Run:
+    run = Run()
+    hf_generate(model, prompts_ids[0][:8], args, **extra)  # warm-up
+    for _ in range(args.repeats):
+        for ids in prompts_ids:
+            start = time.perf_counter()
+            out = hf_generate(model, ids, args, **extra)
+            run.seconds += time.perf_counter() - start
+            run.tokens += len(out)
+            run.outputs.append(out)
+    return run
+
+
+def assisted_kwargs(args, draft_model, target_tokenizer) -> dict:
+    if draft_model is None:
+        return {"prompt_lookup_num_tokens": args.k}
+    return {
+        "assistant_model": draft_model,
+        "num_assistant_tokens": args.k,
+        "num_assistant_tokens_schedule": "constant",
+        "assistant_confidence_threshold": 0.0,
+    }
+
+
+# ---------------------------------------------------------------- costs
+
+
+def step_ms(model, context: list[int], tokens: int, repeats: int = 5) -> float:
+    """ms for one forward of `tokens` new tokens after a cached `context` (median of repeats)."""
+    import torch
+    from transformers import DynamicCache
+
+    from specdec.kvcache import crop_cache
+
+    with torch.inference_mode():
+        cache = DynamicCache(config=model.config)
+        model(input_ids=torch.tensor([context]), cache=cache, use_cache=True)
+        new = torch.tensor([context[-tokens:]])
+        times = []
+        for _ in range(repeats + 1):
+            crop_cache(cache, len(context))
+            start = time.perf_counter()
+            model(input_ids=new, cache=cache, use_cache=True)
+            times.append((time.perf_counter() - start) * 1000)
+    return statistics.median(times[1:])
+
+
+def ngram_ms(context: list[int], k: int) -> float:
+    from draft_service.drafters import find_continuation
+
+    start = time.perf_counter()
+    for _ in range(100):
+        find_continuation(context, k, 3, 1)
+    return (time.perf_counter() - start) * 1000 / 100 / max(k, 1)
+
+
+# ---------------------------------------------------------------- specdec
+
+
+def run_specdec(args, prompts_ids, prompts_text) -> tuple[Run, dict]:
+    import specdec
+    from specdec.launcher import Stack, StackConfig
+    from specdec.redis_server import free_port
+
+    run = Run()
+    totals = {"drafted": 0, "accepted": 0, "draft_cycles": 0, "cycles": 0, "draft_bytes": 0}
+    with Stack(StackConfig(port=free_port(), target=args.target, draft=args.draft), quiet=True) as stack:
+        with specdec.Client(stack.address) as client:
+            options = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, num_speculative_tokens=args.k)
+            client.generate(prompt_token_ids=prompts_ids[0][:8], **{**options, "max_new_tokens": 8})  # warm-up
+            seed = 0
+            for _ in range(args.repeats):
+                for ids in prompts_ids:
+                    seed += 1
+                    out, last = [], time.perf_counter()
+                    start = last
+                    for chunk in client.generate_stream(prompt_token_ids=ids, seed=seed, **options):
+                        now = time.perf_counter()
+                        if chunk.token_ids:
+                            run.token_ms += [(now - last) * 1000 / len(chunk.token_ids)] * len(chunk.token_ids)
+                        last = now
+                        out += chunk.token_ids
+                        if chunk.cycle is not None:
+                            totals["draft_bytes"] += chunk.cycle.draft_bytes
+                        stats = chunk.stats
+                    run.seconds += time.perf_counter() - start
+                    run.tokens += len(out)
+                    run.outputs.append(out)
+                    totals["drafted"] += stats.draft_tokens
+                    totals["accepted"] += stats.accepted_tokens
+                    totals["draft_cycles"] += stats.draft_cycles
+                    totals["cycles"] += stats.cycles
+    return run, totals
+
+
+# ---------------------------------------------------------------- the command
+
+
+def run_bench(args) -> int:
+    import torch
+
+    from specdec.models import load_model
+    from specdec.sampling import expected_tokens_per_cycle
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    prompts = load_prompts(args.prompts)
+    progress(f"loading target {args.target}" + ("" if args.draft == NGRAM else f" and draft {args.draft}"))
+    target = load_model(args.target)
+    draft = None if args.draft == NGRAM else load_model(args.draft)
+    prompts_ids = [encode(target.tokenizer, p, not args.no_chat_template) for p in prompts]
+
+    progress(f"target alone: {len(prompts)} prompts x {args.repeats}")
+    target_only = run_hf(target.model, prompts_ids, args)
+    progress(f"transformers assisted ({'prompt lookup' if draft is None else 'assistant model'}, K={args.k})")
+    hf_assisted = run_hf(
+        target.model, prompts_ids, args, **assisted_kwargs(args, draft and draft.model, target.tokenizer)
+    )
+
+    # Costs, with the thread counts the services use (launcher.default_threads).
+    from specdec.launcher import default_threads
+
+    target_threads, draft_threads = default_threads()
+    context = prompts_ids[0] + target_only.outputs[0]
+    threads_before = torch.get_num_threads()
+    torch.set_num_threads(target_threads)
+    c_p = step_ms(target.model, context, 1)
+    c_verify = step_ms(target.model, context, args.k + 1)
+    torch.set_num_threads(draft_threads)
+    c_q = ngram_ms(context, args.k) if draft is None else step_ms(draft.model, context, 1)
+    torch.set_num_threads(threads_before)
+    del target, draft  # free the in-process models before the services load theirs
+
+    progress("specdec: draft, target and coordinator as separate processes on loopback")
+    spec, totals = run_specdec(args, prompts_ids, prompts)
+
+    alpha = totals["accepted"] / totals["drafted"] if totals["drafted"] else 0.0
+    expected = expected_tokens_per_cycle(alpha, args.k)
+    sequential = expected / (args.k * c_q + c_verify) * 1000
+    pipelined = expected / max(args.k * c_q, c_verify) * 1000
+    vocab = load_vocab_size(args.target)
+    greedy = args.temperature == 0
+    agree = [a == b == c for a, b, c in zip(target_only.outputs, hf_assisted.outputs, spec.outputs)]
+    report = {
+        "target": args.target,
+        "draft": args.draft,
+        "k": args.k,
+        "prompts": len(prompts),
+        "new_tokens": spec.tokens,
+        "temperature": args.temperature,
+        "runs": {
+            "target_only": {"tokens_per_s": target_only.tokens_per_s, "new_tokens": target_only.tokens},
+            "hf_assisted": {"tokens_per_s": hf_assisted.tokens_per_s, "new_tokens": hf_assisted.tokens},
+            "specdec": {
+                "tokens_per_s": spec.tokens_per_s,
+                "p50_token_ms": percentile(spec.token_ms, 50),
+                "p99_token_ms": percentile(spec.token_ms, 99),
+            },
+        },
+        "alpha": alpha,
+        "mean_accepted_length": 1 + totals["accepted"] / totals["draft_cycles"] if totals["draft_cycles"] else 1.0,
+        "c_q_ms": c_q,
+        "c_p_ms": c_p,
+        "c_verify_ms": c_verify,
+        "analytic_tokens_per_s": {"sequential": sequential, "pipelined": pipelined},
+        "efficiency": spec.tokens_per_s / sequential if sequential else 0.0,
+        "speedup_vs_target_only": spec.tokens_per_s / target_only.tokens_per_s,
+        "speedup_vs_hf_assisted": spec.tokens_per_s / hf_assisted.tokens_per_s,
+        "bytes_per_cycle": totals["draft_bytes"] / totals["cycles"] if totals["cycles"] else 0.0,
+        "dense_bytes_per_cycle": args.k * vocab * 4,
+        "greedy_outputs_agree": (sum(agree), len(agree)) if greedy else None,
+        "baseline_threads": args.threads or threads_before,
+        "service_threads": {"target": target_threads, "draft": draft_threads},
+    }
+    if args.json:
+        print(json.dumps(report))
+    else:
+        print(format_report(report))
+    return 0
+
+
+def load_vocab_size(name: str) -> int:
+    from transformers import AutoConfig
+
+    from specdec.models import _resolve
+
+    path, gguf = _resolve(name)
+    return AutoConfig.from_pretrained(str(path), local_files_only=True).vocab_size if gguf is None else 0
+
+
+def percentile(values: list[float], q: float) -> float:
+    if not values:
+        return 0.0
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))]
+
+
+def format_report(r: dict) -> str:
+    runs = r["runs"]
+    lines = [
+        f"target {r['target']}, draft {r['draft']}, K={r['k']}, {r['prompts']} prompts, "
+        f"{r['new_tokens']} new tokens, temperature {r['temperature']}",
+        "",
+        f"{'run':<14}{'tokens/s':>10}{'vs target':>11}",
+    ]
+    base = runs["target_only"]["tokens_per_s"]
+    for name in ("target_only", "hf_assisted", "specdec"):
+        tps = runs[name]["tokens_per_s"]
+        lines.append(f"{name:<14}{tps:>10.2f}{tps / base:>10.2f}x")
+    lines += [
+        "",
+        f"specdec per-token latency: p50 {runs['specdec']['p50_token_ms']:.1f} ms, p99 {runs['specdec']['p99_token_ms']:.1f} ms",
+        f"alpha {r['alpha']:.3f}, mean accepted length {r['mean_accepted_length']:.2f}",
+        f"c_q {r['c_q_ms']:.2f} ms, c_p {r['c_p_ms']:.2f} ms, c_verify(K+1) {r['c_verify_ms']:.2f} ms",
+        f"analytic tokens/s: sequential {r['analytic_tokens_per_s']['sequential']:.2f}, "
+        f"pipelined {r['analytic_tokens_per_s']['pipelined']:.2f}; efficiency {r['efficiency']:.3f}",
+        f"speedup vs target only {r['speedup_vs_target_only']:.2f}x, vs transformers assisted {r['speedup_vs_hf_assisted']:.2f}x",
+        f"q on the wire: {r['bytes_per_cycle']:.0f} bytes/cycle (dense would be {r['dense_bytes_per_cycle']})",
+    ]
+    if r["greedy_outputs_agree"] is not None:
+        same, total = r["greedy_outputs_agree"]
+        lines.append(f"greedy outputs agree across the three runs: {'yes' if same == total else 'NO'} ({same}/{total} prompts)")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="specdec")
+    commands = parser.add_subparsers(dest="command", required=True)
+    add_bench_parser(commands)
+    return run_bench(parser.parse_args(["bench", *(sys.argv[1:] if argv is None else argv)]))
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    sys.exit(main())

@@ -1,0 +1,40 @@
+"""`specdec bench` runs the three systems on the same prompts and reports the seed's figures.
+(A smoke test of the command with tiny models; the ratios themselves are not asserted.)"""
+
+import json
+import subprocess
+import sys
+
+REQUIRED = {
+    "target", "draft", "k", "prompts", "new_tokens", "runs", "alpha", "mean_accepted_length", "c_q_ms", "c_p_ms",
+    "c_verify_ms", "analytic_tokens_per_s", "efficiency", "speedup_vs_target_only", "speedup_vs_hf_assisted",
+    "bytes_per_cycle", "dense_bytes_per_cycle",
+}  # fmt: skip
+
+
+def test_bench_json_has_every_figure_and_greedy_outputs_agree(tiny_models, tmp_path):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt": "hello world, hello world"}\n{"prompt": "the cat sat on the mat"}\n')
+    out = subprocess.run(
+        [sys.executable, "-m", "specdec.cli", "bench", "--target", tiny_models.target, "--draft", tiny_models.draft,
+         "--prompts", str(prompts), "--max-new-tokens", "16", "--k", "3", "--json"],
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    report = json.loads(out.stdout)
+    assert REQUIRED <= set(report)
+    assert set(report["runs"]) == {"target_only", "hf_assisted", "specdec"}
+    assert report["runs"]["specdec"]["tokens_per_s"] > 0 and report["runs"]["specdec"]["p99_token_ms"] > 0
+    assert report["greedy_outputs_agree"] == [2, 2]
+    assert 0.0 <= report["alpha"] <= 1.0 and report["dense_bytes_per_cycle"] == 3 * 39 * 4
+    expected = (1 - report["alpha"] ** 4) / (1 - report["alpha"])
+    sequential = expected / (3 * report["c_q_ms"] + report["c_verify_ms"]) * 1000
+    assert abs(report["analytic_tokens_per_s"]["sequential"] - sequential) < 1e-6 * sequential
+
+
+def test_bench_refuses_a_malformed_prompt_file(tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "no prompt key"}\n')
+    out = subprocess.run([sys.executable, "-m", "specdec.cli", "bench", "--prompts", str(bad)],
+                         capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert out.returncode != 0 and "expected an object with a string 'prompt'" in out.stderr
