@@ -5,10 +5,21 @@ Terms:
     seen        per model service, how many committed tokens it holds in its cache
                 (the `position` we send); the rest go as `new_tokens`.
     cycle       one draft → verify → commit round; also the fencing number of the commit.
+    guess       with pipelining, the draft's (K+1)-th token: its bet on the target's
+                bonus token, should all K drafts be accepted.
 
 One cycle: stream up to K drafts from the draft service (stopping early at an end
 token), relay them unchanged to the target's Verify, commit drafts[:n] + [next]
 to Redis fenced by the cycle number, and report what was committed.
+
+Pipelining: the draft is asked for K+1 tokens. Verification starts as soon as K
+have arrived; meanwhile the draft produces the guess and, as soon as it arrives,
+a speculative Propose for the next cycle starts from prefix + drafts + guess. If
+the verdict accepts all K and its next token equals the guess, the next cycle's
+drafts are already (being) drafted; otherwise the speculative call is cancelled
+and the next cycle drafts from the corrected prefix. Which drafts the target sees
+never depends on the timing, only on the committed prefix and the per-cycle random
+streams, so the output is the same with pipelining on or off.
 """
 
 from __future__ import annotations
@@ -21,8 +32,8 @@ from dataclasses import dataclass, field
 
 import grpc
 from opentelemetry import context as otel_context
-from opentelemetry import trace
 
+from coordinator.adaptive import AdaptiveK
 from specdec import telemetry
 from specdec.session import SessionStore
 from specdec.v1 import specdec_pb2 as pb
@@ -32,6 +43,8 @@ log = logging.getLogger("specdec.coordinator")
 
 # Target calls that fail with these codes are retried (restart, rollout, overload).
 RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED}
+# Draft calls that fail with these codes make the cycle run target-only.
+DRAFT_FAULTS = RETRYABLE | {grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.OUT_OF_RANGE}
 TARGET_RETRY_BACKOFF_S = (0.05, 0.2, 0.5, 1.0, 2.0, 2.0, 4.0, 4.0, 8.0, 8.0)
 # After a failed draft call, cycles run without drafting for this many cycles (doubling).
 DRAFT_BACKOFF_CYCLES = (1, 2, 4, 8, 16, 32)
@@ -50,6 +63,10 @@ class Plan:
     max_context: int
     draft_model: str
     draft_fingerprint: str
+    # Draft the next cycle while the target verifies this one.
+    pipeline: bool = True
+    # Choose K per cycle (coordinator.adaptive); `k` is then the largest K allowed.
+    adaptive: bool = False
 
 
 @dataclass
@@ -83,6 +100,68 @@ class Stats:
             self.accepted_per_position[i] += 1
 
 
+class DraftCall:
+    """One Propose call, streaming its DraftTokens into `tokens` in the background.
+
+    It stops reading after an end-of-sequence token (nothing after it can be kept)."""
+
+    def __init__(self, stub, request: pb.ProposeRequest, timeout: float | None, eos_token_ids: frozenset[int]):
+        self.request = request
+        self.tokens: list[pb.DraftToken] = []
+        self.error: grpc.aio.AioRpcError | None = None
+        self.finished = False
+        self.eos_token_ids = eos_token_ids
+        self.changed = asyncio.Event()
+        self.call = stub.Propose(request, timeout=timeout)
+        self.task = asyncio.get_running_loop().create_task(self.pump())
+
+    async def pump(self) -> None:
+        try:
+            async for token in self.call:
+                self.tokens.append(token)
+                self.changed.set()
+                if token.token_id in self.eos_token_ids:
+                    self.call.cancel()
+                    break
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() != grpc.StatusCode.CANCELLED:
+                self.error = exc
+        finally:
+            self.finished = True
+            self.changed.set()
+
+    async def first(self, n: int) -> list[pb.DraftToken]:
+        """The first n tokens, or fewer if the stream ended sooner; raises the call's error."""
+        while len(self.tokens) < n and not self.finished:
+            self.changed.clear()
+            await self.changed.wait()
+        if self.error is not None and len(self.tokens) < n:
+            raise self.error
+        return self.tokens[:n]
+
+    def cancel(self) -> None:
+        self.call.cancel()
+        self.task.cancel()
+
+
+def discard(guess: asyncio.Task) -> None:
+    """Stop a `speculate` task, and the Propose call it may already have started."""
+    if guess.done() and not guess.cancelled() and guess.exception() is None and guess.result() is not None:
+        guess.result().call.cancel()
+    guess.cancel()
+
+
+@dataclass
+class Speculation:
+    """A Propose already running for the cycle after the current one."""
+
+    call: DraftCall
+    # The committed tokens it assumed: prefix + all drafts of the current cycle + the guess.
+    assumed: list[int]
+    # The K it drafts for.
+    k: int
+
+
 class CycleLoop:
     def __init__(
         self,
@@ -105,41 +184,70 @@ class CycleLoop:
         self.stats = Stats()
         self.draft_failures = 0
         self.draft_paused_until = 0  # cycle index from which drafting resumes
+        self.speculation: Speculation | None = None
+        self.adaptive = AdaptiveK(plan.k) if plan.adaptive and plan.k > 0 else None
         # Parent of the cycle spans: the request's specdec.generate span.
         self.trace_context = trace_context
         self.tracer = telemetry.tracer()
 
     async def run(self) -> AsyncIterator[Outcome]:
-        plan = self.plan
-        while True:
-            generated = len(self.committed) - len(plan.prompt)
-            remaining = plan.max_new_tokens - generated
-            room = plan.max_context - len(self.committed) if plan.max_context else remaining
-            if remaining <= 0 or room <= 0:
-                return
-            # Never draft past max_new_tokens or the context: a cycle emits up to k + 1 tokens.
-            k = max(0, min(plan.k, remaining - 1, room - 1))
-            outcome = await self.run_cycle(k, remaining)
-            yield outcome
-            if outcome.eos or outcome.length_reached:
-                return
+        try:
+            while True:
+                limit = self.limit(len(self.committed))
+                if limit is None:
+                    return
+                outcome = await self.run_cycle(limit)
+                yield outcome
+                if outcome.eos or outcome.length_reached:
+                    return
+        finally:
+            self.drop_speculation()
 
-    async def run_cycle(self, k: int, remaining: int) -> Outcome:
-        attributes = {"specdec.cycle": self.cycle, "specdec.k": k}
+    def limit(self, committed_length: int) -> int | None:
+        """The largest K a cycle starting at `committed_length` may draft (a cycle emits up
+        to K + 1 tokens: never past max_new_tokens or the context), or None when done."""
+        plan = self.plan
+        remaining = plan.max_new_tokens - (committed_length - len(plan.prompt))
+        room = plan.max_context - committed_length if plan.max_context else remaining
+        if remaining <= 0 or room <= 0:
+            return None
+        return max(0, min(plan.k, remaining - 1, room - 1))
+
+    def choose_k(self, limit: int) -> int:
+        return self.adaptive.choose(limit) if self.adaptive is not None else limit
+
+    async def run_cycle(self, limit: int) -> Outcome:
         with self.tracer.start_as_current_span(
-            telemetry.CYCLE_SPAN, context=self.trace_context, attributes=attributes
+            telemetry.CYCLE_SPAN, context=self.trace_context, attributes={"specdec.cycle": self.cycle}
         ) as span:
-            outcome = await self.run_traced_cycle(k, remaining)
+            outcome = await self.run_traced_cycle(limit)
+            span.set_attribute("specdec.k", outcome.info.k)
             span.set_attribute("specdec.accepted", outcome.info.accepted)
             span.set_attribute("specdec.bonus", outcome.info.bonus)
             span.set_attribute("specdec.drafted", outcome.info.drafted)
+            span.set_attribute("specdec.pipelined", outcome.info.pipelined)
             return outcome
 
-    async def run_traced_cycle(self, k: int, remaining: int) -> Outcome:
+    async def run_traced_cycle(self, limit: int) -> Outcome:
         start = time.perf_counter()
-        drafts = await self.propose(k) if k > 0 else []
+        call, k, pipelined = self.draft_call(limit)
+        drafts = await self.take_drafts(call, k) if call is not None else []
         drafted_at = time.perf_counter()
-        verdict = await self.verify(drafts)
+
+        guess = None
+        if call is not None and self.plan.pipeline and len(drafts) == k:
+            # Runs while the target verifies: wait for the guess, start the next cycle's drafting.
+            guess = asyncio.get_running_loop().create_task(self.speculate(call, drafts))
+        try:
+            verdict = await self.verify(drafts)
+        except BaseException:
+            if guess is not None:
+                discard(guess)
+            raise
+        if guess is not None:
+            await self.settle_speculation(guess, verdict, len(drafts))
+        if call is not None:
+            call.cancel()  # a guess nobody needs any more must not hold the draft's session
         verified_at = time.perf_counter()
 
         n = verdict.num_accepted
@@ -149,6 +257,7 @@ class CycleLoop:
             if token in self.plan.eos_token_ids:
                 new, eos = new[: i + 1], True
                 break
+        remaining = self.plan.max_new_tokens - (len(self.committed) - len(self.plan.prompt))
         new = new[:remaining]
 
         increments = {"cycles": 1, "draft_tokens": len(drafts), "accepted_tokens": n}
@@ -157,10 +266,17 @@ class CycleLoop:
 
         before = len(self.committed)
         self.committed.extend(new)
-        # The target holds everything up to the accepted prefix; the draft fed all but its last draft.
+        # The target holds everything up to the accepted prefix. The draft fed every token
+        # it streamed but its last; of those, the accepted ones are still valid.
         self.target_seen = before + n
-        self.draft_seen = before + min(n, len(drafts) - 1) if drafts else self.draft_seen
+        if call is not None:
+            fed = max(0, len(call.tokens) - 1)
+            self.draft_seen = before + min(n, fed)
+        if self.speculation is not None and self.speculation.assumed != self.committed:
+            self.drop_speculation()  # e.g. an end token cut the cycle short
         self.stats.add(len(drafts), n, len(new))
+        if self.adaptive is not None:
+            self.adaptive.observe(len(drafts), n, (drafted_at - start) * 1000, (verified_at - drafted_at) * 1000)
         info = pb.CycleInfo(
             index=self.cycle,
             drafted=len(drafts),
@@ -170,6 +286,7 @@ class CycleLoop:
             verify_ms=(verified_at - drafted_at) * 1000,
             k=k,
             draft_bytes=sum(d.ByteSize() for d in drafts),
+            pipelined=pipelined,
         )
         self.cycle += 1
         generated = len(self.committed) - len(self.plan.prompt)
@@ -178,39 +295,99 @@ class CycleLoop:
     def timeout(self) -> float | None:
         return None if self.deadline is None else max(0.001, self.deadline - time.monotonic())
 
-    async def propose(self, k: int) -> list[pb.DraftToken]:
-        """Stream up to k drafts; on a draft fault, fall back to no drafts this cycle."""
-        if self.cycle < self.draft_paused_until:
-            return []
+    # ------------------------------------------------------------ drafting
+
+    def draft_call(self, limit: int) -> tuple[DraftCall | None, int, bool]:
+        """(Propose call, K, pipelined) for this cycle: the speculative call if it assumed
+        exactly what was committed, else a new one; no call when K is 0 or the draft is in
+        back-off."""
+        speculation, self.speculation = self.speculation, None
+        if speculation is not None:
+            if speculation.assumed == self.committed and speculation.k <= limit:
+                return speculation.call, speculation.k, True
+            speculation.call.cancel()
+        k = self.choose_k(limit)
+        if k == 0 or self.cycle < self.draft_paused_until:
+            return None, k, False
+        # With pipelining, one token more than K: the guess of the bonus token.
+        want = k + 1 if self.plan.pipeline else k
+        return self.start_propose(self.draft_seen, self.committed[self.draft_seen :], want, self.cycle), k, False
+
+    def start_propose(self, position: int, new_tokens: Sequence[int], k: int, cycle: int) -> DraftCall:
         request = pb.ProposeRequest(
             session_id=self.plan.session_id,
-            position=self.draft_seen,
-            new_tokens=self.committed[self.draft_seen :],
+            position=position,
+            new_tokens=new_tokens,
             k=k,
             sampling=sampling_to_pb(self.plan.sampling),
-            cycle=self.cycle,
+            cycle=cycle,
         )
-        drafts: list[pb.DraftToken] = []
+        return DraftCall(self.draft, request, self.timeout(), self.plan.eos_token_ids)
+
+    async def take_drafts(self, call: DraftCall, k: int) -> list[pb.DraftToken]:
+        """The first k drafts of `call`; on a draft fault, none (the cycle runs target-only)."""
         try:
             with self.tracer.start_as_current_span(telemetry.PROPOSE_SPAN, attributes={"specdec.k": k}) as span:
-                call = self.draft.Propose(request, timeout=self.timeout())
-                async for token in call:
-                    drafts.append(token)
+                drafts = await call.first(k)
+                for token in drafts:
                     span.add_event("draft_token", {"index": token.index, "token_id": token.token_id})
-                    if token.token_id in self.plan.eos_token_ids:
-                        call.cancel()  # nothing after an end token can be kept
-                        break
                 span.set_attribute("specdec.drafted", len(drafts))
         except grpc.aio.AioRpcError as exc:
-            if exc.code() not in RETRYABLE | {grpc.StatusCode.DEADLINE_EXCEEDED}:
+            if exc.code() not in DRAFT_FAULTS:
                 raise
-            backoff = DRAFT_BACKOFF_CYCLES[min(self.draft_failures, len(DRAFT_BACKOFF_CYCLES) - 1)]
-            self.draft_failures += 1
-            self.draft_paused_until = self.cycle + backoff
-            log.warning("draft unavailable (%s); target-only for %d cycle(s)", exc.code().name, backoff)
+            call.cancel()
+            self.pause_drafting(exc.code())
             return []
         self.draft_failures = 0
+        # Nothing after an end token can be kept.
+        for i, token in enumerate(drafts):
+            if token.token_id in self.plan.eos_token_ids:
+                return drafts[: i + 1]
         return drafts
+
+    def pause_drafting(self, code: grpc.StatusCode) -> None:
+        backoff = DRAFT_BACKOFF_CYCLES[min(self.draft_failures, len(DRAFT_BACKOFF_CYCLES) - 1)]
+        self.draft_failures += 1
+        self.draft_paused_until = self.cycle + backoff
+        log.warning("draft unavailable (%s); target-only for %d cycle(s)", code.name, backoff)
+
+    async def speculate(self, call: DraftCall, drafts: list[pb.DraftToken]) -> Speculation | None:
+        """Wait for the guess, then start drafting the next cycle as if all drafts and the
+        guess were committed. Runs while the target verifies."""
+        try:
+            tokens = await call.first(len(drafts) + 1)
+        except grpc.aio.AioRpcError:
+            return None
+        if len(tokens) <= len(drafts):
+            return None  # the draft stopped early: nothing to guess with
+        guess = tokens[len(drafts)].token_id
+        assumed = self.committed + [d.token_id for d in drafts] + [guess]
+        limit = self.limit(len(assumed))
+        k = self.choose_k(limit) if limit else 0
+        if not k:
+            return None
+        position = len(self.committed) + len(drafts)  # the draft fed every draft before the guess
+        return Speculation(self.start_propose(position, [guess], k + 1, self.cycle + 1), assumed, k)
+
+    async def settle_speculation(self, guess: asyncio.Task, verdict: pb.VerifyResponse, k: int) -> None:
+        """Keep the speculative call if the verdict took every draft and the guess; else cancel."""
+        if verdict.num_accepted < k:
+            discard(guess)
+            return
+        speculation = await guess
+        if speculation is None:
+            return
+        if verdict.next_token != speculation.assumed[-1]:
+            speculation.call.cancel()
+            return
+        self.speculation = speculation
+
+    def drop_speculation(self) -> None:
+        if self.speculation is not None:
+            self.speculation.call.cancel()
+            self.speculation = None
+
+    # ------------------------------------------------------------ verifying
 
     async def verify(self, drafts: Sequence[pb.DraftToken]) -> pb.VerifyResponse:
         """Verify on the target, retrying a retryable failure (the request is idempotent:

@@ -51,6 +51,10 @@ class CoordinatorConfig:
     startup_timeout_s: float = STARTUP_TIMEOUT_S
     # Port of the Prometheus /metrics endpoint; 0 = off.
     metrics_port: int = 0
+    # Draft the next cycle while the target verifies (requests may override).
+    pipeline: bool = True
+    # Requests that set no K get an adaptive K (up to max_k) instead of default_k.
+    adaptive_k: bool = False
 
 
 class CoordinatorServicer(pb_grpc.CoordinatorServicer):
@@ -185,13 +189,20 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         if sampling.seed is None:
             sampling = Sampling(sampling.temperature, sampling.top_k, sampling.top_p, secrets.randbits(63))
         spec = request.speculation
-        k = spec.num_speculative_tokens if spec.HasField("num_speculative_tokens") else min(cfg.default_k, self.max_k())
+        adaptive = spec.adaptive or (cfg.adaptive_k and not spec.HasField("num_speculative_tokens"))
+        if spec.HasField("num_speculative_tokens"):
+            k = spec.num_speculative_tokens
+        else:
+            k = self.max_k() if adaptive else min(cfg.default_k, self.max_k())
         if not spec.disabled and not 1 <= k <= self.max_k():
             raise InvalidArgument(f"num_speculative_tokens (K) must be between 1 and {self.max_k()}, got {k}")
         if any(not s for s in request.stop):
             raise InvalidArgument("stop strings must not be empty")
         session_id = check_session_id(request.session_id) if request.session_id else new_session_id()
         eos = frozenset() if request.ignore_eos else frozenset(self.target_info.eos_token_ids)
+        pipeline = spec.pipeline if spec.HasField("pipeline") else cfg.pipeline
+        # The guess is one draft token more than K; the draft must accept K + 1.
+        pipeline = pipeline and (not self.draft_info.max_k or k < self.draft_info.max_k)
         return Plan(
             session_id=session_id,
             prompt=prompt,
@@ -202,6 +213,8 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             max_context=max_context,
             draft_model=self.draft_info.model,
             draft_fingerprint="" if self.draft_info.kind == "ngram" else self.draft_info.vocab_fingerprint,
+            pipeline=pipeline,
+            adaptive=adaptive,
         )
 
     def prompt_ids(self, request: pb.GenerateRequest) -> list[int]:
@@ -260,6 +273,8 @@ def generate_attributes(plan: Plan, servicer: CoordinatorServicer) -> dict:
         "specdec.top_k": s.top_k,
         "specdec.top_p": s.top_p,
         "specdec.max_new_tokens": plan.max_new_tokens,
+        "specdec.pipeline": plan.pipeline,
+        "specdec.adaptive_k": plan.adaptive,
     }
 
 

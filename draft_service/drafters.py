@@ -18,7 +18,7 @@ import torch
 
 from specdec.kvcache import SessionState, forward
 from specdec.sampling import sample
-from specdec.wire import Sampling
+from specdec.wire import Sampling, wire_q
 
 DEFAULT_MAX_NGRAM = 3
 DEFAULT_MIN_NGRAM = 1
@@ -39,7 +39,7 @@ class ModelDrafter:
         for _ in range(k):
             logits = forward(self.model, state.cache, state.pending)  # [T, V]
             state.feed(state.pending)
-            draft_probs = sampling.warp(logits[-1])  # [V]
+            draft_probs = wire_q(sampling.warp(logits[-1]))  # [V], exactly as it will travel
             token = sample(draft_probs, generator)
             state.pending = [token]
             yield token, draft_probs

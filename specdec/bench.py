@@ -55,7 +55,9 @@ def add_bench_parser(commands) -> None:
     )
     p.add_argument("--target", default="smollm2-135m-instruct", help="target model (default: %(default)s)")
     p.add_argument("--draft", default=NGRAM, help="draft model or `ngram` (default: %(default)s)")
-    p.add_argument("--k", type=int, default=4, help="tokens drafted per cycle (default: %(default)s)")
+    p.add_argument("--k", type=k_value, default=4,
+                   help="tokens drafted per cycle, or `adaptive` (up to --max-k) (default: %(default)s)")  # fmt: skip
+    p.add_argument("--max-k", type=int, default=8, help="largest K with --k adaptive (default: %(default)s)")
     p.add_argument("--prompts", default=None, help='JSONL file, one {"prompt": ...} per line (default: the shipped set)')
     p.add_argument("--max-new-tokens", type=int, default=64, help="tokens per prompt (default: %(default)s)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default: %(default)s)")
@@ -64,6 +66,12 @@ def add_bench_parser(commands) -> None:
                    help="torch threads of the in-process baselines (0 = torch's default, all cores)")  # fmt: skip
     p.add_argument("--no-chat-template", action="store_true", help="use prompts as raw text")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+
+
+def k_value(text: str):
+    from specdec.cli import k_value as parse
+
+    return parse(text)
 
 
 def load_prompts(path: str | None) -> list[str]:
@@ -123,12 +131,17 @@ def run_hf(model, prompts_ids, args, **extra) -> Run:
     return run
 
 
-def assisted_kwargs(args, draft_model, target_tokenizer) -> dict:
+def assisted_kwargs(args, draft_model) -> dict:
+    """transformers' settings for the same K; with --k adaptive, its own adaptive schedule."""
+    adaptive = args.k == "adaptive"
+    k = args.max_k if adaptive else args.k
     if draft_model is None:
-        return {"prompt_lookup_num_tokens": args.k}
+        return {"prompt_lookup_num_tokens": k}
+    if adaptive:
+        return {"assistant_model": draft_model, "num_assistant_tokens": k, "num_assistant_tokens_schedule": "heuristic"}
     return {
         "assistant_model": draft_model,
-        "num_assistant_tokens": args.k,
+        "num_assistant_tokens": k,
         "num_assistant_tokens_schedule": "constant",
         "assistant_confidence_threshold": 0.0,
     }
@@ -175,10 +188,14 @@ def run_specdec(args, prompts_ids, prompts_text) -> tuple[Run, dict]:
     from specdec.redis_server import free_port
 
     run = Run()
-    totals = {"drafted": 0, "accepted": 0, "draft_cycles": 0, "cycles": 0, "draft_bytes": 0}
+    totals = {"drafted": 0, "accepted": 0, "draft_cycles": 0, "cycles": 0, "draft_bytes": 0, "k_sum": 0, "pipelined": 0}
     with Stack(StackConfig(port=free_port(), target=args.target, draft=args.draft), quiet=True) as stack:
         with specdec.Client(stack.address) as client:
-            options = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, num_speculative_tokens=args.k)
+            adaptive = args.k == "adaptive"
+            options = dict(
+                max_new_tokens=args.max_new_tokens, temperature=args.temperature, adaptive_k=adaptive,
+                num_speculative_tokens=args.max_k if adaptive else args.k,
+            )  # fmt: skip
             client.generate(prompt_token_ids=prompts_ids[0][:8], **{**options, "max_new_tokens": 8})  # warm-up
             seed = 0
             for _ in range(args.repeats):
@@ -194,6 +211,8 @@ def run_specdec(args, prompts_ids, prompts_text) -> tuple[Run, dict]:
                         out += chunk.token_ids
                         if chunk.cycle is not None:
                             totals["draft_bytes"] += chunk.cycle.draft_bytes
+                            totals["pipelined"] += chunk.cycle.pipelined
+                            totals["k_sum"] += chunk.cycle.k if chunk.cycle.drafted else 0
                         stats = chunk.stats
                     run.seconds += time.perf_counter() - start
                     run.tokens += len(out)
@@ -225,31 +244,30 @@ def run_bench(args) -> int:
     progress(f"target alone: {len(prompts)} prompts x {args.repeats}")
     target_only = run_hf(target.model, prompts_ids, args)
     progress(f"transformers assisted ({'prompt lookup' if draft is None else 'assistant model'}, K={args.k})")
-    hf_assisted = run_hf(
-        target.model, prompts_ids, args, **assisted_kwargs(args, draft and draft.model, target.tokenizer)
-    )
+    hf_assisted = run_hf(target.model, prompts_ids, args, **assisted_kwargs(args, draft and draft.model))
 
     # Costs, with the thread counts the services use (launcher.default_threads).
     from specdec.launcher import default_threads
 
     target_threads, draft_threads = default_threads()
+    progress("specdec: draft, target and coordinator as separate processes on loopback")
+    spec, totals = run_specdec(args, prompts_ids, prompts)
+    # K of the analytic model: the fixed K, or the mean K adaptive K chose when drafting.
+    k = args.k if args.k != "adaptive" else max(1, round(totals["k_sum"] / max(totals["draft_cycles"], 1)))
+
     context = prompts_ids[0] + target_only.outputs[0]
     threads_before = torch.get_num_threads()
     torch.set_num_threads(target_threads)
     c_p = step_ms(target.model, context, 1)
-    c_verify = step_ms(target.model, context, args.k + 1)
+    c_verify = step_ms(target.model, context, k + 1)
     torch.set_num_threads(draft_threads)
-    c_q = ngram_ms(context, args.k) if draft is None else step_ms(draft.model, context, 1)
+    c_q = ngram_ms(context, k) if draft is None else step_ms(draft.model, context, 1)
     torch.set_num_threads(threads_before)
-    del target, draft  # free the in-process models before the services load theirs
-
-    progress("specdec: draft, target and coordinator as separate processes on loopback")
-    spec, totals = run_specdec(args, prompts_ids, prompts)
 
     alpha = totals["accepted"] / totals["drafted"] if totals["drafted"] else 0.0
-    expected = expected_tokens_per_cycle(alpha, args.k)
-    sequential = expected / (args.k * c_q + c_verify) * 1000
-    pipelined = expected / max(args.k * c_q, c_verify) * 1000
+    expected = expected_tokens_per_cycle(alpha, k)
+    sequential = expected / (k * c_q + c_verify) * 1000
+    pipelined = expected / max(k * c_q, c_verify) * 1000
     vocab = load_vocab_size(args.target)
     greedy = args.temperature == 0
     agree = [a == b == c for a, b, c in zip(target_only.outputs, hf_assisted.outputs, spec.outputs)]
@@ -279,7 +297,10 @@ def run_bench(args) -> int:
         "speedup_vs_target_only": spec.tokens_per_s / target_only.tokens_per_s,
         "speedup_vs_hf_assisted": spec.tokens_per_s / hf_assisted.tokens_per_s,
         "bytes_per_cycle": totals["draft_bytes"] / totals["cycles"] if totals["cycles"] else 0.0,
-        "dense_bytes_per_cycle": args.k * vocab * 4,
+        "dense_bytes_per_cycle": k * vocab * 4,
+        "k_used": k,
+        "pipelined_cycles": totals["pipelined"],
+        "cycles": totals["cycles"],
         "greedy_outputs_agree": (sum(agree), len(agree)) if greedy else None,
         "baseline_threads": args.threads or threads_before,
         "service_threads": {"target": target_threads, "draft": draft_threads},

@@ -15,6 +15,16 @@ DEFAULT_ADDRESS = "127.0.0.1:50051"
 TRUE = {"1", "true", "yes", "on"}
 
 
+def k_value(text: str) -> int | str:
+    """A K on the command line: a positive integer or `adaptive`."""
+    if text == "adaptive":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"K must be an integer or 'adaptive', got {text!r}") from None
+
+
 def env_flag(parser: argparse.ArgumentParser, flag: str, env: str, *, default=None, type=str, help: str = "", **kw):
     """Add `flag`, whose default comes from `env` when that variable is set."""
     raw = os.environ.get(env)
@@ -137,6 +147,10 @@ def add_coordinator_flags(p: argparse.ArgumentParser) -> None:
              help="max_new_tokens when a request sets none")  # fmt: skip
     env_flag(p, "--max-new-tokens-limit", "SPECDEC_MAX_NEW_TOKENS_LIMIT", default=4096, type=int,
              help="largest max_new_tokens a request may ask for")  # fmt: skip
+    env_flag(p, "--adaptive-k", "SPECDEC_ADAPTIVE_K", action="store_true",
+             help="requests that set no K get K chosen per cycle (up to --max-k) instead of --default-k")  # fmt: skip
+    env_flag(p, "--no-pipeline", "SPECDEC_NO_PIPELINE", action="store_true",
+             help="do not draft the next cycle while the target verifies (requests may still ask for it)")  # fmt: skip
 
 
 def add_stack_flags(p: argparse.ArgumentParser) -> None:
@@ -161,9 +175,12 @@ def add_generate_flags(p: argparse.ArgumentParser) -> None:
     env_flag(p, "--top-k", "SPECDEC_TOP_K", default=0, type=int, help="keep the k most likely tokens (0 = off)")
     env_flag(p, "--top-p", "SPECDEC_TOP_P", default=1.0, type=float, help="nucleus mass to keep (1.0 = off)")
     env_flag(p, "--seed", "SPECDEC_SEED", default=None, type=int, help="seed for reproducible sampling")
-    env_flag(p, "--k", "SPECDEC_K", default=None, type=int, help="K, tokens drafted per cycle (server default)")
+    env_flag(p, "--k", "SPECDEC_K", default=None, type=k_value,
+             help="K, tokens drafted per cycle, or `adaptive` (server default when unset)")  # fmt: skip
     env_flag(p, "--stop", "SPECDEC_STOP", default=None, action="append", help="stop string (repeatable)")
     env_flag(p, "--no-speculate", "SPECDEC_NO_SPECULATE", action="store_true", help="plain target decoding")
+    env_flag(p, "--pipeline", "SPECDEC_PIPELINE", default=None, choices=["on", "off"],
+             help="draft the next cycle during verification (default: the server's setting)")  # fmt: skip
     env_flag(p, "--json", "SPECDEC_JSON", action="store_true", help="print one JSON object instead of text")
     env_flag(p, "--timeout", "SPECDEC_TIMEOUT", default=None, type=float, help="deadline of the call in seconds")
     env_flag(p, "--target", "SPECDEC_TARGET", default="smollm2-135m-instruct", help="target for a local stack")
@@ -192,7 +209,7 @@ def run_serve(args) -> int:
             host=args.host, port=args.port, draft_address=args.draft_address, target_address=args.target_address,
             redis_url=args.redis_url, tokenizer=args.tokenizer, default_k=args.default_k, max_k=args.max_k,
             default_max_new_tokens=args.default_max_new_tokens, max_new_tokens_limit=args.max_new_tokens_limit,
-            metrics_port=args.metrics_port,
+            metrics_port=args.metrics_port, pipeline=not args.no_pipeline, adaptive_k=args.adaptive_k,
         )  # fmt: skip
     elif args.service == "draft":
         from draft_service.server import DraftConfig, serve
@@ -259,8 +276,9 @@ def serving_address(args):
 def generate_options(args) -> dict:
     return dict(
         max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-        seed=args.seed, num_speculative_tokens=args.k, speculate=not args.no_speculate, stop=args.stop,
-        timeout=args.timeout,
+        seed=args.seed, num_speculative_tokens=None if args.k == "adaptive" else args.k,
+        adaptive_k=args.k == "adaptive", speculate=not args.no_speculate, stop=args.stop,
+        timeout=args.timeout, pipeline=None if args.pipeline is None else args.pipeline == "on",
     )  # fmt: skip
 
 

@@ -120,6 +120,8 @@ class CycleTrace:
     verify_ms: float
     # Serialized size of the cycle's drafts and their q on the wire.
     draft_bytes: int = 0
+    # Drafted during the previous cycle's verification (pipelining).
+    pipelined: bool = False
 
 
 @dataclass
@@ -138,7 +140,9 @@ class Chunk:
         cycle = None
         if msg.HasField("cycle"):
             c = msg.cycle
-            cycle = CycleTrace(c.index, c.k, c.drafted, c.accepted, c.bonus, c.draft_ms, c.verify_ms, c.draft_bytes)
+            cycle = CycleTrace(
+                c.index, c.k, c.drafted, c.accepted, c.bonus, c.draft_ms, c.verify_ms, c.draft_bytes, c.pipelined
+            )
         return cls(
             text=msg.text,
             token_ids=list(msg.token_ids),
@@ -186,6 +190,8 @@ def build_request(
     stop: Sequence[str] | None,
     session_id: str | None,
     ignore_eos: bool,
+    pipeline: bool | None = None,
+    adaptive_k: bool = False,
 ) -> pb.GenerateRequest:
     if (prompt is None) == (prompt_token_ids is None):
         raise ValueError("pass exactly one of prompt and prompt_token_ids")
@@ -195,7 +201,7 @@ def build_request(
         max_new_tokens=max_new_tokens,
         sampling=pb.SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p),
         stop=list(stop or []),
-        speculation=pb.SpeculationParams(disabled=not speculate),
+        speculation=pb.SpeculationParams(disabled=not speculate, adaptive=adaptive_k),
         session_id=session_id or "",
         ignore_eos=ignore_eos,
     )
@@ -203,6 +209,8 @@ def build_request(
         request.sampling.seed = seed
     if num_speculative_tokens is not None:
         request.speculation.num_speculative_tokens = num_speculative_tokens
+    if pipeline is not None:
+        request.speculation.pipeline = pipeline
     return request
 
 
@@ -260,6 +268,9 @@ _GENERATE_DOC = """
             timeout: seconds for the whole call (a gRPC deadline).
             session_id: optional id for the session (unique); the server makes one.
             ignore_eos: keep generating past end-of-sequence tokens.
+            pipeline: draft the next cycle while the target verifies (None = server default).
+            adaptive_k: choose K per cycle to maximise expected tokens/s (0 when drafting
+                loses); num_speculative_tokens is then the largest K.
         """
 
 
@@ -299,11 +310,14 @@ class Client:
         timeout: float | None = None,
         session_id: str | None = None,
         ignore_eos: bool = False,
+        pipeline: bool | None = None,
+        adaptive_k: bool = False,
     ) -> Iterator[Chunk]:
         request = build_request(
             prompt, prompt_token_ids=prompt_token_ids, max_new_tokens=max_new_tokens, temperature=temperature,
             top_k=top_k, top_p=top_p, seed=seed, num_speculative_tokens=num_speculative_tokens,
-            speculate=speculate, stop=stop, session_id=session_id, ignore_eos=ignore_eos,
+            speculate=speculate, stop=stop, session_id=session_id, ignore_eos=ignore_eos, pipeline=pipeline,
+            adaptive_k=adaptive_k,
         )  # fmt: skip
         call = self._stub.Generate(request, timeout=timeout)
         try:
@@ -367,11 +381,14 @@ class AsyncClient:
         timeout: float | None = None,
         session_id: str | None = None,
         ignore_eos: bool = False,
+        pipeline: bool | None = None,
+        adaptive_k: bool = False,
     ) -> AsyncIterator[Chunk]:
         request = build_request(
             prompt, prompt_token_ids=prompt_token_ids, max_new_tokens=max_new_tokens, temperature=temperature,
             top_k=top_k, top_p=top_p, seed=seed, num_speculative_tokens=num_speculative_tokens,
-            speculate=speculate, stop=stop, session_id=session_id, ignore_eos=ignore_eos,
+            speculate=speculate, stop=stop, session_id=session_id, ignore_eos=ignore_eos, pipeline=pipeline,
+            adaptive_k=adaptive_k,
         )  # fmt: skip
         call = self._stub.Generate(request, timeout=timeout)
         try:

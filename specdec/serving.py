@@ -51,7 +51,14 @@ class ModelWorker:
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
 
     async def run(self, fn, *args):
-        return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
+        future = asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
+        try:
+            return await asyncio.shield(future)
+        except asyncio.CancelledError:
+            # A forward cannot be interrupted: let it finish before the caller releases the
+            # session it mutates (the session lock), then pass the cancellation on.
+            await asyncio.wait([future])
+            raise
 
     def shutdown(self) -> None:
         self.executor.shutdown(wait=False, cancel_futures=True)

@@ -11,6 +11,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from specdec import sampling as sampling_math
@@ -81,8 +82,9 @@ def sampling_to_pb(s: Sampling) -> pb.SamplingParams:
 # A draft token's q travels in one of three forms:
 #   one_hot  q is all on the drafted token (n-gram drafts);
 #   sparse   q is zero outside `ids` (warping truncated: greedy, top-k, top-p);
-#   dense    q over the whole vocabulary.
-# Each form is exact: the draft samples from precisely the values it sends.
+#   dense    q over the whole vocabulary, as float16 (half the bytes of float32).
+# Each form is exact: the draft samples from precisely the values it sends, because it
+# samples from `wire_q(q)`, which is q already rounded the way it will travel.
 
 
 @dataclass
@@ -93,18 +95,30 @@ class Draft:
     q: torch.Tensor | None
 
 
+def is_sparse(q: torch.Tensor) -> bool:
+    """Sparse form when ids + float32 probs (~8 bytes a token) beat float16 over V (2 bytes)."""
+    return int(torch.count_nonzero(q)) * 4 < q.numel()
+
+
+def wire_q(q: torch.Tensor) -> torch.Tensor:
+    """q [V] as it will travel: unchanged when sparse, rounded to float16 when dense.
+    A draft samples from this, so the q the target receives is exactly the one sampled from."""
+    return q if is_sparse(q) else q.to(torch.float16).to(torch.float32)
+
+
 def draft_token_to_pb(index: int, token: int, q: torch.Tensor | None) -> pb.DraftToken:
-    """q None -> one_hot; a q with few non-zeros -> sparse; else dense. q is [V]."""
+    """q None -> one_hot; a q with few non-zeros -> sparse; else dense float16. q is [V],
+    already `wire_q(q)` (so the float16 encoding is exact)."""
     msg = pb.DraftToken(token_id=token, index=index)
     if q is None:
         msg.one_hot.SetInParent()
         return msg
-    support = torch.nonzero(q, as_tuple=True)[0]  # [S]
-    if support.numel() * 2 < q.numel():
+    if is_sparse(q):
+        support = torch.nonzero(q, as_tuple=True)[0]  # [S]
         msg.sparse.ids.extend(support.tolist())
         msg.sparse.probs.extend(q[support].tolist())
     else:
-        msg.dense.probs.extend(q.tolist())
+        msg.dense.fp16 = q.to(torch.float16).numpy().astype("<f2").tobytes()
     return msg
 
 
@@ -120,15 +134,34 @@ def draft_from_pb(msg: pb.DraftToken, vocab_size: int) -> Draft:
         if form == "sparse":
             q = sampling_math.sparse_to_dense(list(msg.sparse.ids), list(msg.sparse.probs), vocab_size)
         else:
-            if len(msg.dense.probs) != vocab_size:
-                raise ValueError(f"dense q has {len(msg.dense.probs)} entries; the vocabulary has {vocab_size}")
-            q = torch.tensor(msg.dense.probs, dtype=torch.float32)
+            q = dense_from_pb(msg.dense, vocab_size)
         sampling_math.check_distribution(q, name=f"q of draft {msg.index}", vocab_size=vocab_size)
         if q[token] <= 0:
             raise ValueError(f"draft token {token} has q = 0: the draft cannot have sampled it")
     except ValueError as exc:
         raise InvalidArgument(str(exc)) from exc
     return Draft(token, q)
+
+
+# float16 rounds each entry by at most 2^-11 and flushes entries below ~6e-8 to zero, so
+# its values may sum to 1 only within this; they are renormalised on arrival. The draft
+# sampled proportionally to the very same values, so the renormalised q is exact.
+FP16_SUM_TOLERANCE = 1e-2
+
+
+def dense_from_pb(msg: pb.DenseProbs, vocab_size: int) -> torch.Tensor:
+    """float32 [V] from either dense encoding; ValueError on a wrong length or a bad sum."""
+    if msg.fp16:
+        if len(msg.fp16) != 2 * vocab_size:
+            raise ValueError(f"dense q has {len(msg.fp16) // 2} float16 entries; the vocabulary has {vocab_size}")
+        q = torch.from_numpy(np.frombuffer(msg.fp16, dtype="<f2").astype(np.float32))
+        total = float(q.sum())
+        if not abs(total - 1.0) <= FP16_SUM_TOLERANCE:  # also catches NaN
+            raise ValueError(f"q of draft sums to {total:.6f}, not 1: not a distribution")
+        return q / total
+    if len(msg.probs) != vocab_size:
+        raise ValueError(f"dense q has {len(msg.probs)} entries; the vocabulary has {vocab_size}")
+    return torch.tensor(msg.probs, dtype=torch.float32)
 
 
 def stack_draft_probs(drafts: Sequence[Draft]) -> torch.Tensor | None:

@@ -63,18 +63,23 @@ def stack(request, redis_url, smollm2_dir, tiny_shared_vocab_draft):
 
 
 def test_greedy_output_equals_transformers_generate_for_every_draft_and_k(stack, oracle):
-    drafted = accepted = 0
+    drafted = accepted = pipelined = 0
     with specdec.Client(stack.address) as client:
         for ids, expected in oracle.items():
             for k in KS:
+                # Pipelining (drafting the next cycle during verification) is on by default.
                 result = client.generate(prompt_token_ids=list(ids), max_new_tokens=NEW_TOKENS, num_speculative_tokens=k)
                 assert result.token_ids == expected, f"draft {stack.draft_kind}, K={k}, prompt {ids[:6]}..."
                 drafted += result.stats.draft_tokens
                 accepted += result.stats.accepted_tokens
+                pipelined += sum(c.pipelined for c in result.cycles)
     rate = accepted / drafted if drafted else 0.0
     print(f"\n{stack.draft_kind}: drafted {drafted}, accepted {accepted}, acceptance {rate:.3f}")
     if stack.draft_kind == "target-itself":
         assert rate == 1.0, "a draft identical to the target must have every token accepted"
+        # Its guess of the bonus token is always right: every cycle but each request's first
+        # was drafted while the target verified the one before.
+        assert pipelined > 0.5 * sum(1 for _ in oracle) * len(KS)
     elif stack.draft_kind == "tiny-random":
         assert drafted > 0 and rate < 0.05, "a random draft should almost never be accepted"
     else:

@@ -60,6 +60,30 @@ def test_speculation_off_gives_the_same_greedy_output_as_on(client):
     assert off.stats.draft_tokens == 0 and off.stats.cycles == len(off.token_ids)
 
 
+@pytest.mark.parametrize("k", [1, 3])
+def test_pipelining_changes_nothing_in_the_output(client, k):
+    for options in (dict(), dict(temperature=1.0, top_k=5, seed=11)):
+        runs = {
+            pipeline: client.generate(
+                PROMPT, max_new_tokens=80, ignore_eos=True, num_speculative_tokens=k, pipeline=pipeline, **options
+            )
+            for pipeline in (True, False)
+        }
+        assert runs[True].token_ids == runs[False].token_ids, options
+        assert not any(c.pipelined for c in runs[False].cycles)
+    if k == 1:
+        # With K=1 this draft is right about a third of the time, and so is its guess:
+        # some cycles start with drafts made during the previous verification.
+        assert any(c.pipelined for c in runs[True].cycles)
+
+
+def test_adaptive_k_keeps_the_greedy_output_and_chooses_k_per_cycle(client):
+    fixed = client.generate(PROMPT, max_new_tokens=80, ignore_eos=True, num_speculative_tokens=3)
+    adaptive = client.generate(PROMPT, max_new_tokens=80, ignore_eos=True, num_speculative_tokens=6, adaptive_k=True)
+    assert adaptive.token_ids == fixed.token_ids
+    assert all(c.k <= 6 for c in adaptive.cycles) and len({c.k for c in adaptive.cycles}) > 1
+
+
 def test_seeded_sampling_is_reproducible_and_different_seeds_differ(client):
     options = dict(max_new_tokens=30, temperature=1.0, top_p=0.95, ignore_eos=True)
     first = client.generate(PROMPT, seed=7, **options)

@@ -113,11 +113,39 @@ def test_truncated_q_travels_as_its_exact_sparse_support():
     assert torch.equal(draft_from_pb(msg, 1000).q, q)
 
 
-def test_full_support_q_travels_dense_and_one_hot_travels_as_one_hot():
-    q = torch.softmax(torch.randn(50, generator=torch.Generator().manual_seed(0)), -1)
+def test_full_support_q_travels_as_exact_float16_and_one_hot_travels_as_one_hot():
+    from specdec.wire import wire_q
+
+    q = wire_q(torch.softmax(torch.randn(50, generator=torch.Generator().manual_seed(0)), -1))
     msg = draft_token_to_pb(1, 4, q)
-    assert msg.WhichOneof("q") == "dense"
+    assert msg.WhichOneof("q") == "dense" and len(msg.dense.fp16) == 2 * 50 and not msg.dense.probs
+    # What arrives is what the draft sampled from (proportionally): q renormalised.
+    assert torch.allclose(draft_from_pb(msg, 50).q, q / q.sum(), rtol=0, atol=1e-7)
+    one_hot = draft_token_to_pb(2, 4, None)
+    assert one_hot.WhichOneof("q") == "one_hot" and draft_from_pb(one_hot, 50).q is None
+
+
+def test_float32_dense_q_is_still_accepted_on_the_wire():
+    q = torch.softmax(torch.randn(50, generator=torch.Generator().manual_seed(1)), -1)
+    msg = pb.DraftToken(token_id=3, dense=pb.DenseProbs(probs=q.tolist()))
     assert torch.equal(draft_from_pb(msg, 50).q, q)
+
+
+def test_dense_float16_q_takes_half_the_bytes_of_float32_and_truncated_q_far_less():
+    from specdec.sampling import warp
+
+    logits = torch.randn(49152, generator=torch.Generator().manual_seed(2)) * 3
+    dense = draft_token_to_pb(0, int(logits.argmax()), wire_q_of(warp(logits, 1.0)))
+    top_k = draft_token_to_pb(0, int(logits.argmax()), wire_q_of(warp(logits, 1.0, top_k=50)))
+    float32_dense = 49152 * 4
+    assert dense.ByteSize() < 0.51 * float32_dense
+    assert top_k.ByteSize() * 50 < float32_dense
+
+
+def wire_q_of(q):
+    from specdec.wire import wire_q
+
+    return wire_q(q)
     one_hot = draft_token_to_pb(2, 4, None)
     assert one_hot.WhichOneof("q") == "one_hot" and draft_from_pb(one_hot, 50).q is None
 
@@ -136,6 +164,8 @@ def test_stacked_q_of_a_mixed_cycle_makes_one_hot_rows_explicit():
         (pb.DraftToken(token_id=1, sparse=pb.SparseProbs(ids=[1], probs=[float("nan")])), "NaN"),
         (pb.DraftToken(token_id=1, sparse=pb.SparseProbs(ids=[1, 77], probs=[0.5, 0.5])), "77"),
         (pb.DraftToken(token_id=1, dense=pb.DenseProbs(probs=[1.0])), "entries"),
+        (pb.DraftToken(token_id=1, dense=pb.DenseProbs(fp16=b"\x00\x3c" * 3)), "entries"),
+        (pb.DraftToken(token_id=1, dense=pb.DenseProbs(fp16=b"\x00\x3c" * 10)), "sums to"),
         (pb.DraftToken(token_id=11), "vocabulary"),
     ],
 )
@@ -236,3 +266,59 @@ def test_pool_refuses_sessions_the_store_does_not_know():
             await SessionPool(2, lambda: None).acquire("ghost", exists)
 
     asyncio.run(go())
+
+
+# ---------------------------------------------------------------- adaptive K
+
+from coordinator.adaptive import PROBE_EVERY, AdaptiveK
+from specdec.sampling import expected_tokens_per_cycle
+
+
+def feed(controller, cycles, alpha_draws, draft_ms_per_token, verify_ms):
+    """Simulate cycles: the i-th draft of a cycle is accepted iff alpha_draws yields True."""
+    for _ in range(cycles):
+        k = controller.choose(16)
+        accepted = 0
+        for _ in range(k):
+            if not next(alpha_draws):
+                break
+            accepted += 1
+        controller.observe(k, accepted, k * draft_ms_per_token, verify_ms(k))
+
+
+def bernoulli(p, seed=0):
+    import random
+
+    rng = random.Random(seed)
+    while True:
+        yield rng.random() < p
+
+
+def test_adaptive_k_turns_speculation_off_for_a_useless_draft_but_keeps_probing():
+    controller = AdaptiveK(max_k=8)
+    feed(controller, 40, bernoulli(0.0), draft_ms_per_token=2.0, verify_ms=lambda k: 60 + 8 * k)
+    chosen = [controller.choose(8) for _ in range(2 * PROBE_EVERY)]
+    assert chosen.count(0) >= 2 * PROBE_EVERY - 2 and 1 in chosen
+
+
+def test_adaptive_k_drafts_long_for_a_good_cheap_draft():
+    controller = AdaptiveK(max_k=8)
+    feed(controller, 60, bernoulli(0.95), draft_ms_per_token=1.0, verify_ms=lambda k: 60 + 5 * k)
+    assert controller.choose(8) >= 6
+
+
+def test_adaptive_k_maximises_the_seeds_expected_rate():
+    controller = AdaptiveK(max_k=8)
+    verify = lambda k: 60 + 10 * k
+    feed(controller, 200, bernoulli(0.6, seed=3), draft_ms_per_token=8.0, verify_ms=verify)
+    alpha = controller.alpha
+    assert abs(alpha - 0.6) < 0.15
+    rate = lambda k: expected_tokens_per_cycle(alpha, k) / (k * 8.0 + verify(k)) if k else 1 / verify(0)
+    best = max(range(9), key=rate)
+    assert controller.choose(8) == best
+
+
+def test_adaptive_k_respects_the_limit():
+    controller = AdaptiveK(max_k=8)
+    feed(controller, 30, bernoulli(1.0), draft_ms_per_token=0.5, verify_ms=lambda k: 50 + k)
+    assert controller.choose(2) == 2 and controller.choose(0) == 0

@@ -39,10 +39,12 @@ class SparseProbs(_message.Message):
     def __init__(self, ids: _Optional[_Iterable[int]] = ..., probs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class DenseProbs(_message.Message):
-    __slots__ = ("probs",)
+    __slots__ = ("probs", "fp16")
     PROBS_FIELD_NUMBER: _ClassVar[int]
+    FP16_FIELD_NUMBER: _ClassVar[int]
     probs: _containers.RepeatedScalarFieldContainer[float]
-    def __init__(self, probs: _Optional[_Iterable[float]] = ...) -> None: ...
+    fp16: bytes
+    def __init__(self, probs: _Optional[_Iterable[float]] = ..., fp16: _Optional[bytes] = ...) -> None: ...
 
 class OneHot(_message.Message):
     __slots__ = ()
@@ -89,12 +91,16 @@ class ReleaseResponse(_message.Message):
     def __init__(self, released: _Optional[bool] = ...) -> None: ...
 
 class SpeculationParams(_message.Message):
-    __slots__ = ("num_speculative_tokens", "disabled")
+    __slots__ = ("num_speculative_tokens", "disabled", "pipeline", "adaptive")
     NUM_SPECULATIVE_TOKENS_FIELD_NUMBER: _ClassVar[int]
     DISABLED_FIELD_NUMBER: _ClassVar[int]
+    PIPELINE_FIELD_NUMBER: _ClassVar[int]
+    ADAPTIVE_FIELD_NUMBER: _ClassVar[int]
     num_speculative_tokens: int
     disabled: bool
-    def __init__(self, num_speculative_tokens: _Optional[int] = ..., disabled: _Optional[bool] = ...) -> None: ...
+    pipeline: bool
+    adaptive: bool
+    def __init__(self, num_speculative_tokens: _Optional[int] = ..., disabled: _Optional[bool] = ..., pipeline: _Optional[bool] = ..., adaptive: _Optional[bool] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
     __slots__ = ("prompt", "prompt_token_ids", "max_new_tokens", "sampling", "stop", "speculation", "session_id", "ignore_eos")
@@ -117,7 +123,7 @@ class GenerateRequest(_message.Message):
     def __init__(self, prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., max_new_tokens: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., stop: _Optional[_Iterable[str]] = ..., speculation: _Optional[_Union[SpeculationParams, _Mapping]] = ..., session_id: _Optional[str] = ..., ignore_eos: _Optional[bool] = ...) -> None: ...
 
 class CycleInfo(_message.Message):
-    __slots__ = ("index", "drafted", "accepted", "bonus", "draft_ms", "verify_ms", "k", "draft_bytes")
+    __slots__ = ("index", "drafted", "accepted", "bonus", "draft_ms", "verify_ms", "k", "draft_bytes", "pipelined")
     INDEX_FIELD_NUMBER: _ClassVar[int]
     DRAFTED_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_FIELD_NUMBER: _ClassVar[int]
@@ -126,6 +132,7 @@ class CycleInfo(_message.Message):
     VERIFY_MS_FIELD_NUMBER: _ClassVar[int]
     K_FIELD_NUMBER: _ClassVar[int]
     DRAFT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    PIPELINED_FIELD_NUMBER: _ClassVar[int]
     index: int
     drafted: int
     accepted: int
@@ -134,7 +141,8 @@ class CycleInfo(_message.Message):
     verify_ms: float
     k: int
     draft_bytes: int
-    def __init__(self, index: _Optional[int] = ..., drafted: _Optional[int] = ..., accepted: _Optional[int] = ..., bonus: _Optional[bool] = ..., draft_ms: _Optional[float] = ..., verify_ms: _Optional[float] = ..., k: _Optional[int] = ..., draft_bytes: _Optional[int] = ...) -> None: ...
+    pipelined: bool
+    def __init__(self, index: _Optional[int] = ..., drafted: _Optional[int] = ..., accepted: _Optional[int] = ..., bonus: _Optional[bool] = ..., draft_ms: _Optional[float] = ..., verify_ms: _Optional[float] = ..., k: _Optional[int] = ..., draft_bytes: _Optional[int] = ..., pipelined: _Optional[bool] = ...) -> None: ...
 
 class GenerateStats(_message.Message):
     __slots__ = ("cycles", "draft_tokens", "accepted_tokens", "accepted_per_position", "prompt_tokens", "generated_tokens", "elapsed_s", "first_token_s", "draft_cycles")

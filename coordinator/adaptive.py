@@ -1,0 +1,102 @@
+"""Adaptive K: choose each cycle's lookahead to maximise expected tokens per second.
+
+Terms (the seed's formulas):
+    α̂            running estimate of the acceptance rate: accepted drafts / drafts the
+                 target judged (a rejected draft ends its cycle's judging)
+    c_q          ms per draft token, as the coordinator sees it (network included)
+    c_verify(k)  ms per target pass over k drafts (+ the new tokens); c_verify(0) is a plain step
+    rate(k)      E[tokens per cycle] / cycle time
+                 = (1 − α̂^(k+1)) / (1 − α̂) / (k·c_q + c_verify(k))   for k ≥ 1
+                 = 1 / c_verify(0)                                   for k = 0 (target only)
+
+Estimates decay (DECAY per cycle) so K follows the text as it changes. c_verify(k)
+is a line fitted to the passes seen so far, with a prior slope until two sizes have
+been seen. When k = 0 wins, a one-token probe every PROBE_EVERY cycles keeps α̂ current.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from specdec.sampling import expected_tokens_per_cycle
+
+DECAY = 0.95
+PRIOR_ACCEPTED = 1.0  # a Beta(1, 1) prior on α
+PRIOR_JUDGED = 2.0
+# Verifying k more tokens costs this fraction of a plain step per token until measured
+# (design.md §5: 5 tokens ≈ 1.6 plain steps on a CPU).
+PRIOR_VERIFY_SLOPE = 0.15
+PROBE_EVERY = 16
+
+
+@dataclass
+class AdaptiveK:
+    max_k: int
+    accepted: float = PRIOR_ACCEPTED
+    judged: float = PRIOR_JUDGED
+    draft_ms: float = 0.0  # decayed sum of draft time ...
+    drafted: float = 0.0  # ... and of drafted tokens
+    # k -> (decayed sum of verify ms, decayed count)
+    verify: dict[int, list[float]] = field(default_factory=dict)
+    cycles_since_probe: int = 0
+
+    @property
+    def alpha(self) -> float:
+        return self.accepted / self.judged
+
+    def c_q(self) -> float:
+        return self.draft_ms / self.drafted if self.drafted else 0.0
+
+    def c_verify(self, k: int) -> float | None:
+        """Fitted ms of a verify pass over k drafts; None before any pass was seen."""
+        points = [(size, total / count) for size, (total, count) in self.verify.items() if count > 0]
+        if not points:
+            return None
+        if len({size for size, _ in points}) == 1:
+            size, ms = points[0]
+            base = ms / (1 + PRIOR_VERIFY_SLOPE * size)
+            return base * (1 + PRIOR_VERIFY_SLOPE * k)
+        n = len(points)
+        mean_x = sum(x for x, _ in points) / n
+        mean_y = sum(y for _, y in points) / n
+        slope = sum((x - mean_x) * (y - mean_y) for x, y in points) / sum((x - mean_x) ** 2 for x, _ in points)
+        slope = max(slope, 0.0)
+        return max(mean_y + slope * (k - mean_x), 1e-3)
+
+    def rate(self, k: int) -> float:
+        """Expected tokens per ms with lookahead k (0 when costs are still unknown)."""
+        verify = self.c_verify(k)
+        if verify is None:
+            return 0.0
+        if k == 0:
+            return 1.0 / verify
+        return expected_tokens_per_cycle(self.alpha, k) / (k * self.c_q() + verify)
+
+    def choose(self, limit: int) -> int:
+        """K for the next cycle, at most `limit` (what max_new_tokens and the context allow)."""
+        limit = min(limit, self.max_k)
+        if limit <= 0:
+            return 0
+        if not self.verify or not self.drafted:
+            return min(limit, max(1, self.max_k // 2))  # nothing measured yet: start in the middle
+        best = max(range(limit + 1), key=self.rate)
+        if best == 0:
+            self.cycles_since_probe += 1
+            if self.cycles_since_probe >= PROBE_EVERY:
+                self.cycles_since_probe = 0
+                return 1
+        return best
+
+    def observe(self, drafted: int, accepted: int, draft_ms: float, verify_ms: float) -> None:
+        """Fold in one cycle: `drafted` tokens proposed, `accepted` of them taken."""
+        for stats in self.verify.values():
+            stats[0] *= DECAY
+            stats[1] *= DECAY
+        total = self.verify.setdefault(drafted, [0.0, 0.0])
+        total[0] += verify_ms
+        total[1] += 1
+        if drafted:
+            self.accepted = self.accepted * DECAY + accepted
+            self.judged = self.judged * DECAY + accepted + (1 if accepted < drafted else 0)
+            self.draft_ms = self.draft_ms * DECAY + draft_ms
+            self.drafted = self.drafted * DECAY + drafted
