@@ -6,15 +6,15 @@ import time
 from dataclasses import dataclass
 
 from draft_service.drafters import ModelDrafter, NgramDrafter
-from specdec import serving, telemetry
-from specdec.errors import InvalidArgument, Unavailable, grpc_handler
+from specdec import model_service, serving
+from specdec.errors import InvalidArgument, grpc_handler
 from specdec.kvcache import SessionPool
-from specdec.metrics import ModelServiceMetrics
+from specdec.model_service import ModelService
 from specdec.rng import DRAFT, cycle_generator
-from specdec.session import SessionStore, check_session_id
+from specdec.session import SessionStore
 from specdec.v1 import specdec_pb2 as pb
 from specdec.v1 import specdec_pb2_grpc as pb_grpc
-from specdec.wire import draft_token_to_pb, model_info_to_pb, sampling_from_pb
+from specdec.wire import draft_token_to_pb
 
 NGRAM = "ngram"
 
@@ -39,15 +39,12 @@ class DraftConfig:
     metrics_port: int = 0
 
 
-class DraftServicer(pb_grpc.DraftServicer):
+class DraftServicer(ModelService, pb_grpc.DraftServicer):
+    role = "draft"
+
     def __init__(self, config: DraftConfig, store: SessionStore):
-        self.config = config
-        self.store = store
-        self.worker = serving.ModelWorker("draft-model")
+        super().__init__(config, store, pb.ModelInfoResponse(model=config.model, max_k=config.max_k))
         self.drafter = None
-        self.info = pb.ModelInfoResponse(model=config.model, max_k=config.max_k)
-        self.pool: SessionPool | None = None
-        self.metrics = ModelServiceMetrics("draft")
 
     def load(self) -> None:
         """Load the drafter (blocking; run off the event loop)."""
@@ -56,34 +53,18 @@ class DraftServicer(pb_grpc.DraftServicer):
             self.info.kind = NGRAM
             self.pool = SessionPool(self.config.max_sessions, lambda: None, self.metrics.observe_pool)
             return
-        from specdec.models import load_model
-        from transformers import DynamicCache
-
-        loaded = load_model(self.config.model, dtype=self.config.dtype, device=self.config.device)
-        self.drafter = ModelDrafter(loaded)
-        self.info.MergeFrom(model_info_to_pb(loaded))
+        self.drafter = ModelDrafter(self.load_model())
         self.info.kind = "model"
-        self.pool = SessionPool(
-            self.config.max_sessions, lambda: DynamicCache(config=loaded.model.config), self.metrics.observe_pool
-        )
 
     @grpc_handler
     async def Propose(self, request: pb.ProposeRequest, context):
-        pool = self.ready()
-        session_id = check_session_id(request.session_id)
-        k = request.k
-        if not 1 <= k <= self.config.max_k:
-            raise InvalidArgument(f"k must be between 1 and {self.config.max_k}, got {k}")
-        sampling = sampling_from_pb(request.sampling)
-        if sampling.seed is None:
-            raise InvalidArgument("sampling.seed is required on internal calls (the coordinator sets it)")
-        async with pool.use(session_id, self.store.exists) as state:
-            await state.sync(
-                request.position, request.new_tokens, self.store.tokens, self.info.vocab_size, self.info.max_context
-            )
+        if not 1 <= request.k <= self.config.max_k:
+            raise InvalidArgument(f"k must be between 1 and {self.config.max_k}, got {request.k}")
+        sampling = self.internal_sampling(request.sampling)
+        async with self.session(request) as state:
             generator = cycle_generator(sampling.seed, request.cycle, DRAFT)
-            drafts = self.drafter.propose(state, k, sampling, generator)
-            for index in range(k):
+            drafts = self.drafter.propose(state, request.k, sampling, generator)
+            for index in range(request.k):
                 started = time.perf_counter()
                 item = await self.worker.run(next, drafts, None)
                 if item is None:
@@ -92,39 +73,6 @@ class DraftServicer(pb_grpc.DraftServicer):
                 token, q = item
                 yield draft_token_to_pb(index, token, q)
 
-    def ready(self) -> SessionPool:
-        if self.pool is None:
-            raise Unavailable("the draft model is still loading; retry shortly")
-        return self.pool
-
-    @grpc_handler
-    async def Release(self, request: pb.ReleaseRequest, context):
-        return pb.ReleaseResponse(released=self.ready().release(request.session_id))
-
-    @grpc_handler
-    async def ModelInfo(self, request, context):
-        info = pb.ModelInfoResponse()
-        info.CopyFrom(self.info)
-        info.sessions_held = len(self.pool) if self.pool else 0
-        return info
-
 
 async def serve(config: DraftConfig) -> None:
-    telemetry.setup_tracing("specdec-draft")
-    store = SessionStore(config.redis_url)
-    servicer = DraftServicer(config, store)
-
-    async def load():
-        await servicer.worker.run(servicer.load)
-
-    await serving.run(
-        name="draft",
-        host=config.host,
-        port=config.port,
-        service_names=[serving.DRAFT_SERVICE],
-        register=lambda server: pb_grpc.add_DraftServicer_to_server(servicer, server),
-        load=load,
-        close=store.close,
-        metrics_registry=servicer.metrics.registry,
-        metrics_port=config.metrics_port,
-    )
+    await model_service.serve(DraftServicer, config, serving.DRAFT_SERVICE, pb_grpc.add_DraftServicer_to_server)

@@ -61,6 +61,8 @@ def add_bench_parser(commands) -> None:
     p.add_argument("--prompts", default=None, help='JSONL file, one {"prompt": ...} per line (default: the shipped set)')
     p.add_argument("--max-new-tokens", type=int, default=64, help="tokens per prompt (default: %(default)s)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default: %(default)s)")
+    p.add_argument("--top-k", type=int, default=0, help="top-k warping when sampling (0 = off)")
+    p.add_argument("--top-p", type=float, default=1.0, help="top-p warping when sampling (1.0 = off)")
     p.add_argument("--repeats", type=int, default=1, help="passes over the prompt set (default: %(default)s)")
     p.add_argument("--threads", type=int, default=0,
                    help="torch threads of the in-process baselines (0 = torch's default, all cores)")  # fmt: skip
@@ -112,7 +114,8 @@ def hf_generate(model, ids: list[int], args, **extra) -> list[int]:
     sampled = args.temperature > 0
     out = model.generate(
         torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-        do_sample=sampled, temperature=args.temperature if sampled else None, top_k=None, top_p=None,
+        do_sample=sampled, temperature=args.temperature if sampled else None,
+        top_k=args.top_k or None if sampled else None, top_p=args.top_p if sampled else None,
         max_new_tokens=args.max_new_tokens, **extra,
     )  # fmt: skip
     return out[0, len(ids) :].tolist()
@@ -193,7 +196,8 @@ def run_specdec(args, prompts_ids, prompts_text) -> tuple[Run, dict]:
         with specdec.Client(stack.address) as client:
             adaptive = args.k == "adaptive"
             options = dict(
-                max_new_tokens=args.max_new_tokens, temperature=args.temperature, adaptive_k=adaptive,
+                max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                adaptive_k=adaptive,
                 num_speculative_tokens=args.max_k if adaptive else args.k,
             )  # fmt: skip
             client.generate(prompt_token_ids=prompts_ids[0][:8], **{**options, "max_new_tokens": 8})  # warm-up
@@ -278,6 +282,8 @@ def run_bench(args) -> int:
         "prompts": len(prompts),
         "new_tokens": spec.tokens,
         "temperature": args.temperature,
+        "top_k": args.top_k,
+        "top_p": args.top_p,
         "runs": {
             "target_only": {"tokens_per_s": target_only.tokens_per_s, "new_tokens": target_only.tokens},
             "hf_assisted": {"tokens_per_s": hf_assisted.tokens_per_s, "new_tokens": hf_assisted.tokens},

@@ -1,0 +1,103 @@
+"""What the draft and target services share: a session pool over one model worker,
+the internal request checks, and the Release / ModelInfo RPCs."""
+
+from __future__ import annotations
+
+import contextlib
+
+from specdec import serving, telemetry
+from specdec.errors import InvalidArgument, Unavailable, grpc_handler
+from specdec.kvcache import SessionPool
+from specdec.metrics import ModelServiceMetrics
+from specdec.session import SessionStore, check_session_id
+from specdec.v1 import specdec_pb2 as pb
+from specdec.wire import Sampling, model_info_to_pb, sampling_from_pb
+
+
+class ModelService:
+    """Base of DraftServicer and TargetServicer (listed first, so its Release and
+    ModelInfo replace the generated UNIMPLEMENTED ones)."""
+
+    role = "model"  # "draft" or "target": names the worker thread, metrics and errors
+
+    def __init__(self, config, store: SessionStore, info: pb.ModelInfoResponse):
+        self.config = config
+        self.store = store
+        self.info = info
+        self.worker = serving.ModelWorker(f"{self.role}-model")
+        self.metrics = ModelServiceMetrics(self.role)
+        self.pool: SessionPool | None = None  # set once the model is loaded
+
+    def load(self) -> None:
+        """Load the model and make the pool (blocking; run off the event loop)."""
+        raise NotImplementedError
+
+    def load_model(self):
+        """Load config.model, describe it in ModelInfo, and make a pool of KV caches for it."""
+        from transformers import DynamicCache
+
+        from specdec.models import load_model
+
+        loaded = load_model(self.config.model, dtype=self.config.dtype, device=self.config.device)
+        self.info.MergeFrom(model_info_to_pb(loaded))
+        self.pool = SessionPool(
+            self.config.max_sessions, lambda: DynamicCache(config=loaded.model.config), self.metrics.observe_pool
+        )
+        return loaded
+
+    def ready(self) -> SessionPool:
+        if self.pool is None:
+            raise Unavailable(f"the {self.role} model is still loading; retry shortly")
+        return self.pool
+
+    @staticmethod
+    def internal_sampling(msg: pb.SamplingParams) -> Sampling:
+        sampling = sampling_from_pb(msg)
+        if sampling.seed is None:
+            raise InvalidArgument("sampling.seed is required on internal calls (the coordinator sets it)")
+        return sampling
+
+    @contextlib.asynccontextmanager
+    async def session(self, request):
+        """The session a Propose/Verify request names, held for the call and brought to
+        committed[:position] + new_tokens (rebuilt from Redis when this process lacks it)."""
+        pool = self.ready()
+        session_id = check_session_id(request.session_id)
+        async with pool.use(session_id, self.store.exists) as state:
+            await state.sync(
+                request.position, request.new_tokens, self.store.tokens, self.info.vocab_size, self.info.max_context
+            )
+            yield state
+
+    @grpc_handler
+    async def Release(self, request: pb.ReleaseRequest, context):
+        return pb.ReleaseResponse(released=self.ready().release(request.session_id))
+
+    @grpc_handler
+    async def ModelInfo(self, request, context):
+        info = pb.ModelInfoResponse()
+        info.CopyFrom(self.info)
+        info.sessions_held = len(self.pool) if self.pool else 0
+        return info
+
+
+async def serve(servicer_class, config, service_name: str, add_to_server) -> None:
+    """Run a model service until a termination signal (see serving.run)."""
+    telemetry.setup_tracing(f"specdec-{servicer_class.role}")
+    store = SessionStore(config.redis_url)
+    servicer = servicer_class(config, store)
+
+    async def load():
+        await servicer.worker.run(servicer.load)
+
+    await serving.run(
+        name=servicer_class.role,
+        host=config.host,
+        port=config.port,
+        service_names=[service_name],
+        register=lambda server: add_to_server(servicer, server),
+        load=load,
+        close=store.close,
+        metrics_registry=servicer.metrics.registry,
+        metrics_port=config.metrics_port,
+    )

@@ -1,0 +1,474 @@
+"""Lossless speculative sampling: warping logits and the accept / resample rule.
+
+Terms used throughout:
+
+- **target**: the large model whose output we want. Its warped distributions are
+  ``target_probs`` (the paper's p).
+- **draft**: the small, cheap model (or n-gram lookup) that proposes tokens. Its warped
+  distributions are ``draft_probs`` (the paper's q).
+- **warped**: logits turned into the distribution a token is actually sampled from:
+  temperature, then top-k, then top-p, then softmax (``warp``). Both sides must warp with the
+  same settings, and the draft must sample from exactly the q it reports.
+- **K**: the lookahead, the number of draft tokens proposed in one cycle.
+- **draft tokens** x̃_0 .. x̃_{K-1}: the proposals. x̃_i was sampled from draft_probs[i],
+  which was conditioned on the prefix plus x̃_0 .. x̃_{i-1}.
+- **accepted**: x̃_i is accepted with probability min(1, p_i(x̃_i) / q_i(x̃_i)). We test
+  ``u * q < p`` with u ~ U[0, 1), so q == p always accepts and p == 0 always rejects.
+  Verification stops at the first rejection; every draft before it is kept, every draft
+  after it is discarded (it was conditioned on the rejected token).
+- **recovered token** (also: resampled): on the first rejection, at position i, one token is
+  drawn from the residual distribution max(0, p_i - q_i) / Z, Z = sum(max(0, p_i - q_i)).
+  The residual holds exactly the mass the target wanted and the draft under-proposed; it
+  is what makes the output distributed as p. If Z is numerically zero (p_i ≈ q_i, so a
+  rejection was all but impossible) we sample from p_i instead.
+- **bonus token**: when all K drafts are accepted, the target's (K+1)-th distribution,
+  target_probs[K], is already computed, so one more token is drawn from it for free.
+- **one-hot draft**: a draft with no distribution (n-gram / prompt lookup) has q = one-hot
+  of the token it proposes; pass ``draft_probs=None``.
+- **α** (acceptance rate): the chance one draft token survives, sum_x min(p(x), q(x)).
+
+One cycle emits ``num_accepted + 1`` tokens: the accepted drafts then the next token, which
+is a recovered token if ``num_accepted < K`` and a bonus token if ``num_accepted == K``.
+The emitted sequence is distributed exactly as sampling the target alone (Leviathan et al.
+2023, Chen et al. 2023); ``tests/test_sampling.py`` checks that statistically.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+
+# All acceptance arithmetic runs in this dtype, whatever the callers pass in.
+PROB_DTYPE = torch.float32
+
+# A distribution's rows may sum to 1 within this tolerance (float32 softmax over ~50k
+# tokens, or a sparse q rounded on the wire, is off by far less).
+SUM_TOLERANCE = 1e-3
+
+# Below this residual mass Z, max(0, p - q) is float noise, not signal: sample from p.
+# Reaching the recovery step at all has probability Z, so the fallback moves the output
+# distribution by at most this much in total variation.
+MIN_RESIDUAL_MASS = 1e-6
+
+
+# --------------------------------------------------------------------------- warping
+
+
+def warp(
+    logits: torch.Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0
+) -> torch.Tensor:
+    """Turn logits into the distribution a token is sampled from.
+
+    logits: [..., V] float. Returns float32 probabilities [..., V].
+
+    temperature == 0 means greedy: the one-hot of the argmax (ties go to the lowest index,
+    as ``torch.argmax``). Otherwise: divide by temperature, keep the ``top_k`` most likely
+    tokens (0 or >= V: off), then keep the smallest set of most likely tokens whose
+    probability mass reaches ``top_p`` (1.0: off; at least one token is always kept), then
+    softmax. Removed tokens get probability exactly 0. Ties in rank go to the lowest index.
+    """
+    check_warp_params(temperature, top_k, top_p)
+    check_logits(logits)
+    vocab_size = logits.shape[-1]
+
+    if temperature == 0:
+        greedy_ids = torch.argmax(logits, dim=-1)  # [...]
+        return torch.nn.functional.one_hot(greedy_ids, vocab_size).to(PROB_DTYPE)  # [..., V]
+
+    # Shift by the max before dividing, so a tiny temperature cannot overflow to inf.
+    logits = logits.to(PROB_DTYPE)  # [..., V]
+    row_max = logits.amax(dim=-1, keepdim=True)  # [..., 1]
+    scaled = (logits - row_max) / temperature  # [..., V]
+    truncated = truncate_top_k_top_p(scaled, top_k, top_p)  # [..., V], -inf where removed
+    return torch.softmax(truncated, dim=-1)  # [..., V]
+
+
+def check_warp_params(temperature: float, top_k: int, top_p: float) -> None:
+    """Raise ValueError unless temperature >= 0 (finite), top_k >= 0, top_p in (0, 1]."""
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)):
+        raise ValueError(f"temperature must be a number, got {temperature!r}")
+    if math.isnan(temperature) or math.isinf(temperature) or temperature < 0:
+        raise ValueError(f"temperature must be finite and >= 0 (0 = greedy), got {temperature}")
+    if isinstance(top_k, bool) or not isinstance(top_k, int):
+        raise ValueError(f"top_k must be an int, got {top_k!r}")
+    if top_k < 0:
+        raise ValueError(f"top_k must be >= 0 (0 = off), got {top_k}")
+    if isinstance(top_p, bool) or not isinstance(top_p, (int, float)):
+        raise ValueError(f"top_p must be a number, got {top_p!r}")
+    if math.isnan(top_p) or not 0.0 < top_p <= 1.0:
+        raise ValueError(f"top_p must be in (0, 1] (1 = off), got {top_p}")
+
+
+def check_logits(logits: torch.Tensor) -> None:
+    """Raise ValueError unless logits are a float tensor [..., V] with no NaN or +inf."""
+    if not isinstance(logits, torch.Tensor):
+        raise ValueError(f"logits must be a torch.Tensor, got {type(logits).__name__}")
+    if not logits.is_floating_point():
+        raise ValueError(f"logits must be floating point, got {logits.dtype}")
+    if logits.dim() < 1 or logits.shape[-1] == 0:
+        raise ValueError(f"logits must have shape [..., V] with V > 0, got {tuple(logits.shape)}")
+    if torch.isnan(logits).any() or torch.isposinf(logits).any():
+        raise ValueError("logits contain NaN or +inf")
+    if torch.isneginf(logits).all(dim=-1).any():
+        raise ValueError("a logits row is -inf everywhere: no token can be sampled")
+
+
+def truncate_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    """Set to -inf every logit outside the top-k, then outside the top-p nucleus.
+
+    logits: [..., V], already divided by the temperature. Returns [..., V].
+    """
+    vocab_size = logits.shape[-1]
+    use_top_k = 0 < top_k < vocab_size
+    use_top_p = top_p < 1.0
+    if not (use_top_k or use_top_p):
+        return logits
+
+    # Rank tokens once, most likely first; a stable sort sends ties to the lowest index.
+    sorted_logits, sorted_ids = torch.sort(logits, dim=-1, descending=True, stable=True)  # [..., V]
+    ranks = torch.arange(vocab_size, device=logits.device)  # [V]
+    keep_sorted = torch.ones_like(sorted_logits, dtype=torch.bool)  # [..., V]
+
+    # Top-k: the first k ranks.
+    if use_top_k:
+        keep_sorted &= ranks < top_k
+
+    # Top-p on what top-k left: keep a token while the mass strictly before it is below
+    # top_p. Rank 0 has zero mass before it, so at least one token always survives.
+    if use_top_p:
+        sorted_probs = torch.softmax(sorted_logits.masked_fill(~keep_sorted, -math.inf), dim=-1)
+        mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs  # [..., V]
+        keep_sorted &= mass_before < top_p
+
+    keep = torch.zeros_like(keep_sorted).scatter(-1, sorted_ids, keep_sorted)  # [..., V]
+    return logits.masked_fill(~keep, -math.inf)
+
+
+def sample(probs: torch.Tensor, generator: torch.Generator | None = None) -> int:
+    """Draw one token id from probs [V]. Drafts use this to sample from exactly the q they send."""
+    if not isinstance(probs, torch.Tensor) or probs.dim() != 1:
+        raise ValueError(f"sample expects probs of shape [V], got {getattr(probs, 'shape', probs)}")
+    return int(torch.multinomial(probs.to(PROB_DTYPE), 1, generator=generator).item())
+
+
+# --------------------------------------------------------------------------- validation
+
+
+def check_distribution(
+    probs: torch.Tensor, name: str = "q", vocab_size: int | None = None
+) -> None:
+    """Raise ValueError unless probs [..., V] is a valid (row-wise) probability distribution."""
+    if not isinstance(probs, torch.Tensor):
+        raise ValueError(f"{name} must be a torch.Tensor, got {type(probs).__name__}")
+    if not probs.is_floating_point():
+        raise ValueError(f"{name} must be floating point, got {probs.dtype}")
+    if probs.dim() < 1 or probs.shape[-1] == 0:
+        raise ValueError(f"{name} must have shape [..., V] with V > 0, got {tuple(probs.shape)}")
+    if vocab_size is not None and probs.shape[-1] != vocab_size:
+        raise ValueError(
+            f"{name} has vocabulary size {probs.shape[-1]} but {vocab_size} was expected "
+            f"(shape {tuple(probs.shape)}); draft and target must share one vocabulary"
+        )
+    if not torch.isfinite(probs).all():
+        raise ValueError(f"{name} contains NaN or inf")
+    if (probs < 0).any():
+        raise ValueError(f"{name} has negative entries (min {probs.min().item():.3g})")
+    row_sums = probs.to(PROB_DTYPE).sum(dim=-1)  # [...]
+    bad_rows = ((row_sums - 1).abs() > SUM_TOLERANCE).nonzero()
+    if len(bad_rows) > 0:
+        row = tuple(bad_rows[0].tolist())
+        raise ValueError(
+            f"{name} row {row} sums to {row_sums[row].item():.6f}, "
+            f"expected 1 within {SUM_TOLERANCE}"
+        )
+
+
+def check_draft(
+    draft_tokens: torch.Tensor,
+    draft_probs: torch.Tensor | None,
+    target_probs: torch.Tensor,
+) -> None:
+    """Raise ValueError unless one cycle's inputs are consistent and well formed.
+
+    draft_tokens [K] integer, draft_probs [K, V] or None (one-hot), target_probs [K + 1, V].
+    """
+    if not isinstance(draft_tokens, torch.Tensor):
+        raise ValueError(f"draft_tokens must be a torch.Tensor, got {type(draft_tokens).__name__}")
+    if draft_tokens.dim() != 1:
+        raise ValueError(f"draft_tokens must have shape [K], got {tuple(draft_tokens.shape)}")
+    if draft_tokens.is_floating_point() or draft_tokens.is_complex() or draft_tokens.dtype == torch.bool:
+        raise ValueError(f"draft_tokens must be integer token ids, got {draft_tokens.dtype}")
+    num_drafts = draft_tokens.shape[0]
+
+    check_distribution(target_probs, name="target_probs (p)")
+    if target_probs.dim() != 2 or target_probs.shape[0] != num_drafts + 1:
+        raise ValueError(
+            f"target_probs must have shape [K + 1, V] = [{num_drafts + 1}, V] for K = "
+            f"{num_drafts} draft tokens, got {tuple(target_probs.shape)}"
+        )
+    vocab_size = target_probs.shape[1]
+    if draft_tokens.device != target_probs.device:
+        raise ValueError(
+            f"draft_tokens are on {draft_tokens.device} but target_probs on {target_probs.device}"
+        )
+
+    out_of_range = (draft_tokens < 0) | (draft_tokens >= vocab_size)  # [K]
+    if out_of_range.any():
+        index = int(out_of_range.nonzero()[0, 0])
+        raise ValueError(
+            f"draft token {int(draft_tokens[index])} at position {index} is outside "
+            f"the vocabulary [0, {vocab_size})"
+        )
+
+    if draft_probs is None:
+        return
+    check_distribution(draft_probs, name="draft_probs (q)", vocab_size=vocab_size)
+    if draft_probs.dim() != 2 or draft_probs.shape[0] != num_drafts:
+        raise ValueError(
+            f"draft_probs must have shape [K, V] = [{num_drafts}, {vocab_size}], "
+            f"got {tuple(draft_probs.shape)}"
+        )
+    if draft_probs.device != target_probs.device:
+        raise ValueError(
+            f"draft_probs are on {draft_probs.device} but target_probs on {target_probs.device}"
+        )
+    draft_token_probs = gather_token_probs(draft_probs, draft_tokens)  # [K]
+    impossible = draft_token_probs <= 0  # [K]
+    if impossible.any():
+        index = int(impossible.nonzero()[0, 0])
+        raise ValueError(
+            f"draft token {int(draft_tokens[index])} at position {index} has q = 0: "
+            f"the draft cannot have sampled it"
+        )
+
+
+def sparse_to_dense(
+    ids: Sequence[int] | torch.Tensor, probs: Sequence[float] | torch.Tensor, vocab_size: int
+) -> torch.Tensor:
+    """Expand a sparse distribution (its support ``ids`` [S] and their ``probs`` [S]) to [V].
+
+    Tokens outside ``ids`` get probability exactly 0. Row-sum checks are left to
+    ``check_distribution``.
+    """
+    if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size <= 0:
+        raise ValueError(f"vocab_size must be a positive int, got {vocab_size!r}")
+    ids = torch.as_tensor(ids, dtype=torch.long)  # [S]
+    probs = torch.as_tensor(probs, dtype=PROB_DTYPE)  # [S]
+    if ids.dim() != 1 or probs.dim() != 1:
+        raise ValueError(
+            f"sparse ids and probs must be 1-D, got shapes {tuple(ids.shape)} and {tuple(probs.shape)}"
+        )
+    if ids.shape[0] != probs.shape[0]:
+        raise ValueError(f"sparse ids has {ids.shape[0]} entries but probs has {probs.shape[0]}")
+    if ids.shape[0] == 0:
+        raise ValueError("sparse distribution has empty support: no token can have been sampled")
+    out_of_range = (ids < 0) | (ids >= vocab_size)
+    if out_of_range.any():
+        bad = int(ids[out_of_range][0])
+        raise ValueError(f"sparse token id {bad} is outside the vocabulary [0, {vocab_size})")
+    if torch.unique(ids).shape[0] != ids.shape[0]:
+        raise ValueError("sparse ids contain duplicates")
+    if not torch.isfinite(probs).all():
+        raise ValueError("sparse probs contain NaN or inf")
+    if (probs < 0).any():
+        raise ValueError(f"sparse probs have negative entries (min {probs.min().item():.3g})")
+    dense = torch.zeros(vocab_size, dtype=PROB_DTYPE, device=probs.device)  # [V]
+    dense[ids] = probs
+    return dense
+
+
+# --------------------------------------------------------------------------- accept / resample
+
+
+def rejection_sample(
+    draft_tokens: torch.Tensor | Sequence[int],
+    draft_probs: torch.Tensor | None,
+    target_probs: torch.Tensor,
+    generator: torch.Generator | None = None,
+) -> tuple[int, int]:
+    """Verify one cycle's drafts; return (num_accepted, next_token) as Python ints.
+
+    draft_tokens: [K] token ids, K >= 0 (K = 0: just sample next from target_probs[0]).
+    draft_probs:  [K, V] warped q the drafts were sampled from, or None for one-hot q.
+    target_probs: [K + 1, V] warped p at each draft position plus the bonus position.
+
+    The emitted tokens are draft_tokens[:num_accepted] + [next_token]; next_token is a bonus
+    token when num_accepted == K, a recovered token otherwise. Inputs are validated
+    (``check_draft``); randomness is drawn exactly as ``rejection_sample_batch`` with B = 1.
+    """
+    if not isinstance(target_probs, torch.Tensor):
+        raise ValueError(f"target_probs must be a torch.Tensor, got {type(target_probs).__name__}")
+    if not isinstance(draft_tokens, torch.Tensor):
+        draft_tokens = torch.as_tensor(list(draft_tokens), dtype=torch.long, device=target_probs.device)
+    check_draft(draft_tokens, draft_probs, target_probs)
+
+    num_drafts = torch.tensor([draft_tokens.shape[0]], device=target_probs.device)  # [1]
+    num_accepted, next_tokens = rejection_sample_batch(
+        draft_tokens.long().unsqueeze(0),  # [1, K]
+        num_drafts,
+        None if draft_probs is None else draft_probs.unsqueeze(0),  # [1, K, V]
+        target_probs.unsqueeze(0),  # [1, K + 1, V]
+        generator=generator,
+    )
+    return int(num_accepted[0]), int(next_tokens[0])
+
+
+def rejection_sample_batch(
+    draft_tokens: torch.Tensor,
+    num_drafts: torch.Tensor,
+    draft_probs: torch.Tensor | None,
+    target_probs: torch.Tensor,
+    generator: torch.Generator | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Verify B sequences' drafts at once; return (num_accepted [B], next_tokens [B]).
+
+    draft_tokens: [B, K_max] token ids; entries at positions >= num_drafts[b] are padding
+                  and may hold anything.
+    num_drafts:   [B] how many drafts each sequence has, 0 .. K_max.
+    draft_probs:  [B, K_max, V] warped q (padding rows ignored), or None for one-hot q.
+    target_probs: [B, K_max + 1, V] warped p.
+
+    Row b emits draft_tokens[b, :num_accepted[b]] + [next_tokens[b]]; next_tokens[b] is a
+    bonus token exactly when ``num_accepted[b] == num_drafts[b]``.
+
+    Only shapes are checked here, not values (no q = 0 or row-sum checks): this is the fast
+    path. ``rejection_sample`` validates fully. Randomness is consumed the same way for
+    every input of the same shape: first one uniform per [B, K_max] slot, then one
+    multinomial draw per row of a [B, V] matrix, so a seeded generator reproduces results.
+    """
+    batch_size, max_drafts = check_batch_shapes(draft_tokens, num_drafts, draft_probs, target_probs)
+    vocab_size = target_probs.shape[-1]
+    device = target_probs.device
+    target_probs = target_probs.to(PROB_DTYPE)  # [B, K_max + 1, V]
+    if draft_probs is not None:
+        draft_probs = draft_probs.to(PROB_DTYPE)  # [B, K_max, V]
+
+    # Padding may be garbage: point it at token 0 so gathers stay in range.
+    positions = torch.arange(max_drafts, device=device)  # [K_max]
+    is_real = positions < num_drafts.unsqueeze(1)  # [B, K_max]
+    draft_tokens = torch.where(is_real, draft_tokens.long(), 0)  # [B, K_max]
+
+    # 1. Accept x̃_i with probability min(1, p_i(x̃_i) / q_i(x̃_i)), as u * q < p.
+    uniforms = torch.rand(
+        batch_size, max_drafts, generator=generator, device=device, dtype=PROB_DTYPE
+    )  # [B, K_max]
+    target_token_probs = gather_token_probs(target_probs[:, :max_drafts], draft_tokens)  # [B, K_max]
+    if draft_probs is None:
+        draft_token_probs = torch.ones_like(target_token_probs)  # [B, K_max]
+    else:
+        draft_token_probs = gather_token_probs(draft_probs, draft_tokens)  # [B, K_max]
+    accepted = (uniforms * draft_token_probs < target_token_probs) & is_real  # [B, K_max]
+
+    # 2. Keep everything before the first rejection, nothing after it.
+    num_accepted = count_accepted_prefix(accepted)  # [B]
+    is_bonus = num_accepted == num_drafts  # [B]
+
+    # 3. The next token's distribution: p at the first rejected position, minus the draft's
+    #    claim there (recovered token), or p after the last draft (bonus token).
+    rows = torch.arange(batch_size, device=device)  # [B]
+    next_target_probs = target_probs[rows, num_accepted]  # [B, V]
+    if max_drafts == 0:
+        next_probs = next_target_probs  # [B, V]
+    else:
+        rejected_position = num_accepted.clamp(max=max_drafts - 1)  # [B]; bonus rows unused
+        if draft_probs is None:
+            rejected_tokens = draft_tokens[rows, rejected_position]  # [B]
+            rejected_draft_probs = torch.nn.functional.one_hot(rejected_tokens, vocab_size)  # [B, V]
+            rejected_draft_probs = rejected_draft_probs.to(PROB_DTYPE)
+        else:
+            rejected_draft_probs = draft_probs[rows, rejected_position]  # [B, V]
+        recovery_probs = compute_recovery_probs(next_target_probs, rejected_draft_probs)  # [B, V]
+        next_probs = torch.where(is_bonus.unsqueeze(1), next_target_probs, recovery_probs)  # [B, V]
+
+    # 4. One draw per row.
+    next_tokens = torch.multinomial(next_probs, 1, generator=generator).squeeze(1)  # [B]
+    return num_accepted, next_tokens
+
+
+def check_batch_shapes(
+    draft_tokens: torch.Tensor,
+    num_drafts: torch.Tensor,
+    draft_probs: torch.Tensor | None,
+    target_probs: torch.Tensor,
+) -> tuple[int, int]:
+    """Raise ValueError unless the batched shapes agree; return (B, K_max). Values unchecked."""
+    if draft_tokens.dim() != 2:
+        raise ValueError(f"draft_tokens must have shape [B, K_max], got {tuple(draft_tokens.shape)}")
+    batch_size, max_drafts = draft_tokens.shape
+    if num_drafts.shape != (batch_size,):
+        raise ValueError(f"num_drafts must have shape [B] = [{batch_size}], got {tuple(num_drafts.shape)}")
+    if target_probs.dim() != 3 or target_probs.shape[:2] != (batch_size, max_drafts + 1):
+        raise ValueError(
+            f"target_probs must have shape [B, K_max + 1, V] = [{batch_size}, {max_drafts + 1}, V], "
+            f"got {tuple(target_probs.shape)}"
+        )
+    if draft_probs is not None and draft_probs.shape != (batch_size, max_drafts, target_probs.shape[2]):
+        raise ValueError(
+            f"draft_probs must have shape [B, K_max, V] = [{batch_size}, {max_drafts}, "
+            f"{target_probs.shape[2]}], got {tuple(draft_probs.shape)}"
+        )
+    return batch_size, max_drafts
+
+
+def gather_token_probs(probs: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """probs [..., V], tokens [...] -> the probability of each token [...]."""
+    return probs.gather(-1, tokens.long().unsqueeze(-1)).squeeze(-1)
+
+
+def count_accepted_prefix(accepted: torch.Tensor) -> torch.Tensor:
+    """accepted [B, K] bool -> [B] number of leading True values (accepted before the first rejection)."""
+    return accepted.long().cumprod(dim=1).sum(dim=1)
+
+
+def compute_recovery_probs(target_probs: torch.Tensor, draft_probs: torch.Tensor) -> torch.Tensor:
+    """The residual distribution max(0, p - q) / Z a recovered token is drawn from.
+
+    target_probs, draft_probs: [..., V]. Returns [..., V]. Where Z <= MIN_RESIDUAL_MASS
+    (p ≈ q, so rejection was all but impossible) returns target_probs instead.
+    """
+    residual = (target_probs - draft_probs).clamp(min=0)  # [..., V]
+    residual_mass = residual.sum(dim=-1, keepdim=True)  # [..., 1]
+    has_residual = residual_mass > MIN_RESIDUAL_MASS  # [..., 1]
+    normalized = residual / residual_mass.clamp(min=MIN_RESIDUAL_MASS)  # [..., V]
+    return torch.where(has_residual, normalized, target_probs)
+
+
+# --------------------------------------------------------------------------- analytics
+
+
+def acceptance_rate(draft_probs: torch.Tensor, target_probs: torch.Tensor) -> torch.Tensor:
+    """α = sum_x min(p(x), q(x)) = 1 - TV(p, q): the chance one draft token is accepted.
+
+    draft_probs, target_probs: [..., V]. Returns [...].
+    """
+    return torch.minimum(draft_probs, target_probs).sum(dim=-1)
+
+
+def expected_tokens_per_cycle(alpha: float, k: int) -> float:
+    """Expected tokens one cycle emits: (1 - α^(K+1)) / (1 - α), which is K + 1 at α = 1.
+
+    Draft i (0-based) is reached and accepted with probability α^(i+1); the recovered or
+    bonus token always comes. Summed as the geometric series 1 + α + ... + α^K, which is
+    exact at α = 1 and has no cancellation near it.
+    """
+    if math.isnan(alpha) or not 0.0 <= alpha <= 1.0:
+        raise ValueError(f"alpha must be in [0, 1], got {alpha}")
+    if k < 0:
+        raise ValueError(f"k must be >= 0, got {k}")
+    return sum(alpha**i for i in range(k + 1))
+
+
+def expected_speedup(alpha: float, k: int, cost_ratio: float) -> float:
+    """Expected speedup over plain target decoding, for cost_ratio = c_q / c_p.
+
+    A sequential cycle costs K draft passes plus one target pass, K * c_q + c_p (verifying
+    K + 1 positions is taken to cost about one target pass), and emits
+    ``expected_tokens_per_cycle(alpha, k)`` tokens; plain decoding emits 1 per c_p.
+    At α = 1 this is the ceiling (K + 1) / (K * c_q / c_p + 1) < K + 1; at α = 0 it is
+    1 / (K * c_q / c_p + 1) <= 1.
+    """
+    if math.isnan(cost_ratio) or cost_ratio < 0:
+        raise ValueError(f"cost_ratio must be >= 0, got {cost_ratio}")
+    return expected_tokens_per_cycle(alpha, k) / (k * cost_ratio + 1.0)
