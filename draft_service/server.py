@@ -58,6 +58,7 @@ class DraftServicer(ModelService, pb_grpc.DraftServicer):
 
     @grpc_handler
     async def Propose(self, request: pb.ProposeRequest, context):
+        self.ready()
         if not 1 <= request.k <= self.config.max_k:
             raise InvalidArgument(f"k must be between 1 and {self.config.max_k}, got {request.k}")
         sampling = self.internal_sampling(request.sampling)

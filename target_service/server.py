@@ -48,6 +48,7 @@ class TargetServicer(ModelService, pb_grpc.TargetServicer):
 
     @grpc_handler
     async def Verify(self, request: pb.VerifyRequest, context):
+        self.ready()  # before any check that needs the loaded model's ModelInfo
         self.check_draft_vocabulary(request)
         if len(request.drafts) > self.config.max_k:
             raise InvalidArgument(f"{len(request.drafts)} drafts exceed the limit of {self.config.max_k}")
