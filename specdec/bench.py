@@ -253,7 +253,7 @@ def run_bench(args) -> int:
     # Costs, with the thread counts the services use (launcher.default_threads).
     from specdec.launcher import default_threads
 
-    target_threads, draft_threads = default_threads()
+    target_threads, draft_threads = default_threads(args.draft)
     progress("specdec: draft, target and coordinator as separate processes on loopback")
     spec, totals = run_specdec(args, prompts_ids, prompts)
     # K of the analytic model: the fixed K, or the mean K adaptive K chose when drafting.

@@ -44,7 +44,7 @@ def env_flag(parser: argparse.ArgumentParser, flag: str, env: str, *, default=No
 # ---------------------------------------------------------------- parser
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="specdec",
         description="Distributed, lossless speculative decoding: a draft model proposes tokens, "
@@ -95,6 +95,13 @@ def build_parser() -> argparse.ArgumentParser:
     from specdec.bench import add_bench_parser
 
     add_bench_parser(commands)
+    if argv and argv[0] == "distill":
+        from specdec.distill import add_distill_parser  # imports torch: only when the command runs
+
+        add_distill_parser(commands)
+    else:
+        commands.add_parser("distill", add_help=False,
+                            help="make a fast draft model for a target by distillation (see `specdec distill --help`)")  # fmt: skip
 
     models = commands.add_parser("models", help="the built-in model catalog", description="The built-in model catalog.")
     model_commands = models.add_subparsers(dest="models_command", metavar="ACTION", required=True)
@@ -379,14 +386,21 @@ def run_bench(args) -> int:
     return bench(args)
 
 
+def run_distill(args) -> int:
+    from specdec.distill import run_distill as distill
+
+    return distill(args)
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else argv
+    parser = build_parser(argv)
     args = parser.parse_args(argv)
     if args.verbose:
         logging.basicConfig(level=logging.INFO)
     handlers = {
         "up": run_up, "serve": run_serve, "generate": run_generate, "trace": run_trace, "models": run_models,
-        "bench": run_bench,
+        "bench": run_bench, "distill": run_distill,
     }  # fmt: skip
     return handlers[args.command](args)
 

@@ -46,9 +46,12 @@ class StackConfig:
     env: dict[str, str] = field(default_factory=dict)
 
 
-def default_threads() -> tuple[int, int]:
-    """(target, draft) torch threads: the draft gets one core, the target the rest."""
+def default_threads(draft: str = "") -> tuple[int, int]:
+    """(target, draft) torch threads: a model draft gets one core and the target the rest,
+    so the two really run side by side; an n-gram draft needs no core of its own."""
     cores = os.cpu_count() or 2
+    if draft == DEFAULT_DRAFT:
+        return cores, 1
     return max(1, cores - 1), 1
 
 
@@ -81,7 +84,7 @@ class Stack:
         try:
             if not cfg.redis_url:
                 self.redis = EmbeddedRedis().start()
-            target_threads, draft_threads = default_threads()
+            target_threads, draft_threads = default_threads(cfg.draft)
             self.ports = {"draft": free_port(), "target": free_port(), "coordinator": cfg.port}
             self.spawn("target", "target", "--model", cfg.target,
                        "--threads", str(cfg.target_threads or target_threads), *cfg.target_args)  # fmt: skip

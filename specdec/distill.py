@@ -1,0 +1,950 @@
+"""`specdec distill`: make a small, fast draft model for any target by distillation.
+
+A speculative decoder is only as good as its draft's agreement α with the target, so the
+draft is trained to minimise KL(p ∥ q) against the target's own distributions, on text the
+target itself sampled. Four steps, each resumable from files in `--out`:
+
+1. **Data** (`generate_data`): sample continuations of a prompt set with the target at
+   temperature 1 (chat template applied where the tokenizer has one), batched, and store
+   the target's top-k log-probabilities at every generated position. k = 256 by default:
+   SmolLM2-135M-Instruct at temperature 1 is flat (3.3 nats per token on its own samples);
+   its top 64 / 256 / 1024 tokens hold 85% / 92% / 97% of p's mass on average, so 64 leaves
+   too much in the tail bin, and 256 costs 1.5 kB per position (the kept mass is measured on
+   every run and written to the card as `top_k_mass`).
+2. **Train** (`train`): a small Llama whose input and output embedding matrices are the
+   target's embedding times a projection onto its top-H PCA directions (fixed by default,
+   learned with `--learn-projections`). Only the few transformer layers (and optionally the
+   projections) are learned, so the stored weights are a few MB. The loss is
+   KL(p ∥ q) over k + 1 bins: the target's top-k tokens plus one "everything else" bin
+   (tail mass 1 - Σ top-k on both sides). That is the exact KL of the coarsened
+   distributions: it matches p on the tokens that matter and still pushes q's tail mass
+   down to p's, which a renormalised top-k KL would leave free (and α is measured on the
+   full softmax).
+3. **Evaluate** (`evaluate`): on held-out prompts, α = mean over positions of
+   Σ_x min(p(x), q(x)) with both full softmaxes at temperature 1, greedy agreement, the
+   cost of one single-token step with a KV cache (1 thread) for draft and target, and the
+   seed's expected speedup at the best K.
+4. **Write** (`export_draft`): a compact fp16 weights file (`draft-weights.safetensors`,
+   no vocabulary-sized matrix inside) and, built from it by `materialize_draft`, a plain
+   Hugging Face Llama directory that `specdec.models.load_model` and
+   `specdec serve draft --model DIR` load like any model, plus the card `specdec-draft.json`.
+
+The catalog's distilled drafts (`DRAFT_CATALOG`) ship only the compact file; the first
+use rebuilds the full directory from the target's embedding (`ensure_distilled_draft`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import math
+import os
+import random
+import shlex
+import shutil
+import sys
+import time
+import uuid
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from tqdm.auto import tqdm
+
+DEFAULT_TOP_K = 256
+DEFAULT_PROMPTS = Path(__file__).parent / "data" / "distill_prompts.jsonl"
+CARD_NAME = "specdec-draft.json"
+WEIGHTS_NAME = "draft-weights.safetensors"
+WEIGHTS_FORMAT = "specdec-draft-v1"
+DATA_DIR = "distill-data"
+CHECKPOINT_NAME = "distill-checkpoint.pt"
+DRAFT_MARKER = "specdec-model.json"  # same marker name as specdec.models' converted catalog dirs
+
+
+# ---------------------------------------------------------------------------------------
+# configuration
+
+
+@dataclass
+class DistillConfig:
+    """Everything one `specdec distill` run needs; the CLI flags map onto these fields."""
+
+    target: str  # catalog name or path of the target whose draft we make
+    out: str  # output folder: HF draft dir + data cache + checkpoint
+    minutes: float = 45.0  # wall-clock budget for data generation + training (eval and writing come after)
+    prompts: str = str(DEFAULT_PROMPTS)  # JSONL of {"prompt": ..., "split": "train"|"eval"}
+    eval_prompts: str = ""  # JSONL of held-out prompts; empty: the "eval" split of --prompts
+    layers: int = 2  # draft transformer layers: each costs ~1.5 ms per step on 1 CPU thread
+    hidden: int = 256  # draft width; the vocabulary projection costs V * hidden per token
+    heads: int = 4  # attention heads (hidden / heads = head dim)
+    learn_projections: bool = False  # also train the [H, D] embedding projections (slower steps)
+    top_k: int = DEFAULT_TOP_K  # how many target log-probs to store per position
+    data_tokens: int = 60_000  # target-sampled training positions to generate
+    data_share: float = 0.4  # at most this share of --minutes goes to generating data
+    max_new_tokens: int = 160  # length of each sampled continuation
+    gen_batch_size: int = 16  # sequences the target samples at once
+    batch_size: int = 6  # sequences per training step (~700 positions: more, cheaper steps beat fewer big ones)
+    lr: float = 3e-3  # AdamW peak learning rate
+    seed: int = 0  # seeds sampling, the draft's init and batch order
+    eval_every_s: float = 90.0  # held-out α on the progress bar this often
+    checkpoint_every_s: float = 120.0  # write the checkpoint this often
+    threads: int = 1  # torch threads (the machine is shared; 1 is the measured configuration)
+    resume: bool = False  # continue from the data and checkpoint in --out
+    progress: bool = True  # tqdm bars on stderr
+
+    def command(self) -> str:
+        """The canonical command line that reproduces this run (every flag explicit)."""
+        parts = ["specdec", "distill", "--target", self.target, "--out", self.out, "--minutes", f"{self.minutes:g}"]
+        if Path(self.prompts).resolve() != DEFAULT_PROMPTS.resolve():
+            parts += ["--prompts", self.prompts]
+        if self.eval_prompts:
+            parts += ["--eval-prompts", self.eval_prompts]
+        parts += [
+            "--layers", str(self.layers), "--hidden", str(self.hidden), "--heads", str(self.heads),
+            "--top-k", str(self.top_k), "--data-tokens", str(self.data_tokens),
+            "--max-new-tokens", str(self.max_new_tokens), "--batch-size", str(self.batch_size),
+            "--lr", f"{self.lr:g}", "--seed", str(self.seed),
+        ]  # fmt: skip
+        if self.learn_projections:
+            parts.append("--learn-projections")
+        if self.resume:
+            parts.append("--resume")
+        return shlex.join(parts)
+
+
+class DistillError(RuntimeError):
+    """A distillation run cannot proceed (bad --out state, mismatched resume, bad prompts)."""
+
+
+# ---------------------------------------------------------------------------------------
+# prompts
+
+
+def load_prompts(path: str | os.PathLike, eval_path: str | os.PathLike | None = None) -> tuple[list, list]:
+    """Return (train prompts, held-out prompts) from JSONL files.
+
+    Each line is {"prompt": str} or {"messages": [...]}, optionally with "split": "eval".
+    With `eval_path`, every prompt of `path` trains and `eval_path` holds the held-out set;
+    without it, the "eval" split of `path` is held out (every 10th line if none is marked).
+    """
+
+    def read(file) -> list[dict]:
+        rows = []
+        for number, line in enumerate(Path(file).read_text().splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise DistillError(f"{file}:{number}: not JSON: {exc}") from None
+            if isinstance(row, str):
+                row = {"prompt": row}
+            if not isinstance(row, dict) or not ("prompt" in row or "messages" in row):
+                raise DistillError(f"{file}:{number}: expected an object with 'prompt' or 'messages'")
+            rows.append(row)
+        if not rows:
+            raise DistillError(f"{file} holds no prompts")
+        return rows
+
+    def content(row):
+        return row["messages"] if "messages" in row else row["prompt"]
+
+    rows = read(path)
+    if eval_path:
+        return [content(r) for r in rows], [content(r) for r in read(eval_path)]
+    marked = any(r.get("split") == "eval" for r in rows)
+    train, held_out = [], []
+    for index, row in enumerate(rows):
+        is_eval = row.get("split") == "eval" if marked else index % 10 == 9
+        (held_out if is_eval else train).append(content(row))
+    if not train or not held_out:
+        raise DistillError(f"{path}: need both training and held-out prompts (got {len(train)} and {len(held_out)})")
+    return train, held_out
+
+
+def encode_prompt(tokenizer, prompt) -> list[int]:
+    """Token ids of a prompt (str or chat messages), through the chat template when there is one."""
+    messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
+    if getattr(tokenizer, "chat_template", None):
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+    text = "\n".join(m["content"] for m in messages)
+    return list(tokenizer(text)["input_ids"])
+
+
+# ---------------------------------------------------------------------------------------
+# 1. data from the target
+
+
+@torch.no_grad()
+def sample_batch(model, prompts: list[list[int]], *, max_new_tokens: int, top_k: int, eos_ids: list[int],
+                 pad_id: int, generator: torch.Generator) -> list[dict]:  # fmt: skip
+    """Sample one continuation per prompt at temperature 1; keep p's top-k log-probs per step.
+
+    Returns one record per prompt: ids [n_prompt + n_gen] (long), n_prompt, topk_ids [n_gen, k]
+    (int32) and topk_logp [n_gen, k] (float16), row i being p at the position that produced
+    generated token i. A sequence stops after its first EOS (kept, with its row).
+    """
+    batch = len(prompts)
+    longest = max(len(p) for p in prompts)
+    input_ids = torch.full((batch, longest), pad_id, dtype=torch.long)  # [B, L], left padded
+    attention = torch.zeros((batch, longest), dtype=torch.long)  # [B, L]
+    for row, ids in enumerate(prompts):
+        input_ids[row, longest - len(ids) :] = torch.tensor(ids)
+        attention[row, longest - len(ids) :] = 1
+    positions = (attention.cumsum(-1) - 1).clamp_min(0)  # [B, L]
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=model.config)  # filled in place by every forward
+    out = model(input_ids=input_ids, attention_mask=attention, position_ids=positions, cache=cache, use_cache=True)
+    logits = out.logits[:, -1].float()  # [B, V]
+    next_position = positions[:, -1:] + 1  # [B, 1]
+    eos = torch.tensor(eos_ids or [-1])
+    finished = torch.zeros(batch, dtype=torch.bool)
+    tokens, top_ids, top_logps, alive = [], [], [], []
+    for _ in range(max_new_tokens):
+        logp = torch.log_softmax(logits, dim=-1)  # [B, V]
+        token = torch.multinomial(logp.exp(), 1, generator=generator).squeeze(1)  # [B]
+        values, indices = logp.topk(top_k, dim=-1)  # [B, k]
+        tokens.append(token)
+        top_ids.append(indices.to(torch.int32))
+        top_logps.append(values.to(torch.float16))
+        alive.append(~finished)
+        finished = finished | torch.isin(token, eos)
+        if finished.all():
+            break
+        attention = torch.cat([attention, torch.ones((batch, 1), dtype=torch.long)], dim=1)
+        out = model(input_ids=token.unsqueeze(1), attention_mask=attention, position_ids=next_position,
+                    cache=cache, use_cache=True)  # fmt: skip
+        logits = out.logits[:, -1].float()
+        next_position = next_position + 1
+    tokens_t = torch.stack(tokens, 1)  # [B, T]
+    alive_t = torch.stack(alive, 1)  # [B, T]
+    ids_t = torch.stack(top_ids, 1)  # [B, T, k]
+    logp_t = torch.stack(top_logps, 1)  # [B, T, k]
+    records = []
+    for row, prompt in enumerate(prompts):
+        n_gen = int(alive_t[row].sum())
+        records.append({
+            "ids": torch.cat([torch.tensor(prompt, dtype=torch.long), tokens_t[row, :n_gen]]),
+            "n_prompt": len(prompt),
+            "topk_ids": ids_t[row, :n_gen].clone(),
+            "topk_logp": logp_t[row, :n_gen].clone(),
+        })  # fmt: skip
+    return records
+
+
+def _data_dir(config: DistillConfig) -> Path:
+    return Path(config.out) / DATA_DIR
+
+
+def _load_shards(directory: Path, prefix: str) -> list[dict]:
+    records = []
+    for shard in sorted(directory.glob(f"{prefix}-*.pt")):
+        records.extend(torch.load(shard, weights_only=True))
+    return records
+
+
+def _positions(records: list[dict]) -> int:
+    return sum(int(r["topk_ids"].shape[0]) for r in records)
+
+
+def generate_data(config: DistillConfig, target, train_prompts: list, eval_prompts: list,
+                  deadline: float) -> tuple[list[dict], list[dict], dict]:  # fmt: skip
+    """Sample (or load) the held-out set, then training data until data_tokens or `deadline`.
+
+    Shards are written as they are made (`distill-data/train-NNNNN.pt`), so an interrupted
+    run and `--resume` keep everything already generated. Returns (train, eval, stats).
+    """
+    directory = _data_dir(config)
+    directory.mkdir(parents=True, exist_ok=True)
+    tokenizer = target.tokenizer
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (target.eos_token_ids or [0])[0]
+    top_k = min(config.top_k, target.vocab_size)
+    encoded_train = [encode_prompt(tokenizer, p) for p in train_prompts]
+    encoded_eval = [encode_prompt(tokenizer, p) for p in eval_prompts]
+
+    def run(prompt_ids: list[list[int]], seed: int):
+        generator = torch.Generator().manual_seed(seed)
+        return sample_batch(target.model, prompt_ids, max_new_tokens=config.max_new_tokens, top_k=top_k,
+                            eos_ids=target.eos_token_ids, pad_id=pad_id, generator=generator)  # fmt: skip
+
+    # the held-out set: every eval prompt once (made first: it is small and needed for the bar)
+    eval_file = directory / "eval-00000.pt"
+    if not eval_file.exists():
+        held_out = []
+        for start in range(0, len(encoded_eval), config.gen_batch_size):
+            held_out.extend(run(encoded_eval[start : start + config.gen_batch_size], config.seed + 10_000 + start))
+        _atomic_save(held_out, eval_file)
+    held_out = torch.load(eval_file, weights_only=True)
+
+    train = _load_shards(directory, "train")
+    have = _positions(train)
+    stats_path = directory / "stats.json"
+    if stats_path.exists() and train:  # a finished data phase: --resume trains on exactly this data
+        return train, held_out, json.loads(stats_path.read_text())
+    shard = len(list(directory.glob("train-*.pt")))
+    # the prompt order: a seeded shuffle repeated forever, so every prompt is used about equally
+    order_rng = random.Random(config.seed)
+    order: list[int] = []
+    while len(order) < (shard + 1 + config.data_tokens // max(config.max_new_tokens // 2, 1)) * config.gen_batch_size:
+        block = list(range(len(encoded_train)))
+        order_rng.shuffle(block)
+        order.extend(block)
+    bar = tqdm(total=config.data_tokens, initial=min(have, config.data_tokens), desc="distill: sampling target",
+               unit="tok", disable=not config.progress, file=sys.stderr, dynamic_ncols=True)  # fmt: skip
+    started = time.monotonic()
+    try:
+        # the first batch is made whatever the deadline, so there is always something to train on
+        while have < config.data_tokens and (time.monotonic() < deadline or not train):
+            picks = order[shard * config.gen_batch_size : (shard + 1) * config.gen_batch_size]
+            if not picks:
+                break
+            records = run([encoded_train[i] for i in picks], config.seed + shard)
+            _atomic_save(records, directory / f"train-{shard:05d}.pt")
+            train.extend(records)
+            made = _positions(records)
+            have += made
+            shard += 1
+            bar.update(min(made, config.data_tokens - bar.n))
+            bar.set_postfix_str(f"{have / max(time.monotonic() - started, 1e-9):.0f} tok/s, {_left(deadline)} left")
+    finally:
+        bar.close()
+    if not train:
+        raise DistillError("no training data: the budget ended before the first batch was sampled")
+    mass = torch.cat([r["topk_logp"].float().exp().sum(-1) for r in train + held_out])
+    stats = {
+        "train_positions": have, "train_sequences": len(train), "eval_positions": _positions(held_out),
+        "eval_sequences": len(held_out), "top_k": top_k, "top_k_mass": float(mass.mean()),
+        "top_k_mass_p10": float(mass.quantile(0.1)),
+    }  # fmt: skip
+    stats_path.write_text(json.dumps(stats, indent=2) + "\n")
+    return train, held_out, stats
+
+
+# ---------------------------------------------------------------------------------------
+# 2. the draft and its training
+
+
+def draft_llama_config(target_config, *, hidden: int, layers: int, heads: int, vocab_size: int):
+    """The Llama config of a draft of width `hidden` for a target (ids and context copied)."""
+    from transformers import LlamaConfig
+
+    if hidden % heads:
+        raise DistillError(f"--hidden {hidden} must be divisible by --heads {heads}")
+    return LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=hidden,
+        intermediate_size=4 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=heads,
+        max_position_embeddings=int(getattr(target_config, "max_position_embeddings", 2048) or 2048),
+        rms_norm_eps=1e-5,
+        bos_token_id=getattr(target_config, "bos_token_id", None),
+        eos_token_id=getattr(target_config, "eos_token_id", None),
+        pad_token_id=getattr(target_config, "pad_token_id", None),
+        tie_word_embeddings=False,  # input = E·P_inᵀ, output = E·P_outᵀ: two different projections
+    )
+
+
+class DraftModel(torch.nn.Module):
+    """A Llama body whose embeddings are the target's frozen embedding E [V, D] projected to H.
+
+    input embedding = E @ proj_in.weightᵀ, output matrix = E @ proj_out.weightᵀ (both [V, H]).
+    Only `body` (layers + final norm) and the two [H, D] projections are parameters, so the
+    stored weights hold nothing vocabulary-sized.
+    """
+
+    def __init__(self, target_embedding: torch.Tensor, config):
+        super().__init__()
+        from transformers import LlamaModel
+
+        body_config = config.__class__.from_dict({**config.to_dict(), "vocab_size": 1, "pad_token_id": None})
+        self.config = config
+        self.register_buffer("embedding", target_embedding.detach().float().clone(), persistent=False)  # [V, D]
+        self.body = LlamaModel(body_config)
+        self.body.embed_tokens = None  # the input comes as inputs_embeds
+        width = target_embedding.shape[1]
+        self.proj_in = torch.nn.Linear(width, config.hidden_size, bias=False)
+        self.proj_out = torch.nn.Linear(width, config.hidden_size, bias=False)
+
+    def init_from_pca(self, generator: torch.Generator) -> None:
+        """Both projections start as the top principal directions of E (random where H > rank)."""
+        embedding = self.embedding
+        centered = embedding - embedding.mean(0, keepdim=True)  # [V, D]
+        _, _, basis = torch.linalg.svd(centered, full_matrices=False)  # [r, D], rows = directions
+        hidden = self.config.hidden_size
+        weight = torch.randn(hidden, embedding.shape[1], generator=generator) / math.sqrt(embedding.shape[1])
+        rank = min(hidden, basis.shape[0])
+        weight[:rank] = basis[:rank]
+        # scale so the draft's embeddings have the target's per-coordinate spread
+        weight *= embedding.std() / (embedding @ weight.T).std().clamp_min(1e-8)
+        with torch.no_grad():
+            self.proj_in.weight.copy_(weight)
+            self.proj_out.weight.copy_(weight)
+            # start with logits of std ~1 (q near uniform, KL ~ log V - H(p)), not the ~10x larger
+            # logits a unit-RMS hidden state times the projected embedding would give
+            probe = torch.randn(256, hidden, generator=generator)  # unit-RMS hidden states
+            spread = (probe @ self.output_matrix().T).std().clamp_min(1e-8)
+            self.body.norm.weight.fill_(1.0 / float(spread))
+
+    def hidden_states(self, ids: torch.Tensor) -> torch.Tensor:
+        """ids [B, T] (right-padded: causal attention keeps padding out of real positions) -> [B, T, H]."""
+        inputs = self.proj_in(F.embedding(ids, self.embedding))  # [B, T, H]
+        return self.body(inputs_embeds=inputs, use_cache=False).last_hidden_state
+
+    def freeze_projections(self) -> None:
+        """Keep both projections at their PCA init: the [V, H] output matrix is then computed once
+        instead of twice per step (forward and backward), a third of a step's cost at H = 256."""
+        self.proj_in.weight.requires_grad_(False)
+        self.proj_out.weight.requires_grad_(False)
+        self._frozen_output = None
+
+    def output_matrix(self) -> torch.Tensor:
+        if not self.proj_out.weight.requires_grad:
+            cached = getattr(self, "_frozen_output", None)
+            if cached is None:
+                with torch.no_grad():
+                    cached = self._frozen_output = self.proj_out(self.embedding)
+            return cached  # [V, H]
+        return self.proj_out(self.embedding)  # [V, H]
+
+    def compact_state(self) -> dict[str, torch.Tensor]:
+        """What the weights file stores: body layers + norm, and the two projections."""
+        return {k: v.detach().clone() for k, v in self.state_dict().items()}
+
+
+def _pad(sequences: list[torch.Tensor], pad_id: int) -> torch.Tensor:
+    longest = max(len(s) for s in sequences)
+    batch = torch.full((len(sequences), longest), pad_id, dtype=torch.long)  # [B, T]
+    for row, seq in enumerate(sequences):
+        batch[row, : len(seq)] = seq
+    return batch
+
+
+def _gather_targets(records: list[dict]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(rows, cols) of the positions that have a stored p, and their top-k ids / log-probs."""
+    rows, cols, ids, logps = [], [], [], []
+    for row, r in enumerate(records):
+        n_gen = r["topk_ids"].shape[0]
+        start = r["n_prompt"] - 1  # the last prompt token predicts the first generated one
+        rows.append(torch.full((n_gen,), row, dtype=torch.long))
+        cols.append(torch.arange(start, start + n_gen))
+        ids.append(r["topk_ids"].long())
+        logps.append(r["topk_logp"].float())
+    return torch.cat(rows), torch.cat(cols), torch.cat(ids), torch.cat(logps)
+
+
+def kl_top_k(draft_logits: torch.Tensor, top_ids: torch.Tensor, top_logp: torch.Tensor) -> torch.Tensor:
+    """Mean over positions of KL(p ∥ q) on k + 1 bins: the target's top-k tokens and the rest.
+
+    draft_logits [N, V]; top_ids [N, k] and top_logp [N, k] hold p's top-k (log p normalised
+    over the full vocabulary, so Σ exp(top_logp) = p's top-k mass ≤ 1).
+    """
+    log_q = torch.log_softmax(draft_logits.float(), dim=-1)  # [N, V]
+    log_q_top = log_q.gather(1, top_ids)  # [N, k]
+    p_top = top_logp.exp()  # [N, k]
+    kl_top = (p_top * (top_logp - log_q_top)).sum(-1)  # [N]
+    p_tail = (1 - p_top.sum(-1)).clamp_min(1e-6)  # [N]
+    q_tail = (1 - log_q_top.exp().sum(-1)).clamp_min(1e-6)  # [N]
+    kl_tail = p_tail * (p_tail.log() - q_tail.log())  # [N]
+    return (kl_top + kl_tail).mean()
+
+
+@torch.no_grad()
+def quick_eval(draft: DraftModel, held_out: list[dict], pad_id: int, batch: int = 8) -> dict[str, float]:
+    """Held-out α and greedy agreement from the stored top-k of p (α here is a lower bound of
+    the full-softmax α, short by at most p's tail mass; greedy agreement is exact)."""
+    was_training = draft.training
+    draft.eval()
+    matrix = draft.output_matrix()  # [V, H]
+    alpha_sum = agree_sum = count = 0.0
+    for start in range(0, len(held_out), batch):
+        chunk = held_out[start : start + batch]
+        rows, cols, top_ids, top_logp = _gather_targets(chunk)
+        hidden = draft.hidden_states(_pad([r["ids"] for r in chunk], pad_id))[rows, cols]  # [N, H]
+        q = torch.softmax(hidden @ matrix.T, dim=-1)  # [N, V]
+        alpha_sum += float(torch.minimum(q.gather(1, top_ids), top_logp.exp()).sum())
+        agree_sum += float((q.argmax(-1) == top_ids[:, 0]).sum())
+        count += len(rows)
+    draft.train(was_training)
+    return {"alpha_topk": alpha_sum / count, "greedy_agreement": agree_sum / count}
+
+
+def _lr_at(step: int, fraction: float, peak: float, warmup: int = 30) -> float:
+    """Linear warmup, flat, then linear decay to 10% over the last 30% of the time budget."""
+    scale = min(1.0, (step + 1) / warmup)
+    if fraction > 0.7:
+        scale *= max(0.1, 1 - 0.9 * (fraction - 0.7) / 0.3)
+    return peak * scale
+
+
+def train(config: DistillConfig, draft: DraftModel, train_records: list[dict], held_out: list[dict],
+          pad_id: int, deadline: float, state: dict) -> dict:  # fmt: skip
+    """Minimise KL(p ∥ q) until `deadline`; checkpoint to --out; return the updated state.
+
+    `state` holds step, train_seconds, history and the best held-out weights so far (by the
+    top-k α); the draft ends with the best weights loaded.
+    """
+    params = [p for p in draft.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=config.lr, betas=(0.9, 0.95), weight_decay=0.0)
+    if state.get("optimizer"):
+        optimizer.load_state_dict(state["optimizer"])
+    rng = random.Random(config.seed * 1000 + state["step"])
+    budget = max(deadline - time.monotonic(), 1e-3)
+    started = time.monotonic()
+    last_eval = last_checkpoint = started
+    if not state["history"]:  # the starting point, for "α rose"
+        figures = quick_eval(draft, held_out, pad_id)
+        state["history"].append({"step": 0, "seconds": 0.0, "loss": None, **figures})
+        state["best"] = {"alpha_topk": figures["alpha_topk"], "state": draft.compact_state(), "step": 0}
+    start_step = state["step"]
+    bar = tqdm(total=round(budget), desc="distill: training", unit="s", disable=not config.progress,
+               file=sys.stderr, dynamic_ncols=True, mininterval=1.0,
+               bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt}s {postfix}")  # fmt: skip
+    loss_avg = None
+    draft.train()
+    try:
+        while time.monotonic() < deadline:
+            fraction = (time.monotonic() - started) / budget
+            for group in optimizer.param_groups:
+                group["lr"] = _lr_at(state["step"] - start_step, fraction, config.lr)
+            chunk = rng.sample(train_records, min(config.batch_size, len(train_records)))
+            rows, cols, top_ids, top_logp = _gather_targets(chunk)
+            hidden = draft.hidden_states(_pad([r["ids"] for r in chunk], pad_id))[rows, cols]  # [N, H]
+            loss = kl_top_k(hidden @ draft.output_matrix().T, top_ids, top_logp)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(params, 1.0)
+            optimizer.step()
+            state["step"] += 1
+            loss_value = loss.item()
+            loss_avg = loss_value if loss_avg is None else 0.95 * loss_avg + 0.05 * loss_value
+            now = time.monotonic()
+            if now - last_eval >= config.eval_every_s or now >= deadline:
+                figures = quick_eval(draft, held_out, pad_id)
+                seconds = state["train_seconds"] + now - started
+                state["history"].append({"step": state["step"], "seconds": round(seconds, 1), "loss": loss_avg, **figures})
+                if figures["alpha_topk"] >= state["best"]["alpha_topk"]:
+                    state["best"] = {"alpha_topk": figures["alpha_topk"], "state": draft.compact_state(), "step": state["step"]}
+                last_eval = time.monotonic()
+            last = state["history"][-1]
+            bar.set_postfix_str(
+                f"step {state['step']} loss {loss_avg:.3f} held-out α≥{last['alpha_topk']:.3f} "
+                f"greedy {last['greedy_agreement']:.3f} left {_left(deadline)}",
+                refresh=False,
+            )
+            bar.update(min(round(time.monotonic() - started), bar.total) - bar.n)  # redraws at most every 0.1 s
+            if time.monotonic() - last_checkpoint >= config.checkpoint_every_s:
+                save_checkpoint(config, draft, optimizer, state, state["train_seconds"] + time.monotonic() - started)
+                last_checkpoint = time.monotonic()
+    finally:
+        bar.close()
+    state["train_seconds"] += time.monotonic() - started
+    state["optimizer"] = optimizer.state_dict()
+    save_checkpoint(config, draft, optimizer, state, state["train_seconds"])
+    draft.load_state_dict(state["best"]["state"], strict=False)
+    return state
+
+
+def save_checkpoint(config: DistillConfig, draft: DraftModel, optimizer, state: dict, train_seconds: float) -> None:
+    payload = {
+        "arch": _arch(config), "draft": draft.compact_state(), "optimizer": optimizer.state_dict(),
+        "step": state["step"], "train_seconds": train_seconds, "history": state["history"], "best": state["best"],
+    }  # fmt: skip
+    _atomic_save(payload, Path(config.out) / CHECKPOINT_NAME)
+
+
+def _arch(config: DistillConfig) -> dict:
+    return {"layers": config.layers, "hidden": config.hidden, "heads": config.heads,
+            "learn_projections": config.learn_projections}  # fmt: skip
+
+
+# ---------------------------------------------------------------------------------------
+# 3. evaluation
+
+
+@torch.no_grad()
+def step_cost_ms(model, prompt_ids: list[int], steps: int = 24, warmup: int = 4) -> float:
+    """Median ms of one single-token decode step with a KV cache (greedy tokens), current threads."""
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=model.config)
+    out = model(input_ids=torch.tensor([prompt_ids]), cache=cache, use_cache=True)
+    token = out.logits[:, -1].argmax(-1, keepdim=True)  # [1, 1]
+    times = []
+    for index in range(warmup + steps):
+        begin = time.perf_counter()
+        out = model(input_ids=token, cache=cache, use_cache=True)
+        elapsed = time.perf_counter() - begin
+        token = out.logits[:, -1].argmax(-1, keepdim=True)
+        if index >= warmup:
+            times.append(elapsed * 1000)
+    times.sort()
+    return times[len(times) // 2]
+
+
+@torch.no_grad()
+def evaluate(target, draft, held_out: list[dict], *, max_k: int = 12, batch: int = 4) -> dict[str, Any]:
+    """Exact held-out figures: α and greedy agreement on full softmaxes, c_q, c_p, best K.
+
+    `target` and `draft` are specdec.models.LoadedModel (the draft as written to disk).
+    """
+    from specdec.sampling import acceptance_rate, expected_speedup, expected_tokens_per_cycle
+
+    pad_id = 0
+    alpha_sum = agree_sum = count = 0.0
+    for start in range(0, len(held_out), batch):
+        chunk = held_out[start : start + batch]
+        rows, cols, _, _ = _gather_targets(chunk)
+        ids = _pad([r["ids"] for r in chunk], pad_id)
+        target_logits = target.model(input_ids=ids, use_cache=False).logits[rows, cols].float()  # [N, V]
+        draft_logits = draft.model(input_ids=ids, use_cache=False).logits[rows, cols].float()  # [N, V]
+        vocab = min(target_logits.shape[-1], draft_logits.shape[-1])
+        p = torch.softmax(target_logits[:, :vocab], -1)
+        q = torch.softmax(draft_logits[:, :vocab], -1)
+        alpha_sum += float(acceptance_rate(q, p).sum())
+        agree_sum += float((q.argmax(-1) == p.argmax(-1)).sum())
+        count += len(rows)
+    alpha = alpha_sum / count
+    prompt = held_out[0]["ids"][: held_out[0]["n_prompt"]].tolist()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        c_q = step_cost_ms(draft.model, prompt)
+        c_p = step_cost_ms(target.model, prompt)
+    finally:
+        torch.set_num_threads(threads)
+    ratio = c_q / c_p
+    speedups = {k: expected_speedup(min(alpha, 1.0), k, ratio) for k in range(1, max_k + 1)}
+    best_k = max(speedups, key=speedups.get)
+    return {
+        "alpha": round(alpha, 4), "greedy_agreement": round(agree_sum / count, 4),
+        "c_q_ms": round(c_q, 2), "c_p_ms": round(c_p, 2), "cost_ratio": round(ratio, 4),
+        "best_k": best_k, "expected_tokens_per_cycle": round(expected_tokens_per_cycle(min(alpha, 1.0), best_k), 3),
+        "expected_speedup": round(speedups[best_k], 3), "eval_positions": int(count),
+        "eval_sequences": len(held_out), "timing": "median single-token step with KV cache, 1 torch thread, fp32",
+    }  # fmt: skip
+
+
+# ---------------------------------------------------------------------------------------
+# 4. writing: compact weights file -> Hugging Face directory
+
+
+def save_draft_weights(draft: DraftModel, path: str | os.PathLike, *, target_name: str, fingerprint: str) -> Path:
+    """Write the compact fp16 weights (no vocabulary-sized tensor) with the config as metadata."""
+    from safetensors.torch import save_file
+
+    config = draft.config
+    meta = {
+        "format": WEIGHTS_FORMAT, "target": target_name, "target_vocab_fingerprint": fingerprint,
+        "llama_config": json.dumps(config.to_dict()), "target_width": str(draft.embedding.shape[1]),
+    }  # fmt: skip
+    tensors = {k: v.to(torch.float16).contiguous() for k, v in draft.compact_state().items()}
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    temp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}")
+    save_file(tensors, str(temp), metadata=meta)
+    os.replace(temp, path)
+    return path
+
+
+def materialize_draft(target: str | Any, draft_weights_path: str | os.PathLike, out_dir: str | os.PathLike) -> Path:
+    """Build the Hugging Face draft directory from a compact weights file and the target.
+
+    target: the target's catalog name / path, or an already loaded specdec LoadedModel. Its
+    embedding supplies the vocabulary-sized matrices (E·P_inᵀ, E·P_outᵀ), its tokenizer and
+    generation config are copied. Refuses a target whose vocabulary fingerprint differs from
+    the one the weights were trained against.
+    """
+    from safetensors import safe_open
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from specdec.models import VocabMismatchError, load_model, save_model
+
+    loaded = load_model(target) if isinstance(target, (str, os.PathLike)) else target
+    with safe_open(str(draft_weights_path), framework="pt") as handle:
+        meta = handle.metadata() or {}
+        tensors = {key: handle.get_tensor(key).float() for key in handle.keys()}
+    if meta.get("format") != WEIGHTS_FORMAT:
+        raise DistillError(f"{draft_weights_path} is not a specdec draft weights file (format {meta.get('format')!r})")
+    if meta["target_vocab_fingerprint"] != loaded.vocab_fingerprint:
+        raise VocabMismatchError(
+            f"draft weights {draft_weights_path} were distilled for a target with vocabulary "
+            f"{meta['target_vocab_fingerprint'][:12]}, but {loaded.name!r} has {loaded.vocab_fingerprint[:12]}"
+        )
+    config = LlamaConfig.from_dict(json.loads(meta["llama_config"]))
+    embedding = loaded.model.get_input_embeddings().weight.detach().float()  # [V, D]
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config)
+    state = {key.removeprefix("body."): value for key, value in tensors.items() if key.startswith("body.")}
+    state = {f"model.{key}": value for key, value in state.items()}
+    with torch.no_grad():
+        state["model.embed_tokens.weight"] = embedding @ tensors["proj_in.weight"].T  # [V, H]
+        state["lm_head.weight"] = embedding @ tensors["proj_out.weight"].T  # [V, H]
+    model.load_state_dict(state, strict=True, assign=True)
+    model.eval()
+    generation_config = getattr(loaded.model, "generation_config", None)
+    if generation_config is not None:
+        model.generation_config = generation_config
+    out_dir = Path(out_dir)
+    save_model(model, loaded.tokenizer, out_dir)
+    return out_dir
+
+
+def export_draft(config: DistillConfig, draft: DraftModel, target) -> Path:
+    """Write draft-weights.safetensors, then the HF directory built from it, into --out."""
+    out = Path(config.out)
+    weights = save_draft_weights(draft, out / WEIGHTS_NAME, target_name=config.target, fingerprint=target.vocab_fingerprint)
+    materialize_draft(target, weights, out)
+    return weights
+
+
+# ---------------------------------------------------------------------------------------
+# distilled drafts in the catalog
+
+
+@dataclass(frozen=True)
+class DraftEntry:
+    """A catalog draft: compact weights shipped in specdec/data, rebuilt on first use."""
+
+    name: str
+    target: str  # catalog name (or path) of the target it was distilled for
+    weights: str  # file name under specdec/data (or an absolute path)
+    description: str
+
+
+DRAFT_CATALOG: dict[str, DraftEntry] = {
+    "smollm2-135m-instruct-draft": DraftEntry(
+        name="smollm2-135m-instruct-draft",
+        target="smollm2-135m-instruct",
+        weights="smollm2-135m-instruct-draft.safetensors",
+        description="2-layer 256-wide Llama distilled from SmolLM2-135M-Instruct by `specdec distill` "
+        "(shares its tokenizer; embeddings = the target's, projected)",
+    ),
+}
+
+
+def ensure_distilled_draft(name: str, *, progress: bool = True) -> Path:
+    """Return the cached HF directory of catalog draft `name`, building it on first use.
+
+    Building needs the target (itself a catalog model, fetched if missing) and the compact
+    weights shipped in specdec/data; it takes a few seconds. Built in a staging dir and
+    renamed into place with a marker, under a lock, like the catalog's converted models.
+    """
+    from specdec.models import CATALOG, _exclusive_lock, catalog_model_dir, ensure_catalog_model
+
+    entry = DRAFT_CATALOG[name]
+    final = catalog_model_dir(name)
+    if (final / DRAFT_MARKER).is_file():
+        return final
+    final.parent.mkdir(parents=True, exist_ok=True)
+    with _exclusive_lock(final.parent / f".{name}.lock"):
+        if (final / DRAFT_MARKER).is_file():
+            return final
+        staging = final.parent / f".{name}.staging-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        bar = tqdm(total=2, desc=f"specdec: building {name}", unit="step", disable=not progress, file=sys.stderr)
+        try:
+            if entry.target in CATALOG:
+                target_dir = ensure_catalog_model(entry.target, progress=progress)
+            else:
+                target_dir = Path(entry.target)
+            bar.update(1)
+            weights = Path(__file__).parent / "data" / entry.weights  # an absolute entry.weights wins
+            materialize_draft(str(target_dir), weights, staging)
+            marker = {"name": name, "built_from": entry.weights, "target": entry.target, "created_unix": time.time()}
+            (staging / DRAFT_MARKER).write_text(json.dumps(marker, indent=2) + "\n")
+            if final.exists():
+                shutil.rmtree(final)
+            os.replace(staging, final)
+            bar.update(1)
+        finally:
+            bar.close()
+            if staging.exists():
+                shutil.rmtree(staging, ignore_errors=True)
+    return final
+
+
+# ---------------------------------------------------------------------------------------
+# the whole run
+
+
+def distill(config: DistillConfig) -> dict:
+    """Run data -> train -> evaluate -> write; return the card (also written to --out)."""
+    from specdec.models import load_model
+
+    torch.set_num_threads(max(1, config.threads))
+    began = time.monotonic()
+    deadline = began + config.minutes * 60
+    out = Path(config.out)
+    checkpoint_path = out / CHECKPOINT_NAME
+    if not config.resume and (checkpoint_path.exists() or (out / DATA_DIR).exists()):
+        raise DistillError(f"{out} already holds a distillation run; pass --resume to continue it, or pick a new --out")
+    out.mkdir(parents=True, exist_ok=True)
+    target = load_model(config.target)
+    train_prompts, eval_prompts = load_prompts(config.prompts, config.eval_prompts or None)
+    meta_path = out / DATA_DIR / "target.json"
+    if meta_path.exists():
+        previous = json.loads(meta_path.read_text())
+        if previous["vocab_fingerprint"] != target.vocab_fingerprint:
+            raise DistillError(f"{out} holds data from another target ({previous['target']}); pick a new --out")
+    (out / DATA_DIR).mkdir(parents=True, exist_ok=True)
+    meta_path.write_text(json.dumps({"target": config.target, "vocab_fingerprint": target.vocab_fingerprint}) + "\n")
+
+    # 1. data (at most data_share of the budget)
+    data_deadline = began + config.minutes * 60 * config.data_share
+    train_records, held_out, data_stats = generate_data(config, target, train_prompts, eval_prompts, data_deadline)
+    if data_stats["top_k"] != min(config.top_k, target.vocab_size):
+        print(f"specdec distill: the cached data holds top-{data_stats['top_k']} log-probs; using those", file=sys.stderr)
+        config.top_k = data_stats["top_k"]
+
+    # 2. the draft: fresh (PCA init) or from the checkpoint
+    llama_config = draft_llama_config(target.model.config, hidden=config.hidden, layers=config.layers,
+                                      heads=config.heads, vocab_size=target.vocab_size)  # fmt: skip
+    embedding = target.model.get_input_embeddings().weight.detach()
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(config.seed)
+        draft = DraftModel(embedding, llama_config)
+    state: dict[str, Any] = {"step": 0, "train_seconds": 0.0, "history": [], "best": None, "optimizer": None}
+    if checkpoint_path.exists():
+        saved = torch.load(checkpoint_path, weights_only=False)
+        if saved.get("arch") != _arch(config):
+            raise DistillError(f"the checkpoint in {out} is a {saved['arch']} draft; resume with the same --layers/--hidden/--heads")
+        draft.load_state_dict(saved["draft"], strict=False)
+        state.update(step=saved["step"], train_seconds=saved["train_seconds"], history=saved["history"],
+                     best=saved["best"], optimizer=saved["optimizer"])  # fmt: skip
+    else:
+        draft.init_from_pca(torch.Generator().manual_seed(config.seed))
+    if not config.learn_projections:
+        draft.freeze_projections()
+    pad_id = target.tokenizer.pad_token_id if target.tokenizer.pad_token_id is not None else 0
+    state = train(config, draft, train_records, held_out, pad_id, deadline, state)
+
+    # 4. write (before 3, so the figures are measured on exactly what was written)
+    weights = export_draft(config, draft, target)
+    written = load_model(str(out))
+
+    # 3. evaluate the written draft against the target
+    figures = evaluate(target, written, held_out)
+    card = {
+        "format": WEIGHTS_FORMAT,
+        "target": config.target,
+        "target_vocab_fingerprint": target.vocab_fingerprint,
+        "draft_vocab_fingerprint": written.vocab_fingerprint,
+        "figures": figures,
+        "training": {
+            "steps": state["step"], "train_seconds": round(state["train_seconds"], 1),
+            "best_step": state["best"]["step"], "alpha_start": state["history"][0]["alpha_topk"],
+            "greedy_agreement_start": state["history"][0]["greedy_agreement"],
+            "history": state["history"], "wall_seconds_this_run": round(time.monotonic() - began, 1), **data_stats,
+        },  # fmt: skip
+        "architecture": {**_arch(config), "vocab_size": target.vocab_size, "target_width": int(embedding.shape[1]),
+                         "embeddings": "target embedding (frozen) x PCA projection"
+                         + (", fine-tuned" if config.learn_projections else " (fixed)")},  # fmt: skip
+        "weights_file": weights.name,
+        "weights_bytes": weights.stat().st_size,
+        "command": config.command(),
+        "created_unix": time.time(),
+    }
+    (out / CARD_NAME).write_text(json.dumps(card, indent=2) + "\n")
+    return card
+
+
+# ---------------------------------------------------------------------------------------
+# helpers
+
+
+def _atomic_save(obj, path: Path) -> None:
+    temp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}")
+    torch.save(obj, temp)
+    os.replace(temp, path)
+
+
+def _left(deadline: float) -> str:
+    seconds = max(0, int(deadline - time.monotonic()))
+    return f"{seconds // 60}:{seconds % 60:02d}"
+
+
+# ---------------------------------------------------------------------------------------
+# CLI
+
+
+def add_distill_parser(subparsers) -> argparse.ArgumentParser:
+    """Add the `distill` command to `subparsers` (an argparse subparsers object)."""
+    defaults = DistillConfig(target="", out="")
+    parser = subparsers.add_parser(
+        "distill",
+        help="make a fast draft model for a target by distillation",
+        description="Sample text from the target, train a small Llama draft to match the target's "
+        "distributions (KL(p||q) on its top-k), evaluate α, greedy agreement and step costs on held-out "
+        "prompts, and write a model directory `specdec serve draft --model OUT` loads, with a card "
+        f"({CARD_NAME}). --minutes covers data generation and training; the final evaluation and writing "
+        "take about a minute more.",
+    )
+    parser.add_argument("--target", required=True, help="catalog name or path of the target model")
+    parser.add_argument("--out", required=True, help="output directory (draft model, card, data cache, checkpoint)")
+    parser.add_argument("--minutes", type=float, default=defaults.minutes, help="wall-clock budget for data + training (default: %(default)s)")
+    parser.add_argument("--prompts", default=defaults.prompts, help="JSONL prompt set (default: the packaged set)")
+    parser.add_argument("--eval-prompts", default="", help="JSONL of held-out prompts (default: the 'eval' split of --prompts)")
+    parser.add_argument("--layers", type=int, default=defaults.layers, help="draft layers (default: %(default)s)")
+    parser.add_argument("--hidden", type=int, default=defaults.hidden, help="draft width (default: %(default)s)")
+    parser.add_argument("--heads", type=int, default=defaults.heads, help="draft attention heads (default: %(default)s)")
+    parser.add_argument("--top-k", type=int, default=defaults.top_k, help="target log-probs stored per position (default: %(default)s)")
+    parser.add_argument("--data-tokens", type=int, default=defaults.data_tokens, help="target-sampled positions to generate (default: %(default)s)")
+    parser.add_argument("--max-new-tokens", type=int, default=defaults.max_new_tokens, help="continuation length (default: %(default)s)")
+    parser.add_argument("--gen-batch-size", type=int, default=defaults.gen_batch_size, help="sequences sampled at once (default: %(default)s)")
+    parser.add_argument("--batch-size", type=int, default=defaults.batch_size, help="sequences per training step (default: %(default)s)")
+    parser.add_argument("--lr", type=float, default=defaults.lr, help="peak learning rate (default: %(default)s)")
+    parser.add_argument("--seed", type=int, default=defaults.seed, help="random seed (default: %(default)s)")
+    parser.add_argument("--threads", type=int, default=defaults.threads, help="torch threads (default: %(default)s)")
+    parser.add_argument("--eval-every", type=float, default=defaults.eval_every_s, help="seconds between held-out evaluations (default: %(default)s)")
+    parser.add_argument("--learn-projections", action="store_true", help="also train the embedding projections (slower steps)")
+    parser.add_argument("--resume", action="store_true", help="continue the run in --out (its data and checkpoint)")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bars")
+    return parser
+
+
+def config_from_args(args: argparse.Namespace) -> DistillConfig:
+    return DistillConfig(
+        target=args.target, out=args.out, minutes=args.minutes, prompts=args.prompts, eval_prompts=args.eval_prompts,
+        layers=args.layers, hidden=args.hidden, heads=args.heads, top_k=args.top_k, data_tokens=args.data_tokens,
+        max_new_tokens=args.max_new_tokens, gen_batch_size=args.gen_batch_size, batch_size=args.batch_size,
+        lr=args.lr, seed=args.seed, threads=args.threads, learn_projections=args.learn_projections, eval_every_s=args.eval_every, resume=args.resume,
+        progress=not args.no_progress,
+    )  # fmt: skip
+
+
+def run_distill(args: argparse.Namespace) -> int:
+    """Handler of `specdec distill`: run it, print the figures; 0 on success, 1 on a usage error."""
+    try:
+        card = distill(config_from_args(args))
+    except DistillError as exc:
+        print(f"specdec distill: {exc}", file=sys.stderr)
+        return 1
+    figures = card["figures"]
+    print(
+        f"draft written to {args.out}\n"
+        f"held-out: alpha {figures['alpha']:.3f}, greedy agreement {figures['greedy_agreement']:.3f}, "
+        f"c_q {figures['c_q_ms']:.1f} ms, c_p {figures['c_p_ms']:.1f} ms (c_q/c_p {figures['cost_ratio']:.3f}), "
+        f"expected speedup {figures['expected_speedup']:.2f}x at K={figures['best_k']}\n"
+        f"serve it: specdec serve draft --model {args.out}"
+    )
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m specdec.distill")
+    commands = parser.add_subparsers(dest="command")
+    add_distill_parser(commands)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] != "distill":
+        argv = ["distill", *argv]
+    return run_distill(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

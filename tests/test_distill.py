@@ -1,0 +1,198 @@
+"""`specdec distill`: a tiny target distilled for a few seconds, written, resumed and served.
+
+One distillation run (module fixture) is shared by the checks; the long SmolLM2 run is a
+command (README "Make a draft"), never a test.
+"""
+
+import argparse
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from specdec import distill as distill_module
+from specdec.distill import (
+    CARD_NAME,
+    CHECKPOINT_NAME,
+    DATA_DIR,
+    DEFAULT_PROMPTS,
+    WEIGHTS_NAME,
+    add_distill_parser,
+    kl_top_k,
+    load_prompts,
+    materialize_draft,
+    run_distill,
+)
+from specdec.models import VocabMismatchError, build_tiny_model, build_tiny_tokenizer, load_model, save_model
+
+from conftest import TINY_INIT_RANGE, start_stack
+
+TINY_PROMPTS = [
+    "hello there", "tell me a story", "what is the sea", "write a poem", "how are you", "list three fruits",
+    "explain the sun", "say something nice", "count to ten", "why is the sky blue", "give me advice",
+    "name a color", "sing a song", "where is the moon", "describe a cat", "what time is it",
+]  # fmt: skip
+DISTILL_FLAGS = [
+    "--layers", "1", "--hidden", "32", "--heads", "2", "--data-tokens", "2500", "--max-new-tokens", "40",
+    "--eval-every", "1", "--no-progress",
+]  # fmt: skip
+
+
+def parse(argv):
+    parser = argparse.ArgumentParser()
+    add_distill_parser(parser.add_subparsers(dest="command"))
+    return parser.parse_args(["distill", *argv])
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    root = tmp_path_factory.mktemp("distill")
+    tokenizer = build_tiny_tokenizer()
+    model = build_tiny_model(tokenizer, hidden_size=64, num_layers=2, seed=3, initializer_range=TINY_INIT_RANGE)
+    target = save_model(model, tokenizer, root / "target")
+    prompts = root / "prompts.jsonl"
+    rows = [{"prompt": p, "split": "eval" if i % 4 == 3 else "train"} for i, p in enumerate(TINY_PROMPTS)]
+    prompts.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return root, str(target), str(prompts)
+
+
+@pytest.fixture(scope="module")
+def distilled(tiny):
+    """One short run, then a resumed one; returns (out dir, first card, second card, data files before)."""
+    root, target, prompts = tiny
+    out = root / "draft"
+    argv = ["--target", target, "--out", str(out), "--prompts", prompts, "--minutes", "0.1", *DISTILL_FLAGS]
+    assert run_distill(parse(argv)) == 0
+    first = json.loads((out / CARD_NAME).read_text())
+    data_before = {p.name: p.stat().st_mtime_ns for p in (out / DATA_DIR).glob("*.pt")}
+    assert run_distill(parse([*argv[:-len(DISTILL_FLAGS)], *DISTILL_FLAGS, "--minutes", "0.05", "--resume"])) == 0
+    second = json.loads((out / CARD_NAME).read_text())
+    return out, first, second, data_before
+
+
+def test_alpha_rises_above_its_starting_value(distilled):
+    _, first, second, _ = distilled
+    for card in (first, second):
+        assert card["figures"]["alpha"] > card["training"]["alpha_start"] + 0.05
+    # the tiny vocabulary (39 tokens) fits in k = 64, so the stored p is the whole p
+    assert first["training"]["top_k"] == 39 and first["training"]["top_k_mass"] == pytest.approx(1.0, abs=1e-3)
+
+
+def test_card_records_fingerprint_figures_and_command(distilled, tiny):
+    out, first, _, _ = distilled
+    figures = first["figures"]
+    for key in ("alpha", "greedy_agreement", "c_q_ms", "c_p_ms", "cost_ratio", "best_k", "expected_speedup"):
+        assert key in figures
+    assert 0 <= figures["alpha"] <= 1 and 0 <= figures["greedy_agreement"] <= 1
+    assert figures["c_q_ms"] > 0 and figures["c_p_ms"] > 0 and figures["best_k"] >= 1
+    assert first["command"].startswith("specdec distill --target ")
+    assert f"--out {out}" in first["command"] and "--hidden 32" in first["command"]
+    assert first["target_vocab_fingerprint"] == load_model(tiny[1]).vocab_fingerprint
+
+
+def test_written_directory_loads_with_the_targets_vocabulary(distilled, tiny):
+    out, first, _, _ = distilled
+    draft = load_model(str(out))
+    target = load_model(tiny[1])
+    assert draft.vocab_fingerprint == target.vocab_fingerprint == first["draft_vocab_fingerprint"]
+    assert draft.vocab_size == target.vocab_size
+    assert draft.model.config.num_hidden_layers == 1 and draft.model.config.hidden_size == 32
+    assert (out / WEIGHTS_NAME).stat().st_size < 200_000  # no vocabulary-sized matrix inside
+
+
+def test_resume_continues_training_without_regenerating_data(distilled):
+    out, first, second, data_before = distilled
+    assert second["training"]["steps"] > first["training"]["steps"]
+    assert second["training"]["train_seconds"] > first["training"]["train_seconds"]
+    assert {p.name: p.stat().st_mtime_ns for p in (out / DATA_DIR).glob("*.pt")} == data_before
+    assert (out / CHECKPOINT_NAME).is_file()
+
+
+def test_a_second_run_into_the_same_dir_needs_resume(distilled, tiny, capsys):
+    out, _, _, _ = distilled
+    argv = ["--target", tiny[1], "--out", str(out), "--prompts", tiny[2], "--minutes", "0.01", *DISTILL_FLAGS]
+    assert run_distill(parse(argv)) == 1
+    assert "--resume" in capsys.readouterr().err
+
+
+def test_materialize_rebuilds_the_draft_and_refuses_another_vocabulary(distilled, tiny, tmp_path):
+    out, _, _, _ = distilled
+    rebuilt = materialize_draft(tiny[1], out / WEIGHTS_NAME, tmp_path / "rebuilt")
+    ids = torch.tensor([[5, 6, 7, 8, 9]])
+    with torch.no_grad():
+        expected = load_model(str(out)).model(input_ids=ids).logits
+        assert torch.allclose(load_model(str(rebuilt)).model(input_ids=ids).logits, expected, atol=1e-5)
+    other_tokenizer = build_tiny_tokenizer(list("abcdefghij "))
+    other = save_model(build_tiny_model(other_tokenizer, seed=1), other_tokenizer, tmp_path / "other")
+    with pytest.raises(VocabMismatchError):
+        materialize_draft(str(other), out / WEIGHTS_NAME, tmp_path / "never")
+
+
+def test_distilled_draft_serves_losslessly(distilled, tiny, redis_url):
+    """Real draft + target + coordinator processes; greedy output must be the target's own."""
+    import specdec
+
+    out, _, _, _ = distilled
+    tokenizer = build_tiny_tokenizer()
+    prompt_ids = tokenizer.encode("tell me about the sea")
+    target = load_model(tiny[1])
+    with torch.no_grad():
+        reference = target.model.generate(
+            torch.tensor([prompt_ids]), attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
+            do_sample=False, max_new_tokens=30, pad_token_id=tokenizer.pad_token_id,
+        )[0, len(prompt_ids) :].tolist()  # fmt: skip
+    stack = start_stack(redis_url, tiny[1], str(out))
+    try:
+        with specdec.Client(stack.address) as client:
+            result = client.generate(prompt_token_ids=prompt_ids, max_new_tokens=30, num_speculative_tokens=3)
+    finally:
+        stack.stop()
+    assert result.token_ids == reference[: len(result.token_ids)] and len(result.token_ids) > 0
+    assert result.stats.draft_tokens > 0
+
+
+def test_kl_top_k_is_zero_for_equal_distributions_and_counts_the_tail():
+    logits = torch.randn(5, 50)
+    log_p = torch.log_softmax(logits, -1)
+    top_logp, top_ids = log_p.topk(8, -1)
+    assert kl_top_k(logits, top_ids, top_logp).item() == pytest.approx(0.0, abs=1e-5)
+    # same top-k shape but q moves mass into the tail: the tail bin sees it
+    shifted = logits.clone()
+    shifted.scatter_add_(1, top_ids, torch.full_like(top_logp, -2.0))
+    assert kl_top_k(shifted, top_ids, top_logp).item() > 0.05
+    # full vocabulary as "top-k": the loss is the exact KL(p || q)
+    q_logits = torch.randn(5, 50)
+    full = torch.nn.functional.kl_div(torch.log_softmax(q_logits, -1), log_p, log_target=True, reduction="none").sum(-1)
+    all_logp, all_ids = log_p.topk(50, -1)
+    assert kl_top_k(q_logits, all_ids, all_logp).item() == pytest.approx(full.mean().item(), rel=1e-4)
+
+
+def test_default_prompt_set_is_varied_and_holds_out_distinct_prompts():
+    train, held_out = load_prompts(DEFAULT_PROMPTS)
+    assert len(train) >= 200 and len(held_out) >= 20
+    assert not set(train) & set(held_out)
+    text = " ".join(train).lower()
+    for kind in ("explain", "list", "python", "summar", "hello"):
+        assert kind in text
+
+
+def test_catalog_draft_entry_points_at_a_packaged_weights_file():
+    for entry in distill_module.DRAFT_CATALOG.values():
+        path = Path(distill_module.__file__).parent / "data" / entry.weights
+        if not path.exists():
+            pytest.skip(f"{path.name} not built yet (run the README's `specdec distill` command)")
+        assert path.stat().st_size < 20 * 2**20
+
+
+def test_a_catalog_draft_is_built_on_first_use_and_cached(distilled, tiny, tmp_path, monkeypatch):
+    out, _, _, _ = distilled
+    monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path / "cache"))
+    entry = distill_module.DraftEntry(name="tiny-draft", target=tiny[1], weights=str(out / WEIGHTS_NAME), description="")
+    monkeypatch.setitem(distill_module.DRAFT_CATALOG, "tiny-draft", entry)
+    built = distill_module.ensure_distilled_draft("tiny-draft", progress=False)
+    assert (built / "specdec-model.json").is_file()
+    assert load_model(str(built)).vocab_fingerprint == load_model(tiny[1]).vocab_fingerprint
+    stamp = (built / "model.safetensors").stat().st_mtime_ns
+    assert distill_module.ensure_distilled_draft("tiny-draft", progress=False) == built
+    assert (built / "model.safetensors").stat().st_mtime_ns == stamp  # cached: not rebuilt
