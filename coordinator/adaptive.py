@@ -12,10 +12,15 @@ Terms (the seed's formulas):
 Estimates decay (DECAY per cycle) so K follows the text as it changes. c_verify(k)
 is a line fitted to the passes seen so far, with a prior slope until two sizes have
 been seen. When k = 0 wins, a one-token probe every PROBE_EVERY cycles keeps α̂ current.
+
+Each session starts from `session()` of the coordinator's shared estimate, which every
+session also feeds: a new request does not pay to learn again what the model pair and
+the machine cost, and its own estimate then follows its own text.
 """
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field
 
 from specdec.sampling import expected_tokens_per_cycle
@@ -39,6 +44,14 @@ class AdaptiveK:
     # k -> (decayed sum of verify ms, decayed count)
     verify: dict[int, list[float]] = field(default_factory=dict)
     cycles_since_probe: int = 0
+    # The coordinator-wide estimate this one was copied from, fed the same observations.
+    shared: "AdaptiveK | None" = None
+
+    def session(self, max_k: int) -> "AdaptiveK":
+        """A per-session estimate starting from this (shared) one and feeding it."""
+        own = copy.deepcopy(self)
+        own.max_k, own.shared, own.cycles_since_probe = max_k, self, 0
+        return own
 
     @property
     def alpha(self) -> float:
@@ -89,6 +102,8 @@ class AdaptiveK:
 
     def observe(self, drafted: int, accepted: int, draft_ms: float, verify_ms: float) -> None:
         """Fold in one cycle: `drafted` tokens proposed, `accepted` of them taken."""
+        if self.shared is not None:
+            self.shared.observe(drafted, accepted, draft_ms, verify_ms)
         for stats in self.verify.values():
             stats[0] *= DECAY
             stats[1] *= DECAY

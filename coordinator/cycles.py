@@ -171,6 +171,7 @@ class CycleLoop:
         plan: Plan,
         deadline: float | None,
         trace_context: otel_context.Context | None = None,
+        shared_k: AdaptiveK | None = None,
     ):
         self.draft = draft  # DraftStub
         self.target = target  # TargetStub
@@ -185,7 +186,10 @@ class CycleLoop:
         self.draft_failures = 0
         self.draft_paused_until = 0  # cycle index from which drafting resumes
         self.speculation: Speculation | None = None
-        self.adaptive = AdaptiveK(plan.k) if plan.adaptive and plan.k > 0 else None
+        # Adaptive K: a per-session estimate seeded from (and feeding) the coordinator's.
+        self.adaptive = None
+        if plan.adaptive and plan.k > 0:
+            self.adaptive = (shared_k or AdaptiveK(plan.k)).session(plan.k)
         # Parent of the cycle spans: the request's specdec.generate span.
         self.trace_context = trace_context
         self.tracer = telemetry.tracer()

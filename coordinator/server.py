@@ -12,6 +12,7 @@ import grpc
 from opentelemetry import trace
 from opentelemetry.trace import StatusCode
 
+from coordinator.adaptive import AdaptiveK
 from coordinator.cycles import CycleLoop, Plan, Stats
 from coordinator.text import TextStream
 from specdec import serving, telemetry
@@ -70,6 +71,8 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         self.tokenizer = None
         self.background: set[asyncio.Task] = set()
         self.metrics = CoordinatorMetrics()
+        # What adaptive K has learnt about this draft/target pair, shared by all sessions.
+        self.shared_k = AdaptiveK(config.max_k)
 
     async def load(self) -> None:
         """Wait for both model services, check they share a vocabulary, load the tokenizer."""
@@ -133,7 +136,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         metrics = self.metrics
         await self.store.create(plan.session_id, plan.prompt, session_meta(plan, self))
         metrics.prompt_tokens.inc(len(plan.prompt))
-        loop = CycleLoop(self.draft, self.target, self.store, plan, deadline, trace_context)
+        loop = CycleLoop(self.draft, self.target, self.store, plan, deadline, trace_context, self.shared_k)
         text = TextStream(self.tokenizer, list(request.stop))
         started = time.perf_counter()
         first_token_s = 0.0

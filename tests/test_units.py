@@ -322,3 +322,14 @@ def test_adaptive_k_respects_the_limit():
     controller = AdaptiveK(max_k=8)
     feed(controller, 30, bernoulli(1.0), draft_ms_per_token=0.5, verify_ms=lambda k: 50 + k)
     assert controller.choose(2) == 2 and controller.choose(0) == 0
+
+
+def test_a_new_session_starts_from_what_earlier_sessions_learnt():
+    shared = AdaptiveK(max_k=8)
+    first = shared.session(8)
+    feed(first, 40, bernoulli(0.0), draft_ms_per_token=2.0, verify_ms=lambda k: 60 + 8 * k)
+    # The shared estimate learnt the draft is useless: a new session skips drafting at once.
+    assert shared.alpha < 0.15
+    assert shared.session(8).choose(8) == 0
+    # A session's own observations stay its own as well.
+    assert first.alpha < 0.15 and AdaptiveK(max_k=8).session(8).choose(8) > 0
