@@ -9,7 +9,7 @@ from draft_service.drafters import ModelDrafter, NgramDrafter
 from specdec import model_service, serving
 from specdec.errors import InvalidArgument, grpc_handler
 from specdec.kvcache import SessionPool
-from specdec.model_service import ModelService
+from specdec.model_service import ModelService, ModelServiceConfig
 from specdec.rng import DRAFT, cycle_generator
 from specdec.session import SessionStore
 from specdec.v1 import specdec_pb2 as pb
@@ -20,23 +20,13 @@ NGRAM = "ngram"
 
 
 @dataclass
-class DraftConfig:
+class DraftConfig(ModelServiceConfig):
     # Catalog name, HF directory, .gguf file, or "ngram" for prompt lookup.
     model: str = NGRAM
-    redis_url: str = ""
-    host: str = "127.0.0.1"
     port: int = 50052
-    # Largest K accepted; bounds the work one request can ask for.
-    max_k: int = 16
-    # Sessions whose KV cache is kept; least recently used evicted beyond.
-    max_sessions: int = 256
-    dtype: str = "float32"
-    device: str = "cpu"
     # Longest and shortest suffix n-gram the n-gram drafter looks up.
     max_ngram: int = 3
     min_ngram: int = 1
-    # Port of the Prometheus /metrics endpoint; 0 = off.
-    metrics_port: int = 0
 
 
 class DraftServicer(ModelService, pb_grpc.DraftServicer):

@@ -36,7 +36,6 @@ use rebuilds the full directory from the target's embedding (`ensure_distilled_d
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import math
 import os
@@ -46,7 +45,7 @@ import shutil
 import sys
 import time
 import uuid
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -736,7 +735,7 @@ def ensure_distilled_draft(name: str, *, progress: bool = True) -> Path:
     weights shipped in specdec/data; it takes a few seconds. Built in a staging dir and
     renamed into place with a marker, under a lock, like the catalog's converted models.
     """
-    from specdec.models import CATALOG, _exclusive_lock, catalog_model_dir, ensure_catalog_model
+    from specdec.models import CATALOG, _exclusive_lock, catalog_model_dir, ensure_catalog_model, publish_staged
 
     entry = DRAFT_CATALOG[name]
     final = catalog_model_dir(name)
@@ -757,10 +756,7 @@ def ensure_distilled_draft(name: str, *, progress: bool = True) -> Path:
             weights = Path(__file__).parent / "data" / entry.weights  # an absolute entry.weights wins
             materialize_draft(str(target_dir), weights, staging)
             marker = {"name": name, "built_from": entry.weights, "target": entry.target, "created_unix": time.time()}
-            (staging / DRAFT_MARKER).write_text(json.dumps(marker, indent=2) + "\n")
-            if final.exists():
-                shutil.rmtree(final)
-            os.replace(staging, final)
+            publish_staged(staging, final, DRAFT_MARKER, marker)
             bar.update(1)
         finally:
             bar.close()

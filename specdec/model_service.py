@@ -4,6 +4,7 @@ the internal request checks, and the Release / ModelInfo RPCs."""
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass
 
 from specdec import serving, telemetry
 from specdec.errors import InvalidArgument, Unavailable, grpc_handler
@@ -12,6 +13,25 @@ from specdec.metrics import ModelServiceMetrics
 from specdec.session import SessionStore, check_session_id
 from specdec.v1 import specdec_pb2 as pb
 from specdec.wire import Sampling, model_info_to_pb, sampling_from_pb
+
+
+@dataclass
+class ModelServiceConfig:
+    """Settings the draft and the target service share (each adds its own)."""
+
+    # Catalog name, HF directory or .gguf file of the model to serve.
+    model: str = ""
+    redis_url: str = ""
+    host: str = "127.0.0.1"
+    port: int = 0
+    # Largest K (drafts per request) accepted; bounds the work one request can ask for.
+    max_k: int = 16
+    # Sessions whose KV cache is kept; least recently used evicted beyond.
+    max_sessions: int = 256
+    dtype: str = "float32"
+    device: str = "cpu"
+    # Port of the Prometheus /metrics endpoint; 0 = off.
+    metrics_port: int = 0
 
 
 class ModelService:

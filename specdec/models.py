@@ -164,16 +164,22 @@ def ensure_catalog_model(name: str, *, progress: bool = True) -> Path:
                     "transformers_version": transformers.__version__,
                     "created_unix": time.time(),
                 }
-                (staging / CACHE_MARKER).write_text(json.dumps(marker, indent=2) + "\n")
-                if final.exists():  # an unmarked leftover (from a specdec that predates the marker)
-                    shutil.rmtree(final)
-                os.replace(staging, final)
+                publish_staged(staging, final, CACHE_MARKER, marker)
                 bar.update(1)
         finally:
             bar.close()
             if staging.exists():
                 shutil.rmtree(staging, ignore_errors=True)
     return final
+
+
+def publish_staged(staging: Path, final: Path, marker_file: str, marker: dict) -> None:
+    """Write the marker into a fully built `staging` directory last, then rename it to `final`
+    (replacing an unmarked leftover), so a reader sees either nothing or a complete directory."""
+    (staging / marker_file).write_text(json.dumps(marker, indent=2) + "\n")
+    if final.exists():  # an unmarked leftover (an interrupted or older build)
+        shutil.rmtree(final)
+    os.replace(staging, final)
 
 
 def download_catalog_gguf(name: str, directory: str | os.PathLike, *, progress: bool = False) -> Path:

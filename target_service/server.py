@@ -8,7 +8,7 @@ from opentelemetry import trace
 
 from specdec import model_service, serving
 from specdec.errors import FailedPrecondition, InvalidArgument, grpc_handler
-from specdec.model_service import ModelService
+from specdec.model_service import ModelService, ModelServiceConfig
 from specdec.models import VocabMismatchError, check_vocab_match
 from specdec.rng import TARGET, cycle_generator
 from specdec.session import SessionStore
@@ -19,20 +19,10 @@ from target_service.verifier import Verifier
 
 
 @dataclass
-class TargetConfig:
-    # Catalog name, HF directory or .gguf file of the model whose distribution we keep.
+class TargetConfig(ModelServiceConfig):
+    # The model whose distribution the output keeps.
     model: str = "smollm2-135m-instruct"
-    redis_url: str = ""
-    host: str = "127.0.0.1"
     port: int = 50053
-    # Largest number of drafts accepted in one Verify.
-    max_k: int = 16
-    # Sessions whose KV cache is kept; least recently used evicted beyond.
-    max_sessions: int = 256
-    dtype: str = "float32"
-    device: str = "cpu"
-    # Port of the Prometheus /metrics endpoint; 0 = off.
-    metrics_port: int = 0
 
 
 class TargetServicer(ModelService, pb_grpc.TargetServicer):
