@@ -20,6 +20,13 @@ drafts are already (being) drafted; otherwise the speculative call is cancelled
 and the next cycle drafts from the corrected prefix. Which drafts the target sees
 never depends on the timing, only on the committed prefix and the per-cycle random
 streams, so the output is the same with pipelining on or off.
+
+Faults: a draft call that fails, or takes longer than its budget (`draft_budget`), is
+abandoned and the cycle runs target-only: Verify with no drafts, the same per-cycle
+random stream, so the output stays lossless (and identical for greedy). Drafting then
+pauses for a growing number of cycles and resumes on its own. A target call that fails
+retryably is sent again unchanged: it is idempotent, and the Redis commit that follows
+is fenced by the cycle number.
 """
 
 from __future__ import annotations
@@ -48,6 +55,28 @@ DRAFT_FAULTS = RETRYABLE | {grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.O
 TARGET_RETRY_BACKOFF_S = (0.05, 0.2, 0.5, 1.0, 2.0, 2.0, 4.0, 4.0, 8.0, 8.0)
 # After a failed draft call, cycles run without drafting for this many cycles (doubling).
 DRAFT_BACKOFF_CYCLES = (1, 2, 4, 8, 16, 32)
+# Longest one Propose call may take before the cycle abandons it and runs target-only.
+# A healthy draft needs K·c_q plus one gRPC hop: tens of ms for the drafts we serve
+# (2-layer draft ~11 ms/token, SmolLM2-135M ~70 ms/token on CPU; K+1 = 17 of the latter
+# is ~1.2 s). The first call of a session also prefills the prompt. 2 s leaves room for
+# both and still bounds what a stalled draft (stopped, swapping, overloaded) costs a cycle.
+DRAFT_TIMEOUT_S = 2.0
+# With a request deadline, one Propose call may also take at most this share of the time
+# left: a stalled draft then costs a cycle a quarter of it, and the target-only fallback
+# keeps the other three quarters.
+DRAFT_DEADLINE_SHARE = 0.25
+
+
+def draft_budget(draft_timeout_s: float, remaining_s: float | None) -> float | None:
+    """Seconds one Propose call may run before it is abandoned: at most draft_timeout_s
+    (0 = no limit of its own) and, with a deadline `remaining_s` away, at most
+    DRAFT_DEADLINE_SHARE of it. None means no limit at all."""
+    limits = []
+    if draft_timeout_s > 0:
+        limits.append(draft_timeout_s)
+    if remaining_s is not None:
+        limits.append(max(0.001, DRAFT_DEADLINE_SHARE * remaining_s))
+    return min(limits) if limits else None
 
 
 @dataclass
@@ -103,16 +132,18 @@ class Stats:
 class DraftCall:
     """One Propose call, streaming its DraftTokens into `tokens` in the background.
 
-    It stops reading after an end-of-sequence token (nothing after it can be kept)."""
+    It stops reading after an end-of-sequence token (nothing after it can be kept).
+    `budget` is the call's gRPC deadline: past it the call ends with DEADLINE_EXCEEDED
+    even if the draft never answers, and the cycle treats that as a draft fault."""
 
-    def __init__(self, stub, request: pb.ProposeRequest, timeout: float | None, eos_token_ids: frozenset[int]):
+    def __init__(self, stub, request: pb.ProposeRequest, budget: float | None, eos_token_ids: frozenset[int]):
         self.request = request
         self.tokens: list[pb.DraftToken] = []
         self.error: grpc.aio.AioRpcError | None = None
         self.finished = False
         self.eos_token_ids = eos_token_ids
         self.changed = asyncio.Event()
-        self.call = stub.Propose(request, timeout=timeout)
+        self.call = stub.Propose(request, timeout=budget)
         self.task = asyncio.get_running_loop().create_task(self.pump())
 
     async def pump(self) -> None:
@@ -172,12 +203,14 @@ class CycleLoop:
         deadline: float | None,
         trace_context: otel_context.Context | None = None,
         shared_k: AdaptiveK | None = None,
+        draft_timeout_s: float = DRAFT_TIMEOUT_S,
     ):
         self.draft = draft  # DraftStub
         self.target = target  # TargetStub
         self.store = store
         self.plan = plan
         self.deadline = deadline  # time.monotonic() by which the request must end
+        self.draft_timeout_s = draft_timeout_s  # see draft_budget
         self.committed = list(plan.prompt)
         self.draft_seen = 0
         self.target_seen = 0
@@ -326,10 +359,12 @@ class CycleLoop:
             sampling=sampling_to_pb(self.plan.sampling),
             cycle=cycle,
         )
-        return DraftCall(self.draft, request, self.timeout(), self.plan.eos_token_ids)
+        remaining = None if self.deadline is None else self.deadline - time.monotonic()
+        return DraftCall(self.draft, request, draft_budget(self.draft_timeout_s, remaining), self.plan.eos_token_ids)
 
     async def take_drafts(self, call: DraftCall, k: int) -> list[pb.DraftToken]:
-        """The first k drafts of `call`; on a draft fault, none (the cycle runs target-only)."""
+        """The first k drafts of `call`; on a draft fault (an error, or the call's budget
+        spent: DEADLINE_EXCEEDED), none: the cycle runs target-only."""
         try:
             with self.tracer.start_as_current_span(telemetry.PROPOSE_SPAN, attributes={"specdec.k": k}) as span:
                 drafts = await call.first(k)
@@ -350,10 +385,12 @@ class CycleLoop:
         return drafts
 
     def pause_drafting(self, code: grpc.StatusCode) -> None:
+        """Run the next cycles target-only: 1, 2, 4, ... 32 of them after consecutive draft
+        faults; a draft call that succeeds resets the count."""
         backoff = DRAFT_BACKOFF_CYCLES[min(self.draft_failures, len(DRAFT_BACKOFF_CYCLES) - 1)]
         self.draft_failures += 1
         self.draft_paused_until = self.cycle + backoff
-        log.warning("draft unavailable (%s); target-only for %d cycle(s)", code.name, backoff)
+        log.warning("draft failed or too slow (%s); target-only for %d cycle(s)", code.name, backoff)
 
     async def speculate(self, call: DraftCall, drafts: list[pb.DraftToken]) -> Speculation | None:
         """Wait for the guess, then start drafting the next cycle as if all drafts and the
@@ -395,7 +432,7 @@ class CycleLoop:
 
     async def verify(self, drafts: Sequence[pb.DraftToken]) -> pb.VerifyResponse:
         """Verify on the target, retrying a retryable failure (the request is idempotent:
-        same position, same drafts, same per-cycle random stream)."""
+        same position, same drafts, same per-cycle random stream) while Redis is up."""
         request = pb.VerifyRequest(
             session_id=self.plan.session_id,
             position=self.target_seen,
@@ -421,6 +458,9 @@ class CycleLoop:
                     raise
                 if self.deadline is not None and time.monotonic() + pause > self.deadline:
                     raise
+                # The target reads the session from Redis: if Redis is down no retry can
+                # help, so fail now with Redis's own error (UNAVAILABLE, naming Redis).
+                await self.store.ping()
                 log.warning("target %s (attempt %d); retrying in %.2fs", exc.code().name, attempt + 1, pause)
                 await asyncio.sleep(pause)
         raise AssertionError("unreachable")

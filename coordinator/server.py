@@ -6,19 +6,28 @@ import asyncio
 import logging
 import secrets
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 from opentelemetry import trace
 from opentelemetry.trace import StatusCode
 
 from coordinator.adaptive import AdaptiveK
-from coordinator.cycles import CycleLoop, Plan, Stats
+from coordinator.cycles import DRAFT_TIMEOUT_S, CycleLoop, Plan, Stats
 from coordinator.text import TextStream
 from specdec import serving, telemetry
-from specdec.errors import FailedPrecondition, InvalidArgument, OutOfRange, Unavailable, grpc_handler, status_for
+from specdec.errors import (
+    FailedPrecondition,
+    InvalidArgument,
+    OutOfRange,
+    ResourceExhausted,
+    Unavailable,
+    grpc_handler,
+    status_for,
+)
 from specdec.metrics import CoordinatorMetrics
 from specdec.kvcache import check_token_ids
+from specdec.security import ChannelSecurity, ServerSecurity
 from specdec.session import SessionStore, check_session_id, new_session_id
 from specdec.v1 import specdec_pb2 as pb
 from specdec.v1 import specdec_pb2_grpc as pb_grpc
@@ -29,6 +38,9 @@ log = logging.getLogger("specdec.coordinator")
 FINISH = {"length": pb.FINISH_REASON_LENGTH, "stop": pb.FINISH_REASON_STOP, "eos": pb.FINISH_REASON_EOS}
 FINISH_NAMES = {code: name for name, code in FINISH.items()}
 RELEASE_TIMEOUT_S = 2.0
+# No tokenizer makes tokens of fewer characters than this on average: a text prompt
+# longer than this times max_prompt_tokens is refused without tokenizing it.
+PROMPT_CHARS_PER_TOKEN = 16
 STARTUP_TIMEOUT_S = 600.0
 
 
@@ -48,6 +60,13 @@ class CoordinatorConfig:
     # max_new_tokens when a request does not set one, and the most it may ask for.
     default_max_new_tokens: int = 128
     max_new_tokens_limit: int = 4096
+    # Longest prompt accepted, in tokens (RESOURCE_EXHAUSTED beyond; the target's context
+    # bounds it too). Text prompts longer than PROMPT_CHARS_PER_TOKEN times this are
+    # refused before they are tokenized.
+    max_prompt_tokens: int = 8192
+    # Generate calls running at once; more are refused with RESOURCE_EXHAUSTED at once
+    # (a client retries with back-off) instead of queueing without bound.
+    max_concurrent_requests: int = 64
     # How long to wait for the model services at start-up.
     startup_timeout_s: float = STARTUP_TIMEOUT_S
     # Port of the Prometheus /metrics endpoint; 0 = off.
@@ -56,14 +75,21 @@ class CoordinatorConfig:
     pipeline: bool = True
     # Requests that set no K get an adaptive K (up to max_k) instead of default_k.
     adaptive_k: bool = False
+    # TLS and bearer tokens of the public API.
+    security: ServerSecurity = field(default_factory=ServerSecurity)
+    # TLS / mTLS and the internal token of the calls to the draft and target services.
+    internal: ChannelSecurity = field(default_factory=ChannelSecurity)
+    # Longest a cycle waits for the draft before running target-only (0 = only the request
+    # deadline bounds it); see coordinator.cycles.draft_budget.
+    draft_timeout_s: float = DRAFT_TIMEOUT_S
 
 
 class CoordinatorServicer(pb_grpc.CoordinatorServicer):
     def __init__(self, config: CoordinatorConfig, store: SessionStore):
         self.config = config
         self.store = store
-        self.draft_channel = serving.insecure_channel(config.draft_address)
-        self.target_channel = serving.insecure_channel(config.target_address)
+        self.draft_channel = serving.channel(config.draft_address, config.internal)
+        self.target_channel = serving.channel(config.target_address, config.internal)
         self.draft = pb_grpc.DraftStub(self.draft_channel)
         self.target = pb_grpc.TargetStub(self.target_channel)
         self.draft_info: pb.ModelInfoResponse | None = None
@@ -73,6 +99,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         self.metrics = CoordinatorMetrics()
         # What adaptive K has learnt about this draft/target pair, shared by all sessions.
         self.shared_k = AdaptiveK(config.max_k)
+        self.running = 0  # Generate calls in progress
 
     async def load(self) -> None:
         """Wait for both model services, check they share a vocabulary, load the tokenizer."""
@@ -105,7 +132,22 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
     async def Generate(self, request: pb.GenerateRequest, context):
         if self.tokenizer is None:
             raise Unavailable("the coordinator is still starting; retry shortly")
+        if self.running >= self.config.max_concurrent_requests:
+            raise ResourceExhausted(
+                f"{self.running} requests are running, the limit of this coordinator; retry with back-off"
+            )
+        self.running += 1
+        try:
+            async for chunk in self.generate(request, context):
+                yield chunk
+        finally:
+            self.running -= 1
+
+    async def generate(self, request: pb.GenerateRequest, context):
         plan = self.plan(request)
+        # Refused here (e.g. the id is taken), the request never touches the session again:
+        # only a session this request created is finished and released below.
+        await self.store.create(plan.session_id, plan.prompt, session_meta(plan, self))
         deadline = None if context.time_remaining() is None else time.monotonic() + context.time_remaining()
         span = telemetry.tracer().start_span(telemetry.GENERATE_SPAN, attributes=generate_attributes(plan, self))
         metrics = self.metrics
@@ -132,11 +174,13 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             self.spawn(self.finish(plan.session_id, status))
 
     async def generate_chunks(self, request, plan: Plan, deadline: float | None, trace_context):
-        """Create the session, run the cycles, and turn each outcome into a GenerateChunk."""
+        """Run the cycles of a created session and turn each outcome into a GenerateChunk."""
         metrics = self.metrics
-        await self.store.create(plan.session_id, plan.prompt, session_meta(plan, self))
         metrics.prompt_tokens.inc(len(plan.prompt))
-        loop = CycleLoop(self.draft, self.target, self.store, plan, deadline, trace_context, self.shared_k)
+        loop = CycleLoop(
+            self.draft, self.target, self.store, plan, deadline, trace_context, self.shared_k,
+            draft_timeout_s=self.config.draft_timeout_s,
+        )  # fmt: skip
         text = TextStream(self.tokenizer, list(request.stop))
         started = time.perf_counter()
         first_token_s = 0.0
@@ -180,8 +224,10 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         cfg = self.config
         prompt = self.prompt_ids(request)
         max_new = request.max_new_tokens if request.HasField("max_new_tokens") else cfg.default_max_new_tokens
-        if not 1 <= max_new <= cfg.max_new_tokens_limit:
-            raise InvalidArgument(f"max_new_tokens must be between 1 and {cfg.max_new_tokens_limit}, got {max_new}")
+        if max_new < 1:
+            raise InvalidArgument(f"max_new_tokens must be at least 1, got {max_new}")
+        if max_new > cfg.max_new_tokens_limit:
+            raise ResourceExhausted(f"max_new_tokens is {max_new}; this server allows at most {cfg.max_new_tokens_limit}")
         max_context = self.target_info.max_context
         if max_context and len(prompt) >= max_context:
             raise OutOfRange(
@@ -221,17 +267,23 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         )
 
     def prompt_ids(self, request: pb.GenerateRequest) -> list[int]:
+        limit = self.config.max_prompt_tokens
         if request.prompt and request.prompt_token_ids:
             raise InvalidArgument("set either prompt or prompt_token_ids, not both")
         if request.prompt_token_ids:
             ids = list(request.prompt_token_ids)
-            check_token_ids(ids, self.target_info.vocab_size, "prompt_token_ids")
-            return ids
-        if not request.prompt:
+        elif not request.prompt:
             raise InvalidArgument("the prompt is empty: set prompt (text) or prompt_token_ids")
-        ids = self.tokenizer.encode(request.prompt)
-        if not ids:
-            raise InvalidArgument("the prompt encodes to no tokens")
+        elif len(request.prompt) > limit * PROMPT_CHARS_PER_TOKEN:
+            raise ResourceExhausted(f"the prompt has {len(request.prompt)} characters, far over this server's "
+                                    f"limit of {limit} tokens")  # fmt: skip
+        else:
+            ids = self.tokenizer.encode(request.prompt)
+            if not ids:
+                raise InvalidArgument("the prompt encodes to no tokens")
+        if len(ids) > limit:
+            raise ResourceExhausted(f"the prompt has {len(ids)} tokens; this server allows at most {limit}")
+        check_token_ids(ids, self.target_info.vocab_size, "prompt_token_ids")
         return ids
 
     async def finish(self, session_id: str, status: str) -> None:
@@ -338,9 +390,11 @@ async def serve(config: CoordinatorConfig) -> None:
         host=config.host,
         port=config.port,
         service_names=[serving.COORDINATOR_SERVICE],
-        register=lambda server: pb_grpc.add_CoordinatorServicer_to_server(servicer, server),
+        servicer=servicer,
         load=servicer.load,
         close=servicer.close,
         metrics_registry=servicer.metrics.registry,
         metrics_port=config.metrics_port,
+        security=config.security,
+        credential="an API token",
     )

@@ -8,7 +8,6 @@ from dataclasses import dataclass
 from draft_service.drafters import ModelDrafter, NgramDrafter
 from specdec import model_service, serving
 from specdec.errors import InvalidArgument, grpc_handler
-from specdec.kvcache import SessionPool
 from specdec.model_service import ModelService, ModelServiceConfig
 from specdec.rng import DRAFT, cycle_generator
 from specdec.session import SessionStore
@@ -41,7 +40,7 @@ class DraftServicer(ModelService, pb_grpc.DraftServicer):
         if self.config.model == NGRAM:
             self.drafter = NgramDrafter(self.config.max_ngram, self.config.min_ngram)
             self.info.kind = NGRAM
-            self.pool = SessionPool(self.config.max_sessions, lambda: None, self.metrics.observe_pool)
+            self.pool = self.make_pool(lambda: None)
             return
         self.drafter = ModelDrafter(self.load_model())
         self.info.kind = "model"
@@ -66,4 +65,4 @@ class DraftServicer(ModelService, pb_grpc.DraftServicer):
 
 
 async def serve(config: DraftConfig) -> None:
-    await model_service.serve(DraftServicer, config, serving.DRAFT_SERVICE, pb_grpc.add_DraftServicer_to_server)
+    await model_service.serve(DraftServicer, config, serving.DRAFT_SERVICE)

@@ -25,8 +25,12 @@ def k_value(text: str) -> int | str:
         raise argparse.ArgumentTypeError(f"K must be an integer or 'adaptive', got {text!r}") from None
 
 
-def env_flag(parser: argparse.ArgumentParser, flag: str, env: str, *, default=None, type=str, help: str = "", **kw):
-    """Add `flag`, whose default comes from `env` when that variable is set."""
+def env_flag(
+    parser: argparse.ArgumentParser, flag: str, env: str, *, default=None, type=str, help: str = "",
+    secret: bool = False, **kw,
+):  # fmt: skip
+    """Add `flag`, whose default comes from `env` when that variable is set. The help of
+    a `secret` flag (e.g. a URL that may hold a password) never shows the value."""
     raw = os.environ.get(env)
     if kw.get("action") == "store_true":
         value = raw.strip().lower() in TRUE if raw is not None else False
@@ -37,7 +41,7 @@ def env_flag(parser: argparse.ArgumentParser, flag: str, env: str, *, default=No
             default = type(raw)
         except ValueError:
             parser.error(f"{env}={raw!r} is not a valid value for {flag}")
-    suffix = f" (default: {default})" if default not in (None, "") else ""
+    suffix = f" (default: {default})" if default not in (None, "") and not secret else ""
     parser.add_argument(flag, default=default, type=type, help=f"{help}{suffix} [env: {env}]", **kw)
 
 
@@ -95,6 +99,9 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     from specdec.bench import add_bench_parser
 
     add_bench_parser(commands)
+    from specdec.soak import add_soak_parser
+
+    add_soak_parser(commands)
     if argv and argv[0] == "distill":
         from specdec.distill import add_distill_parser  # imports torch: only when the command runs
 
@@ -114,10 +121,21 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
 def add_common_service_flags(p: argparse.ArgumentParser, prefix: str, port: int) -> None:
     env_flag(p, "--host", f"{prefix}_HOST", default="127.0.0.1", help="address to listen on")
     env_flag(p, "--port", f"{prefix}_PORT", default=port, type=int, help="port to listen on")
-    env_flag(p, "--redis-url", "SPECDEC_REDIS_URL", default="", help="Redis URL (redis://, rediss://) for sessions")
+    env_flag(p, "--redis-url", "SPECDEC_REDIS_URL", default="", secret=True,
+             help="Redis URL for sessions: redis://[:PASSWORD@]HOST:PORT/DB, or rediss://...?ssl_ca_certs=CA.pem "
+                  "for TLS; prefer the environment variable, since a password on the command line is visible "
+                  "to every user of the machine")  # fmt: skip
     env_flag(p, "--log-level", f"{prefix}_LOG_LEVEL", default="INFO", help="logging level")
     env_flag(p, "--metrics-port", f"{prefix}_METRICS_PORT", default=0, type=int,
              help="serve Prometheus /metrics on this port (0 = off)")  # fmt: skip
+    add_tls_server_flags(p, prefix)
+
+
+def add_tls_server_flags(p: argparse.ArgumentParser, prefix: str) -> None:
+    env_flag(p, "--tls-cert", f"{prefix}_TLS_CERT", default="", help="PEM certificate (chain) to serve TLS with")
+    env_flag(p, "--tls-key", f"{prefix}_TLS_KEY", default="", help="PEM private key of --tls-cert")
+    env_flag(p, "--tls-client-ca", f"{prefix}_TLS_CLIENT_CA", default="",
+             help="PEM CA bundle: require client certificates it signed (mutual TLS)")  # fmt: skip
 
 
 def add_model_flags(p: argparse.ArgumentParser, prefix: str, model: str) -> None:
@@ -129,6 +147,13 @@ def add_model_flags(p: argparse.ArgumentParser, prefix: str, model: str) -> None
     env_flag(p, "--max-k", f"{prefix}_MAX_K", default=16, type=int, help="largest K accepted per request")
     env_flag(p, "--max-sessions", f"{prefix}_MAX_SESSIONS", default=256, type=int,
              help="sessions whose KV cache is kept; least recently used evicted beyond")  # fmt: skip
+    env_flag(p, "--max-cache-mb", f"{prefix}_MAX_CACHE_MB", default=4096.0, type=float,
+             help="memory the sessions' KV caches may hold, in MiB; least recently used evicted beyond "
+                  "(never a running cycle's); 0 = no limit")  # fmt: skip
+    env_flag(p, "--internal-token-file", "SPECDEC_INTERNAL_TOKEN_FILE", default="",
+             help="file with the internal token(s) the coordinator must send (or set SPECDEC_INTERNAL_TOKEN)")  # fmt: skip
+    env_flag(p, "--allow-unauthenticated", "SPECDEC_ALLOW_UNAUTHENTICATED", action="store_true",
+             help="serve without mutual TLS and without an internal token (development only)")  # fmt: skip
 
 
 def add_draft_flags(p: argparse.ArgumentParser) -> None:
@@ -158,6 +183,23 @@ def add_coordinator_flags(p: argparse.ArgumentParser) -> None:
              help="requests that set no K get K chosen per cycle (up to --max-k) instead of --default-k")  # fmt: skip
     env_flag(p, "--no-pipeline", "SPECDEC_NO_PIPELINE", action="store_true",
              help="do not draft the next cycle while the target verifies (requests may still ask for it)")  # fmt: skip
+    env_flag(p, "--max-prompt-tokens", "SPECDEC_MAX_PROMPT_TOKENS", default=8192, type=int,
+             help="longest prompt accepted, in tokens")  # fmt: skip
+    env_flag(p, "--max-concurrent-requests", "SPECDEC_MAX_CONCURRENT_REQUESTS", default=64, type=int,
+             help="Generate calls served at once; more are refused with RESOURCE_EXHAUSTED")  # fmt: skip
+    env_flag(p, "--auth-token-file", "SPECDEC_AUTH_TOKEN_FILE", default="",
+             help="file of API tokens (one a line) clients must send as `authorization: Bearer TOKEN`; "
+                  "SPECDEC_AUTH_TOKEN adds one (comma-separated for several); none = no token check")  # fmt: skip
+    env_flag(p, "--internal-tls-ca", "SPECDEC_INTERNAL_TLS_CA", default="",
+             help="PEM CA that signed the draft and target certificates: talk TLS to them")  # fmt: skip
+    env_flag(p, "--internal-tls-cert", "SPECDEC_INTERNAL_TLS_CERT", default="",
+             help="PEM client certificate to present to the draft and target (mutual TLS)")  # fmt: skip
+    env_flag(p, "--internal-tls-key", "SPECDEC_INTERNAL_TLS_KEY", default="", help="PEM key of --internal-tls-cert")
+    env_flag(p, "--internal-token-file", "SPECDEC_INTERNAL_TOKEN_FILE", default="",
+             help="file with the internal token to send to the draft and target (or set SPECDEC_INTERNAL_TOKEN)")  # fmt: skip
+    env_flag(p, "--draft-timeout", "SPECDEC_DRAFT_TIMEOUT", default=2.0, type=float,
+             help="seconds a cycle waits for the draft before running target-only (also at most a quarter "
+                  "of a request's remaining deadline; 0 = only the deadline)")  # fmt: skip
 
 
 def add_stack_flags(p: argparse.ArgumentParser) -> None:
@@ -167,8 +209,15 @@ def add_stack_flags(p: argparse.ArgumentParser) -> None:
              help="target model: catalog name, Hugging Face directory or .gguf file")  # fmt: skip
     env_flag(p, "--draft", "SPECDEC_DRAFT", default="ngram",
              help="draft model (as --target) or `ngram` for prompt lookup")  # fmt: skip
-    env_flag(p, "--redis-url", "SPECDEC_REDIS_URL", default="",
+    env_flag(p, "--redis-url", "SPECDEC_REDIS_URL", default="", secret=True,
              help="Redis URL; empty starts an embedded redis-server on a private port")  # fmt: skip
+    env_flag(p, "--tls-cert", "SPECDEC_TLS_CERT", default="",
+             help="PEM certificate for every service (valid for the addresses used, with server and client use): "
+                  "TLS on every hop, mutual TLS between the services")  # fmt: skip
+    env_flag(p, "--tls-key", "SPECDEC_TLS_KEY", default="", help="PEM private key of --tls-cert")
+    env_flag(p, "--tls-ca", "SPECDEC_TLS_CA", default="", help="PEM CA that signed --tls-cert")
+    env_flag(p, "--auth-token-file", "SPECDEC_AUTH_TOKEN_FILE", default="",
+             help="file of API tokens (one a line) clients must send; none = no token check")  # fmt: skip
     env_flag(p, "--metrics-port-base", "SPECDEC_METRICS_PORT_BASE", default=9400, type=int,
              help="Prometheus /metrics of coordinator, draft, target on this port and the next two (0 = off)")  # fmt: skip
 
@@ -192,6 +241,21 @@ def add_generate_flags(p: argparse.ArgumentParser) -> None:
     env_flag(p, "--timeout", "SPECDEC_TIMEOUT", default=None, type=float, help="deadline of the call in seconds")
     env_flag(p, "--target", "SPECDEC_TARGET", default="smollm2-135m-instruct", help="target for a local stack")
     env_flag(p, "--draft", "SPECDEC_DRAFT", default="ngram", help="draft for a local stack")
+    add_client_security_flags(p)
+
+
+def add_client_security_flags(p: argparse.ArgumentParser) -> None:
+    env_flag(p, "--tls-ca", "SPECDEC_TLS_CA", default="", help="PEM CA of the coordinator's certificate: connect with TLS")
+    env_flag(p, "--token-file", "SPECDEC_TOKEN_FILE", default="",
+             help="file holding the API token to send (or set SPECDEC_TOKEN)")  # fmt: skip
+
+
+def client_options(args) -> dict:
+    """Client(...) keyword arguments from the client security flags."""
+    from specdec.security import CLIENT_TOKEN_ENV, load_tokens
+
+    tokens = load_tokens(args.token_file, CLIENT_TOKEN_ENV)
+    return {"tls_ca": args.tls_ca or None, "token": tokens[0] if tokens else None}
 
 
 # ---------------------------------------------------------------- commands
@@ -205,7 +269,23 @@ def set_threads(threads: int) -> None:
         torch.set_num_interop_threads(1)
 
 
+def server_security(args, tokens: tuple[str, ...]):
+    from specdec.security import ServerSecurity
+
+    return ServerSecurity(args.tls_cert, args.tls_key, args.tls_client_ca, tokens)
+
+
+def internal_token(args) -> str:
+    """The one internal token the coordinator sends (the first, if the file lists several)."""
+    from specdec.security import INTERNAL_TOKEN_ENV, load_tokens
+
+    tokens = load_tokens(args.internal_token_file, INTERNAL_TOKEN_ENV)
+    return tokens[0] if tokens else ""
+
+
 def run_serve(args) -> int:
+    from specdec.security import AUTH_TOKEN_ENV, INTERNAL_TOKEN_ENV, ChannelSecurity, load_tokens
+
     logging.basicConfig(level=args.log_level.upper(), format=f"%(asctime)s {args.service} %(levelname)s %(message)s")
     if not args.redis_url:
         raise SystemExit("--redis-url (or SPECDEC_REDIS_URL) is required: sessions live in Redis")
@@ -217,6 +297,11 @@ def run_serve(args) -> int:
             redis_url=args.redis_url, tokenizer=args.tokenizer, default_k=args.default_k, max_k=args.max_k,
             default_max_new_tokens=args.default_max_new_tokens, max_new_tokens_limit=args.max_new_tokens_limit,
             metrics_port=args.metrics_port, pipeline=not args.no_pipeline, adaptive_k=args.adaptive_k,
+            draft_timeout_s=args.draft_timeout,
+            max_prompt_tokens=args.max_prompt_tokens, max_concurrent_requests=args.max_concurrent_requests,
+            security=server_security(args, load_tokens(args.auth_token_file, AUTH_TOKEN_ENV)),
+            internal=ChannelSecurity(args.internal_tls_ca, args.internal_tls_cert, args.internal_tls_key,
+                                     internal_token(args)),
         )  # fmt: skip
     elif args.service == "draft":
         from draft_service.server import DraftConfig, serve
@@ -226,6 +311,8 @@ def run_serve(args) -> int:
             model=args.model, redis_url=args.redis_url, host=args.host, port=args.port, max_k=args.max_k,
             max_sessions=args.max_sessions, dtype=args.dtype, device=args.device,
             max_ngram=args.max_ngram, min_ngram=args.min_ngram, metrics_port=args.metrics_port,
+            max_cache_mb=args.max_cache_mb, allow_unauthenticated=args.allow_unauthenticated,
+            security=server_security(args, load_tokens(args.internal_token_file, INTERNAL_TOKEN_ENV)),
         )  # fmt: skip
     else:
         from target_service.server import TargetConfig, serve
@@ -234,6 +321,8 @@ def run_serve(args) -> int:
         config = TargetConfig(
             model=args.model, redis_url=args.redis_url, host=args.host, port=args.port, max_k=args.max_k,
             max_sessions=args.max_sessions, dtype=args.dtype, device=args.device, metrics_port=args.metrics_port,
+            max_cache_mb=args.max_cache_mb, allow_unauthenticated=args.allow_unauthenticated,
+            security=server_security(args, load_tokens(args.internal_token_file, INTERNAL_TOKEN_ENV)),
         )  # fmt: skip
     asyncio.run(serve(config))
     return 0
@@ -243,13 +332,17 @@ def run_up(args) -> int:
     import signal
     import threading
 
-    from specdec.launcher import Stack, StackConfig
+    from specdec.launcher import Stack, StackConfig, StackTLS
 
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    tls_files = (args.tls_cert, args.tls_key, args.tls_ca)
+    if any(tls_files) and not all(tls_files):
+        raise SystemExit("TLS needs all of --tls-cert, --tls-key and --tls-ca")
     config = StackConfig(
         port=args.port, host=args.host, target=args.target, draft=args.draft, redis_url=args.redis_url,
-        metrics_port_base=args.metrics_port_base,
+        metrics_port_base=args.metrics_port_base, tls=StackTLS(*tls_files) if all(tls_files) else None,
+        auth_token_file=args.auth_token_file,
     )  # fmt: skip
     print(f"starting: target {args.target}, draft {args.draft}", file=sys.stderr, flush=True)
     with Stack(config) as stack:
@@ -270,7 +363,7 @@ def serving_address(args):
     from specdec.launcher import Stack, StackConfig, is_serving
 
     address = args.address or DEFAULT_ADDRESS
-    if args.address is not None or is_serving(address):
+    if args.address is not None or args.tls_ca or is_serving(address):
         yield address
         return
     print(f"nothing serves on {address}: starting a local stack (target {args.target}, draft {args.draft}) "
@@ -295,7 +388,7 @@ def run_generate(args) -> int:
 
     telemetry.setup_tracing("specdec-cli")
     try:
-        with serving_address(args) as address, Client(address) as client:
+        with serving_address(args) as address, Client(address, **client_options(args)) as client:
             if args.json:
                 print(json.dumps(client.generate(args.prompt, **generate_options(args)).as_dict()))
                 return 0
@@ -320,7 +413,7 @@ def run_trace(args) -> int:
 
     telemetry.setup_tracing("specdec-cli")
     try:
-        with serving_address(args) as address, Client(address) as client:
+        with serving_address(args) as address, Client(address, **client_options(args)) as client:
             result = client.generate(args.prompt, **generate_options(args))
     except SpecdecClientError as exc:
         print(f"error: {exc}", file=sys.stderr)
@@ -386,6 +479,12 @@ def run_bench(args) -> int:
     return bench(args)
 
 
+def run_soak(args) -> int:
+    from specdec.soak import run_soak as soak
+
+    return soak(args)
+
+
 def run_distill(args) -> int:
     from specdec.distill import run_distill as distill
 
@@ -400,7 +499,7 @@ def main(argv: list[str] | None = None) -> int:
         logging.basicConfig(level=logging.INFO)
     handlers = {
         "up": run_up, "serve": run_serve, "generate": run_generate, "trace": run_trace, "models": run_models,
-        "bench": run_bench, "distill": run_distill,
+        "bench": run_bench, "distill": run_distill, "soak": run_soak,
     }  # fmt: skip
     return handlers[args.command](args)
 

@@ -8,6 +8,9 @@
 
 Every gRPC failure surfaces as `SpecdecClientError`, carrying the status code
 (`.code`, a grpc.StatusCode) and the server's message (`.message`).
+
+A secured coordinator: `Client(address, tls_ca="ca.pem", token="...")` connects with
+TLS, trusting the CA in that file, and sends the token as `authorization: Bearer`.
 """
 
 from __future__ import annotations
@@ -31,6 +34,27 @@ _CHANNEL_OPTIONS = [
     ("grpc.max_receive_message_length", 64 * 1024 * 1024),
     ("grpc.max_send_message_length", 64 * 1024 * 1024),
 ]
+
+
+def channel_credentials(
+    tls_ca: str | None, credentials: grpc.ChannelCredentials | None
+) -> grpc.ChannelCredentials | None:
+    """Explicit credentials win; else TLS trusting the CA file `tls_ca`; else None (plaintext)."""
+    if credentials is not None or not tls_ca:
+        return credentials
+    with open(tls_ca, "rb") as f:
+        return grpc.ssl_channel_credentials(root_certificates=f.read())
+
+
+def open_channel(module, address: str, credentials: grpc.ChannelCredentials | None):
+    """A channel of `module` (grpc or grpc.aio) to `address`, TLS when credentials are given."""
+    if credentials is None:
+        return module.insecure_channel(address, options=_CHANNEL_OPTIONS)
+    return module.secure_channel(address, credentials, options=_CHANNEL_OPTIONS)
+
+
+def auth_metadata(token: str | None) -> tuple[tuple[str, str], ...]:
+    return (("authorization", f"Bearer {token}"),) if token else ()
 
 
 class SpecdecClientError(Exception):
@@ -277,12 +301,20 @@ _GENERATE_DOC = """
 class Client:
     """Blocking client of the Coordinator service; also a context manager."""
 
-    def __init__(self, address: str = DEFAULT_ADDRESS, *, credentials: grpc.ChannelCredentials | None = None):
+    def __init__(
+        self,
+        address: str = DEFAULT_ADDRESS,
+        *,
+        tls_ca: str | None = None,
+        token: str | None = None,
+        credentials: grpc.ChannelCredentials | None = None,
+    ):
+        """Connect to the coordinator at `address` (host:port). `tls_ca`: path of the PEM CA
+        that signed the coordinator's certificate (TLS); `token`: API token sent with every
+        call; `credentials`: full control over the channel's TLS (overrides tls_ca)."""
         self.address = address
-        if credentials is None:
-            self._channel = grpc.insecure_channel(address, options=_CHANNEL_OPTIONS)
-        else:
-            self._channel = grpc.secure_channel(address, credentials, options=_CHANNEL_OPTIONS)
+        self._metadata = auth_metadata(token)
+        self._channel = open_channel(grpc, address, channel_credentials(tls_ca, credentials))
         self._stub = pb_grpc.CoordinatorStub(self._channel)
 
     def __enter__(self) -> "Client":
@@ -319,7 +351,7 @@ class Client:
             speculate=speculate, stop=stop, session_id=session_id, ignore_eos=ignore_eos, pipeline=pipeline,
             adaptive_k=adaptive_k,
         )  # fmt: skip
-        call = self._stub.Generate(request, timeout=timeout)
+        call = self._stub.Generate(request, timeout=timeout, metadata=self._metadata)
         try:
             for msg in call:
                 yield Chunk.from_pb(msg)
@@ -340,7 +372,7 @@ class Client:
     def info(self, timeout: float | None = 10.0) -> pb.InfoResponse:
         """Models the stack serves (target and draft), as the coordinator reports them."""
         try:
-            return self._stub.Info(pb.InfoRequest(), timeout=timeout)
+            return self._stub.Info(pb.InfoRequest(), timeout=timeout, metadata=self._metadata)
         except grpc.RpcError as exc:
             raise SpecdecClientError(exc.code(), exc.details() or "") from None
 
@@ -348,12 +380,20 @@ class Client:
 class AsyncClient:
     """asyncio client of the Coordinator service; the same methods as Client, awaited."""
 
-    def __init__(self, address: str = DEFAULT_ADDRESS, *, credentials: grpc.ChannelCredentials | None = None):
+    def __init__(
+        self,
+        address: str = DEFAULT_ADDRESS,
+        *,
+        tls_ca: str | None = None,
+        token: str | None = None,
+        credentials: grpc.ChannelCredentials | None = None,
+    ):
+        """Connect to the coordinator at `address` (host:port). `tls_ca`: path of the PEM CA
+        that signed the coordinator's certificate (TLS); `token`: API token sent with every
+        call; `credentials`: full control over the channel's TLS (overrides tls_ca)."""
         self.address = address
-        if credentials is None:
-            self._channel = grpc.aio.insecure_channel(address, options=_CHANNEL_OPTIONS)
-        else:
-            self._channel = grpc.aio.secure_channel(address, credentials, options=_CHANNEL_OPTIONS)
+        self._metadata = auth_metadata(token)
+        self._channel = open_channel(grpc.aio, address, channel_credentials(tls_ca, credentials))
         self._stub = pb_grpc.CoordinatorStub(self._channel)
 
     async def __aenter__(self) -> "AsyncClient":
@@ -390,7 +430,7 @@ class AsyncClient:
             speculate=speculate, stop=stop, session_id=session_id, ignore_eos=ignore_eos, pipeline=pipeline,
             adaptive_k=adaptive_k,
         )  # fmt: skip
-        call = self._stub.Generate(request, timeout=timeout)
+        call = self._stub.Generate(request, timeout=timeout, metadata=self._metadata)
         try:
             async for msg in call:
                 yield Chunk.from_pb(msg)
@@ -410,6 +450,6 @@ class AsyncClient:
 
     async def info(self, timeout: float | None = 10.0) -> pb.InfoResponse:
         try:
-            return await self._stub.Info(pb.InfoRequest(), timeout=timeout)
+            return await self._stub.Info(pb.InfoRequest(), timeout=timeout, metadata=self._metadata)
         except grpc.aio.AioRpcError as exc:
             raise SpecdecClientError(exc.code(), exc.details() or "") from None

@@ -60,6 +60,22 @@ class Unavailable(SpecdecError):
     code = grpc.StatusCode.UNAVAILABLE
 
 
+class Unauthenticated(SpecdecError):
+    code = grpc.StatusCode.UNAUTHENTICATED
+
+
+class MalformedRequest:
+    """What a request deserializer returns for bytes that are not the expected message;
+    `grpc_handler` turns it into INVALID_ARGUMENT (gRPC itself would answer INTERNAL)."""
+
+    def __init__(self, message_name: str, reason: str):
+        self.message_name = message_name
+        self.reason = reason
+
+    def error(self) -> InvalidArgument:
+        return InvalidArgument(f"the request is not a valid {self.message_name} message: {self.reason}")
+
+
 def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
     """Map an exception raised while serving an RPC to (status code, message)."""
     if isinstance(exc, SpecdecError):
@@ -85,12 +101,15 @@ async def _abort(context: grpc.aio.ServicerContext, exc: BaseException) -> None:
 
 def grpc_handler(method):
     """Decorate a grpc.aio servicer method (unary or server-streaming) so that any
-    exception becomes the status `status_for` chooses. Cancellation passes through."""
+    exception becomes the status `status_for` chooses, and a request that did not parse
+    (a MalformedRequest) becomes INVALID_ARGUMENT. Cancellation passes through."""
     if inspect.isasyncgenfunction(method):
 
         @functools.wraps(method)
         async def stream_wrapper(self, request, context):
             try:
+                if isinstance(request, MalformedRequest):
+                    raise request.error()
                 async for item in method(self, request, context):
                     yield item
             except (asyncio.CancelledError, grpc.aio.AbortError):
@@ -103,6 +122,8 @@ def grpc_handler(method):
     @functools.wraps(method)
     async def unary_wrapper(self, request, context):
         try:
+            if isinstance(request, MalformedRequest):
+                raise request.error()
             return await method(self, request, context)
         except (asyncio.CancelledError, grpc.aio.AbortError):
             raise

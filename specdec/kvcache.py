@@ -12,6 +12,13 @@ from Redis any committed tokens the service lacks below `position` (restart,
 eviction, another replica), append `new_tokens`. What remains to be fed to the
 model is `pending`; the cache never covers the last committed token, so there is
 always at least one pending token whose logits the next step needs.
+
+The target also checks the caller: with `committed_only`, the tokens it is asked
+to keep or add must be the session's committed tokens in Redis (one read of the
+few tokens it has not checked yet), so no call, stale, replayed or hostile, can
+make its cache cover anything but committed text. The draft does not check: its
+pipelined calls are fed a guessed token by design, and a wrong draft costs speed,
+never correctness.
 """
 
 from __future__ import annotations
@@ -26,7 +33,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers import DynamicCache
 
-from specdec.errors import InvalidArgument, NotFound, OutOfRange, ResourceExhausted
+from specdec.errors import FailedPrecondition, InvalidArgument, NotFound, OutOfRange, ResourceExhausted
 
 FetchCommitted = Callable[[str, int, int], Awaitable[list[int]]]
 
@@ -42,6 +49,11 @@ class SessionState:
     pending: list[int] = field(default_factory=list)
     # The model's KV cache; None for drafters without a model (n-gram).
     cache: DynamicCache | None = None
+    # How many tokens of held + pending are known to be committed (checked against
+    # Redis or read from it); only counted with committed_only.
+    confirmed: int = 0
+    # Bytes of the KV cache, as of the end of the last call.
+    nbytes: int = 0
     # Set while a cycle runs on this session, so eviction never takes a live one.
     busy: bool = False
     # Serialises calls on one session (a retry may overlap the call it retries).
@@ -63,32 +75,66 @@ class SessionState:
         fetch: FetchCommitted,
         vocab_size: int,
         max_context: int = 0,
+        committed_only: bool = False,
     ) -> None:
-        """Bring the session to committed[:position] + new_tokens (see module doc)."""
+        """Bring the session to committed[:position] + new_tokens (see module doc).
+        Nothing changes when the request is refused."""
         if position < 0:
             raise InvalidArgument(f"position must be >= 0, got {position}")
         check_token_ids(new_tokens, vocab_size, "new_tokens")
-        if position > len(self.held):
-            # Tokens the caller thinks we hold but we do not: read them from Redis.
-            missing = await fetch(self.session_id, len(self.held), position)
-            if len(missing) != position - len(self.held):
-                raise OutOfRange(
-                    f"position {position} is past the session's {len(self.held) + len(missing)} committed tokens"
-                )
-            known = self.held + missing
+        if committed_only:
+            context, valid = await self.committed_context(position, list(new_tokens), fetch)
         else:
-            known = self.held[:position]
-        context = known + list(new_tokens)
+            context, valid = await self.claimed_context(position, list(new_tokens), fetch)
         if not context:
             raise InvalidArgument("the session has no tokens: send the prompt as new_tokens at position 0")
         if max_context and len(context) > max_context:
             raise OutOfRange(f"context of {len(context)} tokens exceeds the model's limit of {max_context}")
         # Keep the longest cached prefix that is still valid, but never the last token.
-        keep = min(len(self.held), position, len(context) - 1)
+        keep = min(valid, len(context) - 1)
         crop_cache(self.cache, keep)
         self.held = self.held[:keep]
         self.pending = context[keep:]
+        self.confirmed = len(context) if committed_only else 0
         self.last_used = time.monotonic()
+
+    async def claimed_context(
+        self, position: int, new_tokens: list[int], fetch: FetchCommitted
+    ) -> tuple[list[int], int]:
+        """(context, how many held tokens are valid) as the caller says: held[:position],
+        completed from Redis when we hold fewer, then new_tokens."""
+        if position <= len(self.held):
+            return self.held[:position] + new_tokens, position
+        # Tokens the caller thinks we hold but we do not: read them from Redis.
+        missing = await fetch(self.session_id, len(self.held), position)
+        if len(missing) != position - len(self.held):
+            raise OutOfRange(
+                f"position {position} is past the session's {len(self.held) + len(missing)} committed tokens"
+            )
+        return self.held + missing + new_tokens, len(self.held)
+
+    async def committed_context(
+        self, position: int, new_tokens: list[int], fetch: FetchCommitted
+    ) -> tuple[list[int], int]:
+        """(context, how many held tokens are valid), checked against Redis: the context is
+        committed[:position + len(new_tokens)] and new_tokens must be its last tokens
+        (FailedPrecondition otherwise). Held tokens not yet checked are compared with what
+        Redis holds and kept only as far as they agree, whatever the caller claims."""
+        start = min(self.confirmed, len(self.held), position)
+        stored = await fetch(self.session_id, start, position + len(new_tokens))
+        if len(stored) < position - start:
+            raise OutOfRange(f"position {position} is past the session's {start + len(stored)} committed tokens")
+        if stored[position - start :] != new_tokens:
+            raise FailedPrecondition(
+                f"new_tokens at position {position} are not session {self.session_id!r}'s committed tokens: "
+                "a stale or foreign call"
+            )
+        agree = 0
+        for held, committed in zip(self.held[start:position], stored):
+            if held != committed:
+                break
+            agree += 1
+        return self.held[:start] + stored, start + agree
 
     def feed(self, tokens: Sequence[int]) -> None:
         """Record that `tokens` were fed to the model (the cache now covers them)."""
@@ -98,6 +144,7 @@ class SessionState:
         """Drop held tokens (and their cache) past `length`."""
         crop_cache(self.cache, length)
         del self.held[length:]
+        self.confirmed = min(self.confirmed, length)
 
 
 def check_token_ids(tokens: Sequence[int], vocab_size: int, name: str) -> None:
@@ -106,6 +153,18 @@ def check_token_ids(tokens: Sequence[int], vocab_size: int, name: str) -> None:
     for t in tokens:
         if not 0 <= t < limit:
             raise InvalidArgument(f"{name} holds token id {t}, outside the vocabulary [0, {vocab_size})")
+
+
+def cache_bytes(cache: DynamicCache | None) -> int:
+    """Memory held by a KV cache's keys and values."""
+    if cache is None:
+        return 0
+    total = 0
+    for layer in cache.layers:
+        for tensor in (getattr(layer, "keys", None), getattr(layer, "values", None)):
+            if isinstance(tensor, torch.Tensor):
+                total += tensor.numel() * tensor.element_size()
+    return total
 
 
 def crop_cache(cache: DynamicCache | None, length: int) -> None:
@@ -118,17 +177,23 @@ def crop_cache(cache: DynamicCache | None, length: int) -> None:
 
 
 class SessionPool:
-    """Sessions held by one service, least recently used evicted past `max_sessions`."""
+    """Sessions held by one service. The least recently used idle session is evicted
+    when a new one would exceed `max_sessions`, or when the caches hold more than
+    `max_cache_bytes` (0 = no limit); a session in a running call is never evicted."""
 
     def __init__(
         self,
         max_sessions: int,
         new_cache: Callable[[], DynamicCache | None],
         on_change: Callable[["SessionPool"], None] | None = None,
+        max_cache_bytes: int = 0,
     ):
         if max_sessions < 1:
             raise ValueError("max_sessions must be at least 1")
+        if max_cache_bytes < 0:
+            raise ValueError("max_cache_bytes must be >= 0")
         self.max_sessions = max_sessions
+        self.max_cache_bytes = max_cache_bytes
         self.new_cache = new_cache
         # Called after the set of held sessions changed (metrics).
         self.on_change = on_change or (lambda pool: None)
@@ -140,6 +205,12 @@ class SessionPool:
 
     def __contains__(self, session_id: str) -> bool:
         return session_id in self.sessions
+
+    @property
+    def bytes_held(self) -> int:
+        """KV cache bytes of all sessions: measured now for those in a call, as of the end
+        of their last call for the others."""
+        return sum(cache_bytes(s.cache) if s.busy else s.nbytes for s in self.sessions.values())
 
     async def acquire(self, session_id: str, exists: Callable[[str], Awaitable[bool]]) -> SessionState:
         """The held state of a session, or a fresh one if Redis knows the session."""
@@ -165,21 +236,43 @@ class SessionPool:
             finally:
                 state.busy = False
                 state.last_used = time.monotonic()
+                state.nbytes = cache_bytes(state.cache)
+                self._trim_memory()
+                self.on_change(self)
 
     def release(self, session_id: str) -> bool:
         released = self.sessions.pop(session_id, None) is not None
         self.on_change(self)
         return released
 
+    def _over_memory(self) -> bool:
+        return bool(self.max_cache_bytes) and self.bytes_held > self.max_cache_bytes
+
     def _make_room(self) -> None:
-        while len(self.sessions) >= self.max_sessions:
-            idle = next((sid for sid, s in self.sessions.items() if not s.busy), None)
-            if idle is None:
+        """Evict idle sessions until a new one fits (ResourceExhausted when none is idle)."""
+        while len(self.sessions) >= self.max_sessions or (
+            self.max_cache_bytes and self.bytes_held >= self.max_cache_bytes
+        ):
+            if not self._evict_idle():
+                held_mb = self.bytes_held / 2**20
                 raise ResourceExhausted(
-                    f"all {self.max_sessions} session slots are in use by running cycles; retry later"
+                    f"all {len(self.sessions)} held sessions ({held_mb:.1f} MiB of KV cache) are in running "
+                    f"cycles and this service's limits are {self.max_sessions} sessions and "
+                    f"{self.max_cache_bytes / 2**20:.0f} MiB; retry later"
                 )
-            del self.sessions[idle]
-            self.evictions += 1
+
+    def _trim_memory(self) -> None:
+        while self._over_memory() and self._evict_idle():
+            pass
+
+    def _evict_idle(self) -> bool:
+        """Evict the least recently used session not in a call; False when all are busy."""
+        idle = next((sid for sid, s in self.sessions.items() if not s.busy), None)
+        if idle is None:
+            return False
+        del self.sessions[idle]
+        self.evictions += 1
+        return True
 
 
 @torch.inference_mode()

@@ -3,11 +3,18 @@
 Each service is a separate process on loopback, exactly as in a deployment, so
 the draft and the target really run side by side. Used by `specdec up`, by
 `specdec generate` when nothing serves yet, and by the end-to-end tests.
+
+The internal hops are always authenticated: each stack makes a random internal
+token and hands it to its processes through the environment (never the command
+line, which other users of the machine can read; the Redis URL, which may hold a
+password, travels the same way). With `tls`, every hop is TLS and the internal
+hops are mutual TLS, all with the one certificate given.
 """
 
 from __future__ import annotations
 
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -18,11 +25,23 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from specdec.redis_server import EmbeddedRedis, free_port
+from specdec.session import REDIS_URL_ENV
+from specdec.security import AUTH_METADATA, BEARER, INTERNAL_TOKEN_ENV, read_pem
 from specdec.serving import COORDINATOR_SERVICE, DRAFT_SERVICE, TARGET_SERVICE
 
 DEFAULT_TARGET = "smollm2-135m-instruct"
 DEFAULT_DRAFT = "ngram"
 STOP_TIMEOUT_S = 10.0
+
+
+@dataclass
+class StackTLS:
+    """PEM files for a TLS stack: one certificate (valid for 127.0.0.1 / localhost, for
+    server and client use) and its key, and the CA that signed it."""
+
+    cert: str
+    key: str
+    ca: str
 
 
 @dataclass
@@ -44,6 +63,10 @@ class StackConfig:
     metrics_port_base: int = 0
     # Extra environment for the service processes (OTEL_* settings are inherited anyway).
     env: dict[str, str] = field(default_factory=dict)
+    # TLS on every hop, mutual TLS on the internal ones; None = plaintext on loopback.
+    tls: StackTLS | None = None
+    # API tokens file for the coordinator (clients must send one); "" = no token check.
+    auth_token_file: str = ""
 
 
 def default_threads(draft: str = "") -> tuple[int, int]:
@@ -65,6 +88,8 @@ class Stack:
         self.processes: dict[str, subprocess.Popen] = {}
         self.envs: dict[str, dict[str, str]] = {}
         self.ports: dict[str, int] = {}
+        # The secret the coordinator sends to the draft and target services.
+        self.internal_token = secrets.token_urlsafe(32)
 
     @property
     def address(self) -> str:
@@ -79,6 +104,29 @@ class Stack:
     def redis_url(self) -> str:
         return self.config.redis_url or (self.redis.url if self.redis else "")
 
+    @property
+    def internal_metadata(self) -> tuple[tuple[str, str], ...]:
+        """Metadata that authenticates a call to this stack's draft or target service."""
+        return ((AUTH_METADATA, BEARER + self.internal_token),)
+
+    def channel_credentials(self) -> grpc.ChannelCredentials | None:
+        """Credentials to reach any of this stack's services (None when plaintext)."""
+        tls = self.config.tls
+        if tls is None:
+            return None
+        return grpc.ssl_channel_credentials(
+            read_pem(tls.ca, "CA certificate"), read_pem(tls.key, "TLS key"), read_pem(tls.cert, "TLS certificate")
+        )
+
+    def tls_args(self, name: str) -> list[str]:
+        tls = self.config.tls
+        if tls is None:
+            return []
+        args = ["--tls-cert", tls.cert, "--tls-key", tls.key]
+        if name == "coordinator":
+            return args + ["--internal-tls-ca", tls.ca, "--internal-tls-cert", tls.cert, "--internal-tls-key", tls.key]
+        return args + ["--tls-client-ca", tls.ca]
+
     def start(self) -> "Stack":
         cfg = self.config
         try:
@@ -90,11 +138,12 @@ class Stack:
                        "--threads", str(cfg.target_threads or target_threads), *cfg.target_args)  # fmt: skip
             self.spawn("draft", "draft", "--model", cfg.draft,
                        "--threads", str(cfg.draft_threads or draft_threads), *cfg.draft_args)  # fmt: skip
+            auth = ["--auth-token-file", cfg.auth_token_file] if cfg.auth_token_file else []
             self.spawn(
                 "coordinator", "coordinator",
                 "--draft-address", f"127.0.0.1:{self.ports['draft']}",
                 "--target-address", f"127.0.0.1:{self.ports['target']}",
-                *cfg.coordinator_args,
+                *auth, *cfg.coordinator_args,
             )  # fmt: skip
             self.wait_ready()
         except BaseException:
@@ -106,11 +155,12 @@ class Stack:
         host = self.config.host if name == "coordinator" else "127.0.0.1"
         command = [
             sys.executable, "-m", "specdec.cli", "serve", service,
-            "--host", host, "--port", str(self.ports[name]), "--redis-url", self.redis_url, *args,
+            "--host", host, "--port", str(self.ports[name]), *self.tls_args(name), *args,
         ]  # fmt: skip
         if self.metrics_ports:
             command += ["--metrics-port", str(self.metrics_ports[name])]
-        env = {**os.environ, **self.config.env}
+        secrets_env = {REDIS_URL_ENV: self.redis_url, INTERNAL_TOKEN_ENV: self.internal_token}
+        env = {**os.environ, **self.config.env, **secrets_env}
         # Each process gets its own service name in traces: specdec-draft, or <yours>-draft.
         env["OTEL_SERVICE_NAME"] = f"{env.get('OTEL_SERVICE_NAME') or 'specdec'}-{name}"
         self.envs[name] = env
@@ -134,7 +184,7 @@ class Stack:
         deadline = time.monotonic() + self.config.ready_timeout_s
         for name in names:
             address = f"127.0.0.1:{self.ports[name]}"
-            while not is_serving(address, services[name]):
+            while not is_serving(address, services[name], credentials=self.channel_credentials()):
                 process = self.processes[name]
                 if process.poll() is not None:
                     raise RuntimeError(f"the {name} service exited with code {process.returncode} while starting")
@@ -168,9 +218,12 @@ class Stack:
         self.stop()
 
 
-def is_serving(address: str, service: str = "", timeout_s: float = 1.0) -> bool:
+def is_serving(
+    address: str, service: str = "", timeout_s: float = 1.0, credentials: grpc.ChannelCredentials | None = None
+) -> bool:
     """True when the gRPC health service at `address` reports SERVING for `service`."""
-    with grpc.insecure_channel(address) as channel:
+    channel = grpc.insecure_channel(address) if credentials is None else grpc.secure_channel(address, credentials)
+    with channel:
         try:
             reply = health_pb2_grpc.HealthStub(channel).Check(
                 health_pb2.HealthCheckRequest(service=service), timeout=timeout_s

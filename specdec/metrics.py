@@ -101,11 +101,15 @@ class ModelServiceMetrics:
         self.cache_evictions = Counter(
             "specdec:cache_evictions", "Sessions evicted from the KV cache pool.", ["service"], registry=r
         ).labels(service=service)
+        self.cache_bytes = Gauge(
+            "specdec:kv_cache_bytes", "Memory held by the sessions' KV caches.", ["service"], registry=r
+        ).labels(service=service)
         self._evictions_seen = 0
 
     def observe_pool(self, pool) -> None:
         """Follow a kvcache.SessionPool (its on_change callback)."""
         self.sessions_held.set(len(pool))
+        self.cache_bytes.set(pool.bytes_held)
         self.cache_evictions.inc(pool.evictions - self._evictions_seen)
         self._evictions_seen = pool.evictions
 

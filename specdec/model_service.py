@@ -4,12 +4,14 @@ the internal request checks, and the Release / ModelInfo RPCs."""
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
+import logging
+from dataclasses import dataclass, field
 
 from specdec import serving, telemetry
 from specdec.errors import InvalidArgument, Unavailable, grpc_handler
 from specdec.kvcache import SessionPool
 from specdec.metrics import ModelServiceMetrics
+from specdec.security import ServerSecurity
 from specdec.session import SessionStore, check_session_id
 from specdec.v1 import specdec_pb2 as pb
 from specdec.wire import Sampling, model_info_to_pb, sampling_from_pb
@@ -28,10 +30,30 @@ class ModelServiceConfig:
     max_k: int = 16
     # Sessions whose KV cache is kept; least recently used evicted beyond.
     max_sessions: int = 256
+    # MiB the sessions' KV caches may hold; least recently used evicted beyond; 0 = no limit.
+    max_cache_mb: float = 4096
     dtype: str = "float32"
     device: str = "cpu"
     # Port of the Prometheus /metrics endpoint; 0 = off.
     metrics_port: int = 0
+    # TLS / mutual TLS, and the internal token(s) the coordinator must send.
+    security: ServerSecurity = field(default_factory=ServerSecurity)
+    # Serve without mTLS and without an internal token (development only).
+    allow_unauthenticated: bool = False
+
+
+def check_internal_auth(config: ModelServiceConfig, role: str) -> None:
+    """Internal services refuse to run open: mutual TLS or an internal token, unless the
+    operator explicitly allowed unauthenticated calls."""
+    if config.security.mutual_tls or config.security.tokens:
+        return
+    if not config.allow_unauthenticated:
+        raise SystemExit(
+            f"the {role} service needs a credential for its callers: set SPECDEC_INTERNAL_TOKEN (or "
+            "--internal-token-file) to the coordinator's internal token, or use mutual TLS (--tls-cert, "
+            "--tls-key, --tls-client-ca); --allow-unauthenticated serves without one (development only)"
+        )
+    logging.getLogger("specdec").warning("the %s service accepts unauthenticated calls", role)
 
 
 class ModelService:
@@ -39,6 +61,8 @@ class ModelService:
     ModelInfo replace the generated UNIMPLEMENTED ones)."""
 
     role = "model"  # "draft" or "target": names the worker thread, metrics and errors
+    # Check that the tokens a call asks to keep or add are committed (kvcache module doc).
+    committed_only = False
 
     def __init__(self, config, store: SessionStore, info: pb.ModelInfoResponse):
         self.config = config
@@ -60,10 +84,13 @@ class ModelService:
 
         loaded = load_model(self.config.model, dtype=self.config.dtype, device=self.config.device)
         self.info.MergeFrom(model_info_to_pb(loaded))
-        self.pool = SessionPool(
-            self.config.max_sessions, lambda: DynamicCache(config=loaded.model.config), self.metrics.observe_pool
-        )
+        self.pool = self.make_pool(lambda: DynamicCache(config=loaded.model.config))
         return loaded
+
+    def make_pool(self, new_cache) -> SessionPool:
+        return SessionPool(
+            self.config.max_sessions, new_cache, self.metrics.observe_pool, int(self.config.max_cache_mb * 2**20)
+        )
 
     def ready(self) -> SessionPool:
         if self.pool is None:
@@ -85,8 +112,9 @@ class ModelService:
         session_id = check_session_id(request.session_id)
         async with pool.use(session_id, self.store.exists) as state:
             await state.sync(
-                request.position, request.new_tokens, self.store.tokens, self.info.vocab_size, self.info.max_context
-            )
+                request.position, request.new_tokens, self.store.tokens, self.info.vocab_size, self.info.max_context,
+                committed_only=self.committed_only,
+            )  # fmt: skip
             yield state
 
     @grpc_handler
@@ -97,12 +125,16 @@ class ModelService:
     async def ModelInfo(self, request, context):
         info = pb.ModelInfoResponse()
         info.CopyFrom(self.info)
-        info.sessions_held = len(self.pool) if self.pool else 0
+        if self.pool is not None:
+            info.sessions_held = len(self.pool)
+            info.cache_bytes = self.pool.bytes_held
+            info.cache_evictions = self.pool.evictions
         return info
 
 
-async def serve(servicer_class, config, service_name: str, add_to_server) -> None:
+async def serve(servicer_class, config, service_name: str) -> None:
     """Run a model service until a termination signal (see serving.run)."""
+    check_internal_auth(config, servicer_class.role)
     telemetry.setup_tracing(f"specdec-{servicer_class.role}")
     store = SessionStore(config.redis_url)
     servicer = servicer_class(config, store)
@@ -115,9 +147,11 @@ async def serve(servicer_class, config, service_name: str, add_to_server) -> Non
         host=config.host,
         port=config.port,
         service_names=[service_name],
-        register=lambda server: add_to_server(servicer, server),
+        servicer=servicer,
         load=load,
         close=store.close,
         metrics_registry=servicer.metrics.registry,
         metrics_port=config.metrics_port,
+        security=config.security,
+        credential="the internal token of the coordinator",
     )

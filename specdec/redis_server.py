@@ -42,12 +42,15 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 class EmbeddedRedis:
-    """A redis-server child process on 127.0.0.1:<port>; `url` is what clients use."""
+    """A redis-server child process on 127.0.0.1:<port>; `url` is what clients use.
+
+    `stop()` then `start()` (or `restart()`) brings it back on the same port and URL,
+    empty: nothing is persisted."""
 
     def __init__(self, port: int | None = None, password: str | None = None):
         self.port = port or free_port()
         self.password = password
-        self.workdir = tempfile.mkdtemp(prefix="specdec-redis-")
+        self.workdir: str | None = None
         self.process: subprocess.Popen | None = None
 
     @property
@@ -56,6 +59,7 @@ class EmbeddedRedis:
         return f"redis://{auth}127.0.0.1:{self.port}/0"
 
     def start(self) -> "EmbeddedRedis":
+        self.workdir = tempfile.mkdtemp(prefix="specdec-redis-")
         args = [
             redis_server_binary(),
             "--port", str(self.port),
@@ -98,7 +102,14 @@ class EmbeddedRedis:
             except subprocess.TimeoutExpired:
                 self.process.kill()
                 self.process.wait()
-        shutil.rmtree(self.workdir, ignore_errors=True)
+        if self.workdir:
+            shutil.rmtree(self.workdir, ignore_errors=True)
+            self.workdir = None
+
+    def restart(self) -> "EmbeddedRedis":
+        """Stop and start again on the same port (the data is gone)."""
+        self.stop()
+        return self.start()
 
     def __enter__(self) -> "EmbeddedRedis":
         return self.start()

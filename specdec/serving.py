@@ -1,4 +1,5 @@
-"""What every specdec gRPC server shares: options, health, reflection, lifecycle.
+"""What every specdec gRPC server shares: options, health, reflection, security,
+request parsing, lifecycle.
 
 `run` starts a grpc.aio server with the standard health service reporting
 NOT_SERVING, calls `load()` off the event loop (model loading takes seconds),
@@ -15,11 +16,14 @@ from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
+from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from specdec import telemetry
+from specdec.errors import MalformedRequest
 from specdec.metrics import serve_metrics
+from specdec.security import ChannelSecurity, ServerSecurity, token_senders
 from specdec.v1 import specdec_pb2 as pb
 
 log = logging.getLogger("specdec")
@@ -64,12 +68,49 @@ class ModelWorker:
         self.executor.shutdown(wait=False, cancel_futures=True)
 
 
-def create_server() -> grpc.aio.Server:
-    return grpc.aio.server(options=GRPC_OPTIONS)
+def create_server(interceptors=()) -> grpc.aio.Server:
+    return grpc.aio.server(options=GRPC_OPTIONS, interceptors=list(interceptors))
 
 
-def insecure_channel(address: str) -> grpc.aio.Channel:
-    return grpc.aio.insecure_channel(address, options=CLIENT_OPTIONS)
+def channel(address: str, security: ChannelSecurity | None = None) -> grpc.aio.Channel:
+    """An aio channel to `address`: TLS when `security` names a CA, and its token on every call."""
+    security = security or ChannelSecurity()
+    interceptors = token_senders(security.metadata()) if security.token else None
+    credentials = security.credentials()
+    if credentials is None:
+        return grpc.aio.insecure_channel(address, options=CLIENT_OPTIONS, interceptors=interceptors)
+    return grpc.aio.secure_channel(address, credentials, options=CLIENT_OPTIONS, interceptors=interceptors)
+
+
+def parse_request(message_class):
+    """A request deserializer that never raises: bytes that are not a `message_class`
+    become a MalformedRequest, which `grpc_handler` answers with INVALID_ARGUMENT."""
+
+    def parse(data: bytes):
+        try:
+            return message_class.FromString(data)
+        except (DecodeError, ValueError, RuntimeError) as exc:
+            return MalformedRequest(message_class.DESCRIPTOR.full_name, str(exc) or type(exc).__name__)
+
+    return parse
+
+
+def add_service(server: grpc.aio.Server, service_name: str, servicer) -> None:
+    """Register `servicer`'s methods for the specdec.v1 service `service_name`
+    (what the generated add_*_to_server does, with `parse_request` deserializers)."""
+    service = pb.DESCRIPTOR.services_by_name[service_name.rsplit(".", 1)[-1]]
+    handlers = {}
+    for method in service.methods:
+        request_class = getattr(pb, method.input_type.name)
+        response_class = getattr(pb, method.output_type.name)
+        make = grpc.unary_stream_rpc_method_handler if method.server_streaming else grpc.unary_unary_rpc_method_handler
+        handlers[method.name] = make(
+            getattr(servicer, method.name),
+            request_deserializer=parse_request(request_class),
+            response_serializer=response_class.SerializeToString,
+        )
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service.full_name, handlers),))
+    server.add_registered_method_handlers(service.full_name, handlers)
 
 
 async def run(
@@ -78,26 +119,34 @@ async def run(
     host: str,
     port: int,
     service_names: Sequence[str],
-    register: Callable[[grpc.aio.Server], None],
+    servicer,
     load: Callable[[], Awaitable[None]],
     close: Callable[[], Awaitable[None]] | None = None,
     grace_s: float = DEFAULT_GRACE_S,
     metrics_registry=None,
     metrics_port: int = 0,
+    security: ServerSecurity | None = None,
+    credential: str = "a token",
 ) -> None:
     """Serve until a termination signal; see the module docstring for the order of steps.
+    `servicer` serves every service of `service_names`; `security` says how calls are
+    secured (TLS, mTLS) and authenticated (bearer tokens naming `credential`).
     Call telemetry.setup_tracing before this (and before making channels or Redis clients)."""
-    server = create_server()
+    security = security or ServerSecurity()
+    credentials = security.credentials()
+    server = create_server(security.interceptors(credential))
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection([*service_names, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
-    register(server)
+    for service_name in service_names:
+        add_service(server, service_name, servicer)
     address = f"{host}:{port}"
-    if server.add_insecure_port(address) == 0:
+    bound = server.add_insecure_port(address) if credentials is None else server.add_secure_port(address, credentials)
+    if bound == 0:
         raise SystemExit(f"{name}: cannot listen on {address}")
     await set_health(health_servicer, service_names, health_pb2.HealthCheckResponse.NOT_SERVING)
     await server.start()
-    log.info("%s listening on %s, loading", name, address)
+    log.info("%s listening on %s (%s), loading", name, address, describe(security))
     if metrics_registry is not None and metrics_port:
         serve_metrics(metrics_registry, metrics_port, host)
         log.info("%s metrics on http://%s:%d/metrics", name, host, metrics_port)
@@ -125,6 +174,12 @@ async def run(
     if close is not None:
         await close()
     telemetry.shutdown_tracing()
+
+
+def describe(security: ServerSecurity) -> str:
+    """How a server is secured, for its log (never the secrets themselves)."""
+    transport = "mutual TLS" if security.mutual_tls else "TLS" if security.tls else "plaintext"
+    return f"{transport}, {'bearer token required' if security.tokens else 'no token'}"
 
 
 async def set_health(servicer, service_names: Sequence[str], status) -> None:

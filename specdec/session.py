@@ -12,7 +12,12 @@ Layout (the `{session_id}` hash tag keeps one session in one Redis Cluster slot)
 
 Every write that advances a session runs as one Lua script that first checks the
 cycle number it expects, so a retried or duplicated cycle never commits twice, and
-refreshes the TTL of both keys.
+refreshes the TTL of both keys. A script either runs whole or not at all, so a session
+is never half-written, whatever fails around it.
+
+When Redis is unreachable every call fails fast (no silent retries: see
+`SessionStore`) with a redis ConnectionError/TimeoutError, which servers report as
+UNAVAILABLE; the connection pool reconnects by itself once Redis is back.
 """
 
 from __future__ import annotations
@@ -24,12 +29,26 @@ import uuid
 from collections.abc import Mapping, Sequence
 
 import redis.asyncio as aioredis
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
 
 from specdec.errors import Aborted, AlreadyExists, InvalidArgument, NotFound
 
 REDIS_URL_ENV = "SPECDEC_REDIS_URL"
 DEFAULT_TTL_S = 3600
 MAX_SESSION_ID_LEN = 128
+# Opening a connection: loopback or a LAN answers in milliseconds, so a Redis that has
+# not answered in 2 s is down, and the request fails with UNAVAILABLE instead of waiting.
+REDIS_CONNECT_TIMEOUT_S = 2.0
+# One command: our scripts touch one session (microseconds), and even a Redis pausing to
+# fork a snapshot answers within a few hundred ms; 2 s without a reply means it is stuck.
+REDIS_SOCKET_TIMEOUT_S = 2.0
+try:  # recent redis-py: its maintenance notifications (Redis Enterprise) skip the stale-connection check
+    from redis.maint_notifications import MaintNotificationsConfig
+
+    NO_MAINT_NOTIFICATIONS = {"maint_notifications_config": MaintNotificationsConfig(enabled=False)}
+except ImportError:  # older redis-py has neither
+    NO_MAINT_NOTIFICATIONS = {}
 
 # KEYS: meta, tokens. ARGV: ttl, now, n_fields, field, value, ..., token, token, ...
 _CREATE = """
@@ -102,16 +121,32 @@ def redis_url_from_env() -> str | None:
 
 
 class SessionStore:
-    """Async access to sessions in Redis. One instance per process; cheap to share."""
+    """Async access to sessions in Redis. One instance per process; cheap to share.
 
-    def __init__(self, url: str, *, ttl_s: int = DEFAULT_TTL_S, socket_timeout_s: float = 5.0):
+    Commands are sent once, never retried by the client library: redis-py's default
+    (10 retries with backoff) would hold a request for seconds while Redis is down, and
+    would replay a commit whose reply was lost, which the fence then refuses. Callers see
+    the error at once; a pooled connection that Redis closed is replaced before use, so
+    nothing needs restarting when Redis comes back. (redis-py skips that check while its
+    maintenance notifications, a Redis Enterprise feature, are on; so they are off.)"""
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        ttl_s: int = DEFAULT_TTL_S,
+        socket_timeout_s: float = REDIS_SOCKET_TIMEOUT_S,
+        connect_timeout_s: float = REDIS_CONNECT_TIMEOUT_S,
+    ):
         self.url = url
         self.ttl_s = ttl_s
         self.redis = aioredis.Redis.from_url(
             url,
             socket_timeout=socket_timeout_s,
-            socket_connect_timeout=socket_timeout_s,
+            socket_connect_timeout=connect_timeout_s,
+            retry=Retry(NoBackoff(), 0),
             decode_responses=True,
+            **NO_MAINT_NOTIFICATIONS,
         )
         self._create = self.redis.register_script(_CREATE)
         self._commit = self.redis.register_script(_COMMIT)

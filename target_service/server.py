@@ -27,6 +27,7 @@ class TargetConfig(ModelServiceConfig):
 
 class TargetServicer(ModelService, pb_grpc.TargetServicer):
     role = "target"
+    committed_only = True
 
     def __init__(self, config: TargetConfig, store: SessionStore):
         super().__init__(config, store, pb.ModelInfoResponse(model=config.model, kind="model", max_k=config.max_k))
@@ -76,4 +77,4 @@ class TargetServicer(ModelService, pb_grpc.TargetServicer):
 
 
 async def serve(config: TargetConfig) -> None:
-    await model_service.serve(TargetServicer, config, serving.TARGET_SERVICE, pb_grpc.add_TargetServicer_to_server)
+    await model_service.serve(TargetServicer, config, serving.TARGET_SERVICE)

@@ -18,8 +18,11 @@ def redis_url(redis_server):
 
 # ---------------------------------------------------------------- models
 
+import functools
 import os
 from types import SimpleNamespace
+
+import grpc
 
 from specdec.launcher import Stack, StackConfig
 from specdec.redis_server import free_port
@@ -87,3 +90,24 @@ def tiny_stack(redis_url, tiny_models):
     stack = start_stack(redis_url, tiny_models.target, tiny_models.draft)
     yield stack
     stack.stop()
+
+
+class InternalStub:
+    """A stub of a stack's draft or target service that sends the stack's internal token
+    with every call, as the coordinator does."""
+
+    def __init__(self, stack: Stack, name: str):
+        credentials = stack.channel_credentials()
+        address = f"127.0.0.1:{stack.ports[name]}"
+        self.channel = grpc.insecure_channel(address) if credentials is None else grpc.secure_channel(address, credentials)
+        from specdec.v1 import specdec_pb2_grpc as pb_grpc
+
+        self.stub = {"draft": pb_grpc.DraftStub, "target": pb_grpc.TargetStub}[name](self.channel)
+        self.metadata = stack.internal_metadata
+
+    def __getattr__(self, method: str):
+        return functools.partial(getattr(self.stub, method), metadata=self.metadata)
+
+
+def internal_stub(stack: Stack, name: str) -> InternalStub:
+    return InternalStub(stack, name)

@@ -60,7 +60,7 @@ HEALTH_SERVICE = {
 METRICS_PORT = 9400
 REDIS_PORT = 6379
 # Secrets an overlay expects the operator to create before `kubectl apply -k` (not rendered).
-EXTERNAL_SECRETS = {"cpu-demo": set(), "gpu": {"specdec-redis"}}
+EXTERNAL_SECRETS = {"cpu-demo": set(), "gpu": {"specdec-redis", "specdec-internal"}}
 GPU = "nvidia.com/gpu"
 
 
@@ -383,10 +383,11 @@ def service_parser(service: str) -> argparse.ArgumentParser:
 
 @functools.cache
 def env_names(service: str) -> frozenset[str]:
-    """Every SPECDEC_* variable the service reads: those in its flags' help, plus the cache folder."""
+    """Every SPECDEC_* variable the service reads: those its flags' help names (`[env: ...]`,
+    or a secret read directly, e.g. "or set SPECDEC_INTERNAL_TOKEN"), plus the cache folder."""
     names = set()
     for action in service_parser(service)._actions:
-        names.update(re.findall(r"\[env: (SPECDEC_[A-Z0-9_]+)\]", action.help or ""))
+        names.update(re.findall(r"\b(SPECDEC_[A-Z0-9_]+)\b", action.help or ""))
     return frozenset(names | {models_constant("CACHE_ENV")})
 
 
@@ -513,8 +514,25 @@ def test_redis_url(overlay):
         redis_env = {e["name"]: e for e in redis["spec"]["template"]["spec"]["containers"][0]["env"]}
         assert env["REDIS_PASSWORD"]["valueFrom"] == redis_env["REDIS_PASSWORD"]["valueFrom"]
     for secret in r.of_kind("Secret"):
+        if "password" not in secret["data"]:
+            continue
         password = base64.b64decode(secret["data"]["password"]).decode()
         assert re.fullmatch(r"[A-Za-z0-9._~-]+", password), "the password goes into a URL: keep it URL-safe"
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_the_services_share_one_internal_token_from_a_secret(overlay):
+    """The coordinator sends the token the draft and target require (no plaintext value)."""
+    r = rendered(overlay)
+    refs = set()
+    for service in SERVICES:
+        env = {e["name"]: e for e in r.container(service)["env"]}
+        source = env["SPECDEC_INTERNAL_TOKEN"]["valueFrom"]["secretKeyRef"]
+        refs.add((source["name"], source["key"]))
+    (name, key), = refs
+    assert name.startswith("specdec-internal") and key == "token"
+    external = EXTERNAL_SECRETS.get(overlay, set())
+    assert "specdec-internal" in external or any(s["metadata"]["name"] == name for s in r.of_kind("Secret"))
 
 
 # ---------------------------------------------------------------- 4. network policies

@@ -16,6 +16,7 @@ from specdec.sampling import warp
 from specdec.session import meta_key
 from specdec.v1 import specdec_pb2 as pb
 from specdec.v1 import specdec_pb2_grpc as pb_grpc
+from conftest import internal_stub
 
 PROMPT = "hello world"
 
@@ -26,9 +27,6 @@ def client(tiny_stack):
         yield client
 
 
-def internal_stub(stack, name):
-    channel = grpc.insecure_channel(f"127.0.0.1:{stack.ports[name]}")
-    return {"draft": pb_grpc.DraftStub, "target": pb_grpc.TargetStub}[name](channel)
 
 
 def hf_greedy(model_dir, prompt_ids, n):
@@ -218,7 +216,7 @@ def code_of(call):
         (dict(top_p=1.5), grpc.StatusCode.INVALID_ARGUMENT, "top_p"),
         (dict(top_k=-3), grpc.StatusCode.INVALID_ARGUMENT, "top_k"),
         (dict(max_new_tokens=0), grpc.StatusCode.INVALID_ARGUMENT, "max_new_tokens"),
-        (dict(max_new_tokens=10**6), grpc.StatusCode.INVALID_ARGUMENT, "max_new_tokens"),
+        (dict(max_new_tokens=10**6), grpc.StatusCode.RESOURCE_EXHAUSTED, "at most 4096"),
         (dict(prompt=None, prompt_token_ids=[1, 99999]), grpc.StatusCode.INVALID_ARGUMENT, "outside the vocabulary"),
         (dict(prompt="a" * 3000), grpc.StatusCode.OUT_OF_RANGE, "context"),
         (dict(session_id="bad{id}"), grpc.StatusCode.INVALID_ARGUMENT, "session_id"),
@@ -232,10 +230,14 @@ def test_bad_requests_get_their_status_code_and_the_server_keeps_serving(client,
     assert len(client.generate(PROMPT, max_new_tokens=3, ignore_eos=True).token_ids) == 3
 
 
-def test_a_session_id_in_use_is_refused(client):
+def test_a_session_id_in_use_is_refused_and_the_session_is_left_alone(client, redis_url):
     client.generate(PROMPT, max_new_tokens=2, session_id="taken-1")
+    store = redis.Redis.from_url(redis_url, decode_responses=True)
+    before = store.hgetall(meta_key("taken-1"))
     got, message = code_of(lambda: client.generate(PROMPT, max_new_tokens=2, session_id="taken-1"))
     assert got == grpc.StatusCode.ALREADY_EXISTS and "taken-1" in message
+    time.sleep(0.5)  # a wrongly spawned release would have run by now
+    assert store.hgetall(meta_key("taken-1")) == before and before["status"] == "finished"
 
 
 def test_internal_calls_for_unknown_sessions_are_not_found(tiny_stack):

@@ -7,8 +7,8 @@ import torch
 
 from coordinator.text import TextStream, first_stop
 from draft_service.drafters import find_continuation
-from specdec.errors import InvalidArgument, NotFound, OutOfRange, ResourceExhausted
-from specdec.kvcache import SessionPool, SessionState
+from specdec.errors import FailedPrecondition, InvalidArgument, NotFound, OutOfRange, ResourceExhausted
+from specdec.kvcache import SessionPool, SessionState, cache_bytes
 from specdec.rng import DRAFT, TARGET, cycle_generator
 from specdec.v1 import specdec_pb2 as pb
 from specdec.wire import Sampling, draft_from_pb, draft_token_to_pb, sampling_from_pb, stack_draft_probs
@@ -255,6 +255,75 @@ def test_pool_evicts_least_recently_used_but_never_a_busy_session():
                     await pool.acquire("d", exists)
 
     asyncio.run(go())
+
+
+def test_committed_only_sync_refuses_tokens_that_are_not_committed_and_changes_nothing():
+    async def go():
+        committed = [1, 2, 3, 4]
+        fetch = committed_fetcher(committed)
+        state = SessionState("s")
+        await state.sync(0, [1, 2, 3], fetch, 100, committed_only=True)
+        state.feed(state.pending)
+        state.pending = []
+        state.feed([7])  # an accepted draft, not committed (yet)
+        before = (list(state.held), list(state.pending))
+        # A foreign or stale caller claims [1, 2, 3, 7] and adds 8: neither is committed.
+        with pytest.raises(FailedPrecondition, match="not session 's'.s committed tokens"):
+            await state.sync(4, [8], fetch, 100, committed_only=True)
+        with pytest.raises(FailedPrecondition):
+            await state.sync(3, [9], fetch, 100, committed_only=True)
+        assert (state.held, state.pending) == before
+        # A caller that claims the unchecked draft 7 as held: the target keeps only what
+        # agrees with Redis, and re-feeds the committed 4 in its place.
+        committed.append(5)
+        await state.sync(4, [5], fetch, 100, committed_only=True)
+        assert (state.held, state.pending) == ([1, 2, 3], [4, 5]) and state.confirmed == 5
+        with pytest.raises(OutOfRange):
+            await state.sync(9, [], fetch, 100, committed_only=True)
+
+    asyncio.run(go())
+
+
+def test_pool_evicts_idle_sessions_beyond_the_kv_memory_limit_but_never_a_busy_one():
+    from transformers import DynamicCache
+
+    from specdec.kvcache import forward
+    from specdec.models import build_tiny_model, build_tiny_tokenizer
+
+    model = build_tiny_model(build_tiny_tokenizer(), hidden_size=32, num_layers=1, seed=0)
+    per_token = None
+
+    async def go():
+        nonlocal per_token
+
+        async def exists(_):
+            return True
+
+        def fill(state, n):
+            forward(model, state.cache, list(range(1, n + 1)))
+
+        probe = DynamicCache(config=model.config)
+        forward(model, probe, [1])
+        per_token = cache_bytes(probe)
+        pool = SessionPool(10, lambda: DynamicCache(config=model.config), max_cache_bytes=25 * per_token)
+        for sid in ("a", "b"):
+            async with pool.use(sid, exists) as state:
+                fill(state, 10)
+        assert pool.bytes_held == 20 * per_token and pool.evictions == 0
+        # c's 10 tokens take the caches past 25 tokens' worth: a, the least recently used, goes.
+        async with pool.use("c", exists) as state:
+            fill(state, 10)
+        assert list(pool.sessions) == ["b", "c"] and pool.bytes_held == 20 * per_token
+        # Over the limit with every session busy: nothing is evicted, a new session is refused.
+        async with pool.use("b", exists) as b, pool.use("c", exists) as c:
+            fill(b, 10)
+            fill(c, 10)
+            with pytest.raises(ResourceExhausted, match="MiB"):
+                await pool.acquire("d", exists)
+        assert pool.bytes_held <= 25 * per_token
+
+    asyncio.run(go())
+    assert per_token > 0
 
 
 def test_pool_refuses_sessions_the_store_does_not_know():

@@ -55,7 +55,7 @@ class ModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfoResponse(_message.Message):
-    __slots__ = ("model", "kind", "vocab_size", "vocab_fingerprint", "max_context", "eos_token_ids", "device", "dtype", "max_k", "sessions_held")
+    __slots__ = ("model", "kind", "vocab_size", "vocab_fingerprint", "max_context", "eos_token_ids", "device", "dtype", "max_k", "sessions_held", "cache_bytes", "cache_evictions")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -66,6 +66,8 @@ class ModelInfoResponse(_message.Message):
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     MAX_K_FIELD_NUMBER: _ClassVar[int]
     SESSIONS_HELD_FIELD_NUMBER: _ClassVar[int]
+    CACHE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    CACHE_EVICTIONS_FIELD_NUMBER: _ClassVar[int]
     model: str
     kind: str
     vocab_size: int
@@ -76,7 +78,9 @@ class ModelInfoResponse(_message.Message):
     dtype: str
     max_k: int
     sessions_held: int
-    def __init__(self, model: _Optional[str] = ..., kind: _Optional[str] = ..., vocab_size: _Optional[int] = ..., vocab_fingerprint: _Optional[str] = ..., max_context: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., max_k: _Optional[int] = ..., sessions_held: _Optional[int] = ...) -> None: ...
+    cache_bytes: int
+    cache_evictions: int
+    def __init__(self, model: _Optional[str] = ..., kind: _Optional[str] = ..., vocab_size: _Optional[int] = ..., vocab_fingerprint: _Optional[str] = ..., max_context: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., max_k: _Optional[int] = ..., sessions_held: _Optional[int] = ..., cache_bytes: _Optional[int] = ..., cache_evictions: _Optional[int] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
     __slots__ = ("session_id",)

@@ -1,0 +1,217 @@
+"""Transport security and authentication for every hop.
+
+Terms:
+    public hop      client → coordinator: TLS with the coordinator's certificate, and a
+                    bearer token when the coordinator is given any.
+    internal hops   coordinator → draft and coordinator → target: mutual TLS (each side
+                    shows a certificate signed by a CA the other trusts) or, without
+                    mTLS, the internal token, a shared secret the coordinator sends and
+                    the model services require.
+    bearer token    the metadata `authorization: Bearer <token>`, compared in constant
+                    time with every accepted token.
+
+Certificates and keys come from PEM files. Secrets (tokens, the Redis password in its
+URL) come from files or the environment, never from command-line flags, which any
+user of the machine can read in the process list, and are never logged or traced.
+"""
+
+from __future__ import annotations
+
+import hmac
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import grpc
+
+from specdec.errors import Unauthenticated, status_for
+
+AUTH_METADATA = "authorization"
+BEARER = "Bearer "
+# Health checks stay open: kubelet probes and load balancers send no token.
+OPEN_SERVICES = frozenset({"grpc.health.v1.Health"})
+
+# Environment variables that carry secrets (read directly, never through a flag).
+AUTH_TOKEN_ENV = "SPECDEC_AUTH_TOKEN"
+INTERNAL_TOKEN_ENV = "SPECDEC_INTERNAL_TOKEN"
+CLIENT_TOKEN_ENV = "SPECDEC_TOKEN"
+
+
+def read_pem(path: str, what: str) -> bytes:
+    """The bytes of a PEM file, or a SystemExit that names the flag's purpose."""
+    try:
+        with open(path, "rb") as f:
+            return f.read()
+    except OSError as exc:
+        raise SystemExit(f"cannot read the {what} {path!r}: {exc.strerror}") from None
+
+
+def load_tokens(path: str = "", env: str = "") -> tuple[str, ...]:
+    """Tokens from a file (one per line; blank lines and `#` comments skipped) and from
+    the environment variable `env` (one token, or several separated by commas)."""
+    tokens: list[str] = []
+    if path:
+        try:
+            with open(path, encoding="utf-8") as f:
+                tokens += [line.strip() for line in f if line.strip() and not line.lstrip().startswith("#")]
+        except OSError as exc:
+            raise SystemExit(f"cannot read the token file {path!r}: {exc.strerror}") from None
+        if not tokens:
+            raise SystemExit(f"the token file {path!r} holds no token")
+    if env and os.environ.get(env):
+        tokens += [t.strip() for t in os.environ[env].split(",") if t.strip()]
+    return tuple(tokens)
+
+
+@dataclass
+class ServerSecurity:
+    """How a server secures and authenticates its incoming calls."""
+
+    # PEM certificate chain and private key of this server; both set = TLS.
+    tls_cert: str = ""
+    tls_key: str = ""
+    # PEM CA bundle; set = mutual TLS: clients must present a certificate it signed.
+    tls_client_ca: str = ""
+    # Accepted bearer tokens; empty = no token check.
+    tokens: tuple[str, ...] = ()
+
+    @property
+    def tls(self) -> bool:
+        return bool(self.tls_cert or self.tls_key)
+
+    @property
+    def mutual_tls(self) -> bool:
+        return self.tls and bool(self.tls_client_ca)
+
+    def credentials(self) -> grpc.ServerCredentials | None:
+        if not self.tls:
+            if self.tls_client_ca:
+                raise SystemExit("--tls-client-ca needs --tls-cert and --tls-key (mutual TLS is TLS first)")
+            return None
+        if not (self.tls_cert and self.tls_key):
+            raise SystemExit("TLS needs both --tls-cert and --tls-key")
+        key_pair = (read_pem(self.tls_key, "TLS key"), read_pem(self.tls_cert, "TLS certificate"))
+        client_ca = read_pem(self.tls_client_ca, "client CA") if self.tls_client_ca else None
+        return grpc.ssl_server_credentials([key_pair], root_certificates=client_ca, require_client_auth=bool(client_ca))
+
+    def interceptors(self, credential: str) -> list[grpc.aio.ServerInterceptor]:
+        """`credential` names what a refused caller lacks, e.g. "an API token"."""
+        return [TokenCheck(self.tokens, credential)] if self.tokens else []
+
+
+@dataclass
+class ChannelSecurity:
+    """How a client secures and authenticates its outgoing calls."""
+
+    # PEM CA bundle that signed the server's certificate; set = TLS.
+    tls_ca: str = ""
+    # PEM certificate and key this client presents (mutual TLS).
+    tls_cert: str = ""
+    tls_key: str = ""
+    # Bearer token sent with every call; empty = none.
+    token: str = ""
+
+    def credentials(self) -> grpc.ChannelCredentials | None:
+        if not self.tls_ca:
+            if self.tls_cert or self.tls_key:
+                raise SystemExit("a client certificate needs the CA of the server it talks to (--internal-tls-ca)")
+            return None
+        if bool(self.tls_cert) != bool(self.tls_key):
+            raise SystemExit("a client certificate needs both its certificate and its key")
+        return grpc.ssl_channel_credentials(
+            root_certificates=read_pem(self.tls_ca, "CA certificate"),
+            private_key=read_pem(self.tls_key, "client key") if self.tls_key else None,
+            certificate_chain=read_pem(self.tls_cert, "client certificate") if self.tls_cert else None,
+        )
+
+    def metadata(self) -> tuple[tuple[str, str], ...]:
+        return ((AUTH_METADATA, BEARER + self.token),) if self.token else ()
+
+
+def token_matches(metadata: Sequence[tuple[str, str | bytes]] | None, tokens: Sequence[str]) -> bool:
+    """Whether the call's `authorization: Bearer <token>` names one of `tokens`.
+    Every token is compared in constant time, and all of them, whatever matches."""
+    offered = next((value for key, value in metadata or () if key == AUTH_METADATA), None)
+    if not isinstance(offered, str) or not offered.startswith(BEARER):
+        return False
+    offered_bytes = offered[len(BEARER) :].encode()
+    matched = False
+    for token in tokens:
+        matched |= hmac.compare_digest(offered_bytes, token.encode())
+    return matched
+
+
+class TokenCheck(grpc.aio.ServerInterceptor):
+    """Refuse calls without an accepted bearer token with UNAUTHENTICATED (health is open)."""
+
+    def __init__(self, tokens: Sequence[str], credential: str):
+        self.tokens = tuple(tokens)
+        self.message = f"this server requires {credential}: send the metadata `authorization: Bearer <token>`"
+
+    async def intercept_service(self, continuation, details: grpc.HandlerCallDetails):
+        service = details.method.rsplit("/", 2)[-2] if details.method.count("/") >= 2 else ""
+        handler = await continuation(details)
+        if handler is None or service in OPEN_SERVICES or token_matches(details.invocation_metadata, self.tokens):
+            return handler
+        return refusing_handler(handler, self.message)
+
+
+def refusing_handler(handler: grpc.RpcMethodHandler, message: str) -> grpc.RpcMethodHandler:
+    """A handler of the same shape as `handler` that answers UNAUTHENTICATED."""
+    code, details = status_for(Unauthenticated(message))
+
+    async def refuse(request, context):
+        await context.abort(code, details)
+
+    async def refuse_stream(request, context):
+        await context.abort(code, details)
+        yield  # pragma: no cover - makes this an async generator
+
+    kwargs = dict(request_deserializer=handler.request_deserializer, response_serializer=handler.response_serializer)
+    if handler.unary_stream:
+        return grpc.unary_stream_rpc_method_handler(refuse_stream, **kwargs)
+    if handler.unary_unary:
+        return grpc.unary_unary_rpc_method_handler(refuse, **kwargs)
+    return handler  # no streaming-request RPCs in specdec
+
+
+def add_metadata(call_details: grpc.aio.ClientCallDetails, extra) -> grpc.aio.ClientCallDetails:
+    metadata = grpc.aio.Metadata(*(call_details.metadata or ()), *extra)
+    return grpc.aio.ClientCallDetails(
+        call_details.method, call_details.timeout, metadata, call_details.credentials, call_details.wait_for_ready
+    )
+
+
+class UnaryTokenSender(grpc.aio.UnaryUnaryClientInterceptor):
+    def __init__(self, metadata: Sequence[tuple[str, str]]):
+        self.metadata = tuple(metadata)
+
+    async def intercept_unary_unary(self, continuation, call_details, request):
+        return await continuation(add_metadata(call_details, self.metadata), request)
+
+
+class StreamTokenSender(grpc.aio.UnaryStreamClientInterceptor):
+    def __init__(self, metadata: Sequence[tuple[str, str]]):
+        self.metadata = tuple(metadata)
+
+    async def intercept_unary_stream(self, continuation, call_details, request):
+        return await continuation(add_metadata(call_details, self.metadata), request)
+
+
+def token_senders(metadata: Sequence[tuple[str, str]]) -> list:
+    """Interceptors that add `metadata` (the bearer token) to every call of an aio channel
+    (grpc.aio files an interceptor under one kind of call only, hence one per kind)."""
+    return [UnaryTokenSender(metadata), StreamTokenSender(metadata)]
+
+
+def redact_url(url: str) -> str:
+    """A URL with its password (if any) replaced by ***, for messages and logs."""
+    from urllib.parse import urlsplit, urlunsplit
+
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    user = parts.username or ""
+    host = parts.hostname or ""
+    netloc = f"{user}:***@{host}" + (f":{parts.port}" if parts.port else "")
+    return urlunsplit(parts._replace(netloc=netloc))

