@@ -1,0 +1,64 @@
+"""`specdec soak`, the short version CI runs: a few seconds of concurrent clients against tiny models.
+(The real soak, 8 clients for 10 minutes, is a command a person runs; nothing here is timed.)"""
+
+import json
+
+from specdec.cli import main
+
+
+def soak_json(capsys, *args) -> tuple[int, dict]:
+    code = main(["soak", "--json", "--no-progress", "--max-new-tokens", "8", *args])
+    return code, json.loads(capsys.readouterr().out)
+
+
+def prompts_file(tmp_path):
+    path = tmp_path / "prompts.jsonl"
+    path.write_text('{"prompt": "hello world, hello world"}\n{"prompt": "the cat sat on the mat"}\n')
+    return str(path)
+
+
+def test_soak_against_a_running_stack_reports_no_errors_and_rss_only_for_named_pids(tiny_stack, capsys, tmp_path):
+    coordinator = tiny_stack.processes["coordinator"].pid
+    code, report = soak_json(capsys, "--address", tiny_stack.address, "--clients", "2", "--minutes", "0.05",
+                             "--prompts", prompts_file(tmp_path), "--pid", f"coordinator={coordinator}")  # fmt: skip
+    assert code == 0, report["error_samples"]
+    assert report["errors"] == 0 and report["errors_by_code"] == {}
+    assert report["requests"] > 0 and report["tokens"] > 0 and report["tokens_per_s"] > 0
+    assert 0 < report["p50_latency_ms"] <= report["p99_latency_ms"]
+    assert 0 < report["p50_token_ms"] <= report["p99_token_ms"]
+    assert list(report["processes"]) == ["coordinator"]
+    assert report["processes"]["coordinator"]["pid"] == coordinator
+    assert report["processes"]["coordinator"]["rss_end_mib"] > 0
+
+
+def test_soak_against_a_running_stack_without_pids_says_rss_is_not_measured(tiny_stack, capsys, tmp_path):
+    code = main(["soak", "--no-progress", "--address", tiny_stack.address, "--clients", "1", "--minutes", "0.02",
+                 "--max-new-tokens", "4", "--prompts", prompts_file(tmp_path)])  # fmt: skip
+    table = capsys.readouterr().out
+    assert code == 0 and "errors            0" in table
+    assert "RSS not measured" in table
+
+
+def test_soak_counts_refused_requests_by_status_code_and_exits_1(tiny_stack, capsys, tmp_path):
+    # The coordinator refuses max_new_tokens 0 with INVALID_ARGUMENT.
+    code, report = soak_json(capsys, "--address", tiny_stack.address, "--clients", "2", "--minutes", "0.02",
+                             "--prompts", prompts_file(tmp_path), "--max-new-tokens", "0")  # fmt: skip
+    assert code == 1
+    assert report["errors"] == report["requests"] > 0
+    assert report["errors_by_code"] == {"INVALID_ARGUMENT": report["errors"]}
+    assert len(report["error_samples"]) == 1 and "max_new_tokens" in report["error_samples"][0]
+    assert report["tokens"] == 0
+
+
+def test_soak_with_its_own_stack_reports_rss_of_every_process(tiny_models, capsys, tmp_path):
+    code, report = soak_json(capsys, "--target", tiny_models.target, "--draft", tiny_models.draft, "--clients", "2",
+                             "--minutes", "0.2", "--warmup-s", "2", "--prompts", prompts_file(tmp_path))  # fmt: skip
+    assert code == 0, report["error_samples"]
+    assert report["errors"] == 0 and report["requests"] > 0 and report["tokens"] > 0
+    assert report["p50_latency_ms"] <= report["p99_latency_ms"]
+    assert report["warmup_s"] == 2 and report["duration_s"] >= 12
+    assert list(report["processes"]) == ["redis", "coordinator", "draft", "target"]
+    for name, process in report["processes"].items():
+        assert process["rss_start_mib"] > 0 and process["rss_end_mib"] > 0, name
+        assert process["growth_pct"] is not None, name
+        assert len(process["rss_series_mib"]) == len(report["rss_series_t_s"]) >= 2, name
