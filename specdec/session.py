@@ -23,6 +23,7 @@ UNAVAILABLE; the connection pool reconnects by itself once Redis is back.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import time
 import uuid
@@ -33,6 +34,7 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 
 from specdec.errors import Aborted, AlreadyExists, InvalidArgument, NotFound
+from specdec.security import redact_url
 
 REDIS_URL_ENV = "SPECDEC_REDIS_URL"
 DEFAULT_TTL_S = 3600
@@ -139,6 +141,7 @@ class SessionStore:
         connect_timeout_s: float = REDIS_CONNECT_TIMEOUT_S,
     ):
         self.url = url
+        logging.getLogger("specdec").info("sessions in Redis at %s", redact_url(url))
         self.ttl_s = ttl_s
         self.redis = aioredis.Redis.from_url(
             url,
