@@ -464,9 +464,9 @@ def run_models(args) -> int:
     if args.models_command == "list":
         for name in models.list_catalog():
             state = "cached" if models.is_cached(name) else "not cached"
-            print(f"{name}\t{state}\t{models.CATALOG[name].description}")
+            print(f"{name}\t{state}\t{models.describe(name)}")
         return 0
-    if args.name not in models.CATALOG:
+    if args.name not in models.list_catalog():
         print(f"error: {args.name!r} is not in the catalog; known: {', '.join(models.list_catalog())}", file=sys.stderr)
         return 2
     print(models.ensure_catalog_model(args.name))

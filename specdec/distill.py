@@ -728,6 +728,11 @@ DRAFT_CATALOG: dict[str, DraftEntry] = {
 }
 
 
+def packaged_weights(entry: DraftEntry) -> Path:
+    """The compact weights file of a catalog draft (an absolute entry.weights wins)."""
+    return Path(__file__).parent / "data" / entry.weights
+
+
 def ensure_distilled_draft(name: str, *, progress: bool = True) -> Path:
     """Return the cached HF directory of catalog draft `name`, building it on first use.
 
@@ -753,8 +758,7 @@ def ensure_distilled_draft(name: str, *, progress: bool = True) -> Path:
             else:
                 target_dir = Path(entry.target)
             bar.update(1)
-            weights = Path(__file__).parent / "data" / entry.weights  # an absolute entry.weights wins
-            materialize_draft(str(target_dir), weights, staging)
+            materialize_draft(str(target_dir), packaged_weights(entry), staging)
             marker = {"name": name, "built_from": entry.weights, "target": entry.target, "created_unix": time.time()}
             publish_staged(staging, final, DRAFT_MARKER, marker)
             bar.update(1)

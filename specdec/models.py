@@ -91,9 +91,25 @@ CATALOG: dict[str, CatalogEntry] = {
 }
 
 
+def draft_catalog() -> dict:
+    """Catalog drafts made by `specdec distill` whose compact weights ship in specdec/data
+    (name -> specdec.distill.DraftEntry); built from their target on first use."""
+    from specdec.distill import DRAFT_CATALOG, packaged_weights
+
+    return {name: entry for name, entry in DRAFT_CATALOG.items() if packaged_weights(entry).is_file()}
+
+
 def list_catalog() -> list[str]:
-    """Names of the built-in catalog models, sorted."""
-    return sorted(CATALOG)
+    """Names of the built-in catalog models (drafts included), sorted."""
+    return sorted([*CATALOG, *draft_catalog()])
+
+
+def describe(name: str) -> str:
+    """One line about catalog model `name`."""
+    entry = CATALOG.get(name) or draft_catalog().get(name)
+    if entry is None:
+        raise ModelNotFoundError(f"{name!r} is not in the model catalog; known: {', '.join(list_catalog())}")
+    return entry.description
 
 
 def cache_dir() -> Path:
@@ -110,8 +126,8 @@ def catalog_model_dir(name: str) -> Path:
 
 
 def is_cached(name: str) -> bool:
-    """True when catalog model `name` has a finished conversion in the cache."""
-    return name in CATALOG and (catalog_model_dir(name) / CACHE_MARKER).is_file()
+    """True when catalog model `name` has a finished conversion (or draft build) in the cache."""
+    return (name in CATALOG or name in draft_catalog()) and (catalog_model_dir(name) / CACHE_MARKER).is_file()
 
 
 def ensure_catalog_model(name: str, *, progress: bool = True) -> Path:
@@ -123,6 +139,10 @@ def ensure_catalog_model(name: str, *, progress: bool = True) -> Path:
     renamed into place with a completion marker inside, so an interrupted run never leaves
     a directory that later loads. A lock file keeps two processes from converting at once.
     """
+    if name not in CATALOG and name in draft_catalog():
+        from specdec.distill import ensure_distilled_draft
+
+        return ensure_distilled_draft(name, progress=progress)
     entry = _catalog_entry(name)
     final = catalog_model_dir(name)
     # the fast path touches nothing, so a read-only prepopulated cache works
@@ -434,7 +454,7 @@ def _resolve(name_or_path: str) -> tuple[Path, Path | None]:
             f"{name_or_path!r} is a directory without config.json"
             + (f" and with {len(ggufs)} .gguf files (pass one of them)" if ggufs else " or a .gguf file")
         )
-    if name_or_path in CATALOG:
+    if name_or_path in CATALOG or name_or_path in draft_catalog():
         return ensure_catalog_model(name_or_path), None
     raise ModelNotFoundError(
         f"model {name_or_path!r} not found: no file or directory at {candidate.resolve()} and not a catalog name. "

@@ -111,3 +111,74 @@ class InternalStub:
 
 def internal_stub(stack: Stack, name: str) -> InternalStub:
     return InternalStub(stack, name)
+
+
+# ---------------------------------------------------------------- certificates
+# (made in the test: a CA, a leaf for 127.0.0.1/localhost, and a rogue CA with its own leaf)
+
+import datetime
+import ipaddress
+
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+
+def write_pem(path, data: bytes) -> str:
+    path.write_bytes(data)
+    return str(path)
+
+
+def make_ca(name: str):
+    key = ec.generate_private_key(ec.SECP256R1())
+    subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)])
+    now = datetime.datetime.now(datetime.timezone.utc)
+    cert = (
+        x509.CertificateBuilder().subject_name(subject).issuer_name(subject).public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+        .sign(key, hashes.SHA256())
+    )  # fmt: skip
+    return key, cert
+
+
+def make_leaf(ca_key, ca_cert, name: str):
+    """A certificate for 127.0.0.1 and localhost, good for servers and clients alike."""
+    key = ec.generate_private_key(ec.SECP256R1())
+    now = datetime.datetime.now(datetime.timezone.utc)
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)]))
+        .issuer_name(ca_cert.subject).public_key(key.public_key()).serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(x509.SubjectAlternativeName(
+            [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), critical=False)
+        .add_extension(x509.ExtendedKeyUsage(
+            [ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]), critical=False)
+        .sign(ca_key, hashes.SHA256())
+    )  # fmt: skip
+    return key, cert
+
+
+def save_pair(directory, stem, key, cert):
+    key_pem = key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
+    return (
+        write_pem(directory / f"{stem}.pem", cert.public_bytes(serialization.Encoding.PEM)),
+        write_pem(directory / f"{stem}-key.pem", key_pem),
+    )
+
+
+@pytest.fixture(scope="session")
+def pki(tmp_path_factory):
+    """A CA with one leaf certificate, and a rogue CA with its own leaf."""
+    directory = tmp_path_factory.mktemp("pki")
+    ca_key, ca_cert = make_ca("specdec test CA")
+    rogue_key, rogue_cert = make_ca("rogue CA")
+    files = {}
+    files["ca"], _ = save_pair(directory, "ca", ca_key, ca_cert)
+    files["cert"], files["key"] = save_pair(directory, "leaf", *make_leaf(ca_key, ca_cert, "specdec"))
+    files["rogue_ca"], _ = save_pair(directory, "rogue-ca", rogue_key, rogue_cert)
+    files["rogue_cert"], files["rogue_key"] = save_pair(directory, "rogue", *make_leaf(rogue_key, rogue_cert, "rogue"))
+    return files

@@ -89,6 +89,36 @@ def test_up_then_generate_json_end_to_end(tiny_models):
     assert not is_serving(f"127.0.0.1:{port}")
 
 
+def test_up_with_tls_and_api_tokens_serves_only_clients_that_have_both(tiny_models, pki, tmp_path):
+    tokens = tmp_path / "tokens.txt"
+    tokens.write_text("cli-token-42\n")
+    port = free_port()
+    up = subprocess.Popen(
+        [*SPECDEC, "up", "--port", str(port), "--target", tiny_models.target, "--draft", tiny_models.draft,
+         "--tls-cert", pki["cert"], "--tls-key", pki["key"], "--tls-ca", pki["ca"], "--auth-token-file", str(tokens),
+         "--metrics-port-base", "0"],
+        stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert up.stdout.readline().strip() == f"ready 127.0.0.1:{port}"
+        args = ["generate", "hello world", "--address", f"127.0.0.1:{port}", "--json", "--max-new-tokens", "5"]
+        good = run_cli(*args, "--tls-ca", pki["ca"], env=dict(os.environ, SPECDEC_TOKEN="cli-token-42"))
+        assert good.returncode == 0, good.stderr
+        assert len(json.loads(good.stdout)["token_ids"]) >= 1
+        no_token = run_cli(*args, "--tls-ca", pki["ca"])
+        assert no_token.returncode == 1 and "UNAUTHENTICATED" in no_token.stderr
+        plaintext = run_cli(*args, env=dict(os.environ, SPECDEC_TOKEN="cli-token-42"))
+        assert plaintext.returncode == 1 and "UNAVAILABLE" in plaintext.stderr
+    finally:
+        up.send_signal(signal.SIGTERM)
+        assert up.wait(timeout=60) == 0
+
+
+def test_up_refuses_half_a_tls_setup():
+    out = run_cli("up", "--tls-cert", "cert.pem")
+    assert out.returncode != 0 and "--tls-cert, --tls-key and --tls-ca" in out.stderr
+
+
 def test_generate_brings_a_local_stack_up_when_nothing_serves(tiny_models, tmp_path):
     if is_serving("127.0.0.1:50051"):
         pytest.skip("something already serves on the default address")

@@ -3,8 +3,6 @@ TLS to the coordinator and mutual TLS between the services with certificates mad
 the test; bearer tokens on the public API; the internal token between the services;
 the Redis password and Redis TLS through the URL; no secret in logs or traces."""
 
-import datetime
-import ipaddress
 import os
 import socket
 import ssl
@@ -14,10 +12,6 @@ import threading
 
 import grpc
 import pytest
-from cryptography import x509
-from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric import ec
-from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 import specdec
 from conftest import internal_stub, start_stack
@@ -30,68 +24,6 @@ from specdec.v1 import specdec_pb2_grpc as pb_grpc
 
 PROMPT = "hello world"
 API_TOKEN = "api-token-5f1e0c9d7a"
-
-
-# ---------------------------------------------------------------- certificates
-
-
-def write_pem(path, data: bytes) -> str:
-    path.write_bytes(data)
-    return str(path)
-
-
-def make_ca(name: str):
-    key = ec.generate_private_key(ec.SECP256R1())
-    subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)])
-    now = datetime.datetime.now(datetime.timezone.utc)
-    cert = (
-        x509.CertificateBuilder().subject_name(subject).issuer_name(subject).public_key(key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(days=1))
-        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
-        .sign(key, hashes.SHA256())
-    )  # fmt: skip
-    return key, cert
-
-
-def make_leaf(ca_key, ca_cert, name: str):
-    """A certificate for 127.0.0.1 and localhost, good for servers and clients alike."""
-    key = ec.generate_private_key(ec.SECP256R1())
-    now = datetime.datetime.now(datetime.timezone.utc)
-    cert = (
-        x509.CertificateBuilder()
-        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)]))
-        .issuer_name(ca_cert.subject).public_key(key.public_key()).serial_number(x509.random_serial_number())
-        .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(days=1))
-        .add_extension(x509.SubjectAlternativeName(
-            [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), critical=False)
-        .add_extension(x509.ExtendedKeyUsage(
-            [ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]), critical=False)
-        .sign(ca_key, hashes.SHA256())
-    )  # fmt: skip
-    return key, cert
-
-
-def save_pair(directory, stem, key, cert):
-    key_pem = key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
-    return (
-        write_pem(directory / f"{stem}.pem", cert.public_bytes(serialization.Encoding.PEM)),
-        write_pem(directory / f"{stem}-key.pem", key_pem),
-    )
-
-
-@pytest.fixture(scope="module")
-def pki(tmp_path_factory):
-    """A CA with one leaf certificate, and a rogue CA with its own leaf."""
-    directory = tmp_path_factory.mktemp("pki")
-    ca_key, ca_cert = make_ca("specdec test CA")
-    rogue_key, rogue_cert = make_ca("rogue CA")
-    files = {}
-    files["ca"], _ = save_pair(directory, "ca", ca_key, ca_cert)
-    files["cert"], files["key"] = save_pair(directory, "leaf", *make_leaf(ca_key, ca_cert, "specdec"))
-    files["rogue_ca"], _ = save_pair(directory, "rogue-ca", rogue_key, rogue_cert)
-    files["rogue_cert"], files["rogue_key"] = save_pair(directory, "rogue", *make_leaf(rogue_key, rogue_cert, "rogue"))
-    return files
 
 
 def credentials(ca=None, cert=None, key=None):
