@@ -166,6 +166,9 @@ def add_draft_flags(p: argparse.ArgumentParser) -> None:
 def add_target_flags(p: argparse.ArgumentParser) -> None:
     add_common_service_flags(p, "SPECDEC_TARGET", 50053)
     add_model_flags(p, "SPECDEC_TARGET", "smollm2-135m-instruct")
+    env_flag(p, "--solo-threads", "SPECDEC_TARGET_SOLO_THREADS", default=0, type=int,
+             help="torch threads for a cycle without drafts, when a draft sharing the machine is idle "
+                  "(0 = --threads)")  # fmt: skip
 
 
 def add_coordinator_flags(p: argparse.ArgumentParser) -> None:
@@ -321,6 +324,7 @@ def run_serve(args) -> int:
         config = TargetConfig(
             model=args.model, redis_url=args.redis_url, host=args.host, port=args.port, max_k=args.max_k,
             max_sessions=args.max_sessions, dtype=args.dtype, device=args.device, metrics_port=args.metrics_port,
+            threads=args.threads, solo_threads=args.solo_threads,
             max_cache_mb=args.max_cache_mb, allow_unauthenticated=args.allow_unauthenticated,
             security=server_security(args, load_tokens(args.internal_token_file, INTERNAL_TOKEN_ENV)),
         )  # fmt: skip

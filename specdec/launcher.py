@@ -78,6 +78,11 @@ def default_threads(draft: str = "") -> tuple[int, int]:
     return max(1, cores - 1), 1
 
 
+def solo_threads() -> int:
+    """Target threads for cycles without drafts: the draft is idle then, so all the cores."""
+    return os.cpu_count() or 2
+
+
 class Stack:
     """Start with `start()`, stop with `stop()`; also a context manager."""
 
@@ -135,7 +140,8 @@ class Stack:
             target_threads, draft_threads = default_threads(cfg.draft)
             self.ports = {"draft": free_port(), "target": free_port(), "coordinator": cfg.port}
             self.spawn("target", "target", "--model", cfg.target,
-                       "--threads", str(cfg.target_threads or target_threads), *cfg.target_args)  # fmt: skip
+                       "--threads", str(cfg.target_threads or target_threads),
+                       "--solo-threads", str(cfg.target_threads or solo_threads()), *cfg.target_args)  # fmt: skip
             self.spawn("draft", "draft", "--model", cfg.draft,
                        "--threads", str(cfg.draft_threads or draft_threads), *cfg.draft_args)  # fmt: skip
             auth = ["--auth-token-file", cfg.auth_token_file] if cfg.auth_token_file else []

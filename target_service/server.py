@@ -23,6 +23,11 @@ class TargetConfig(ModelServiceConfig):
     # The model whose distribution the output keeps.
     model: str = "smollm2-135m-instruct"
     port: int = 50053
+    # Torch threads for a Verify with drafts, and for one without (the draft is idle then,
+    # e.g. adaptive K chose 0): a model draft on the same machine needs a core while it
+    # drafts, not while the target decodes alone. 0 = leave torch's setting.
+    threads: int = 0
+    solo_threads: int = 0
 
 
 class TargetServicer(ModelService, pb_grpc.TargetServicer):
@@ -35,7 +40,7 @@ class TargetServicer(ModelService, pb_grpc.TargetServicer):
 
     def load(self) -> None:
         """Load the target model (blocking; run off the event loop)."""
-        self.verifier = Verifier(self.load_model())
+        self.verifier = Verifier(self.load_model(), self.config.threads, self.config.solo_threads)
 
     @grpc_handler
     async def Verify(self, request: pb.VerifyRequest, context):

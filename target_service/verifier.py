@@ -20,6 +20,12 @@ from specdec.sampling import rejection_sample
 from specdec.wire import Draft, Sampling, stack_draft_probs
 
 
+def use_threads(threads: int) -> None:
+    """Set torch's thread count for the next forward (a no-op when 0 or already set)."""
+    if threads and torch.get_num_threads() != threads:
+        torch.set_num_threads(threads)
+
+
 @dataclass
 class Verdict:
     num_accepted: int
@@ -30,14 +36,18 @@ class Verdict:
 
 
 class Verifier:
-    def __init__(self, loaded):
+    def __init__(self, loaded, threads: int = 0, solo_threads: int = 0):
         self.loaded = loaded
         self.model = loaded.model
+        # Torch threads with drafts to verify, and without (see TargetConfig); 0 = unchanged.
+        self.threads = threads
+        self.solo_threads = solo_threads or threads
 
     def verify(
         self, state: SessionState, drafts: Sequence[Draft], sampling: Sampling, generator: torch.Generator
     ) -> Verdict:
         k = len(drafts)
+        use_threads(self.threads if k else self.solo_threads)
         fed = state.pending + [d.token for d in drafts]
         if self.loaded.max_context and len(state.held) + len(fed) > self.loaded.max_context:
             raise OutOfRange(

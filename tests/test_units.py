@@ -402,3 +402,32 @@ def test_a_new_session_starts_from_what_earlier_sessions_learnt():
     assert shared.session(8).choose(8) == 0
     # A session's own observations stay its own as well.
     assert first.alpha < 0.15 and AdaptiveK(max_k=8).session(8).choose(8) > 0
+
+
+# ---------------------------------------------------------------- target threads
+
+
+def test_the_target_takes_all_its_solo_threads_for_cycles_without_drafts():
+    """A draft on the same machine is idle during a cycle without drafts (adaptive K = 0):
+    the target then decodes with --solo-threads, and with --threads when it verifies drafts."""
+    from transformers import DynamicCache
+
+    from types import SimpleNamespace
+
+    from specdec.models import build_tiny_model, build_tiny_tokenizer
+    from specdec.wire import Draft
+    from target_service.verifier import Verifier
+
+    model = build_tiny_model(build_tiny_tokenizer(), hidden_size=32, num_layers=1, seed=0)
+    loaded = SimpleNamespace(model=model, max_context=512)
+    before = torch.get_num_threads()
+    try:
+        verifier = Verifier(loaded, threads=1, solo_threads=2)
+        state = SessionState("s", pending=[1, 2, 3], cache=DynamicCache(config=model.config))
+        greedy = Sampling(0.0, 0, 1.0, 1)
+        verifier.verify(state, [], greedy, cycle_generator(1, 0, TARGET))
+        assert torch.get_num_threads() == 2
+        verifier.verify(state, [Draft(token=4, q=None)], greedy, cycle_generator(1, 1, TARGET))
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
