@@ -60,7 +60,6 @@ WEIGHTS_NAME = "draft-weights.safetensors"
 WEIGHTS_FORMAT = "specdec-draft-v1"
 DATA_DIR = "distill-data"
 CHECKPOINT_NAME = "distill-checkpoint.pt"
-DRAFT_MARKER = "specdec-model.json"  # same marker name as specdec.models' converted catalog dirs
 
 
 # ---------------------------------------------------------------------------------------
@@ -740,15 +739,22 @@ def ensure_distilled_draft(name: str, *, progress: bool = True) -> Path:
     weights shipped in specdec/data; it takes a few seconds. Built in a staging dir and
     renamed into place with a marker, under a lock, like the catalog's converted models.
     """
-    from specdec.models import CATALOG, _exclusive_lock, catalog_model_dir, ensure_catalog_model, publish_staged
+    from specdec.models import (
+        CACHE_MARKER,
+        CATALOG,
+        _exclusive_lock,
+        catalog_model_dir,
+        ensure_catalog_model,
+        publish_staged,
+    )
 
     entry = DRAFT_CATALOG[name]
     final = catalog_model_dir(name)
-    if (final / DRAFT_MARKER).is_file():
+    if (final / CACHE_MARKER).is_file():
         return final
     final.parent.mkdir(parents=True, exist_ok=True)
     with _exclusive_lock(final.parent / f".{name}.lock"):
-        if (final / DRAFT_MARKER).is_file():
+        if (final / CACHE_MARKER).is_file():
             return final
         staging = final.parent / f".{name}.staging-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         bar = tqdm(total=2, desc=f"specdec: building {name}", unit="step", disable=not progress, file=sys.stderr)
@@ -760,7 +766,7 @@ def ensure_distilled_draft(name: str, *, progress: bool = True) -> Path:
             bar.update(1)
             materialize_draft(str(target_dir), packaged_weights(entry), staging)
             marker = {"name": name, "built_from": entry.weights, "target": entry.target, "created_unix": time.time()}
-            publish_staged(staging, final, DRAFT_MARKER, marker)
+            publish_staged(staging, final, CACHE_MARKER, marker)
             bar.update(1)
         finally:
             bar.close()

@@ -188,9 +188,10 @@ class Stack:
     def wait_ready(self, names: tuple[str, ...] = ("target", "draft", "coordinator")) -> None:
         services = {"target": TARGET_SERVICE, "draft": DRAFT_SERVICE, "coordinator": COORDINATOR_SERVICE}
         deadline = time.monotonic() + self.config.ready_timeout_s
+        credentials = self.channel_credentials()  # read the PEM files once, not every poll
         for name in names:
             address = f"127.0.0.1:{self.ports[name]}"
-            while not is_serving(address, services[name], credentials=self.channel_credentials()):
+            while not is_serving(address, services[name], credentials=credentials):
                 process = self.processes[name]
                 if process.poll() is not None:
                     raise RuntimeError(f"the {name} service exited with code {process.returncode} while starting")
