@@ -37,7 +37,7 @@ class ModelDrafter:
         self, state: SessionState, k: int, sampling: Sampling, generator: torch.Generator
     ) -> Iterator[tuple[int, torch.Tensor | None]]:
         for _ in range(k):
-            logits = forward(self.model, state.cache, state.pending)  # [T, V]
+            logits = forward(self.model, state.cache, state.pending)  # [1, V]: the last position
             state.feed(state.pending)
             draft_probs = wire_q(sampling.warp(logits[-1]))  # [V], exactly as it will travel
             token = sample(draft_probs, generator)
