@@ -11,7 +11,9 @@ Terms (the seed's formulas):
 
 Estimates decay (DECAY per cycle) so K follows the text as it changes. c_verify(k)
 is a line fitted to the passes seen so far, with a prior slope until two sizes have
-been seen. When k = 0 wins, a one-token probe every PROBE_EVERY cycles keeps α̂ current.
+been seen. When k = 0 wins, a one-token probe keeps α̂ current: after PROBE_EVERY
+cycles, and after twice as many each time a probe is rejected (up to MAX_PROBE_EVERY),
+so a useless draft costs less and less; a probe that is accepted resets the interval.
 
 Each session starts from `session()` of the coordinator's shared estimate, which every
 session also feeds: a new request does not pay to learn again what the model pair and
@@ -32,6 +34,7 @@ PRIOR_JUDGED = 2.0
 # (design.md §5: 5 tokens ≈ 1.6 plain steps on a CPU).
 PRIOR_VERIFY_SLOPE = 0.15
 PROBE_EVERY = 16
+MAX_PROBE_EVERY = 128
 
 
 @dataclass
@@ -44,13 +47,15 @@ class AdaptiveK:
     # k -> (decayed sum of verify ms, decayed count)
     verify: dict[int, list[float]] = field(default_factory=dict)
     cycles_since_probe: int = 0
+    probe_every: int = PROBE_EVERY  # target-only cycles before the next probe
+    probing: bool = False  # the K just chosen is a probe
     # The coordinator-wide estimate this one was copied from, fed the same observations.
     shared: "AdaptiveK | None" = None
 
     def session(self, max_k: int) -> "AdaptiveK":
         """A per-session estimate starting from this (shared) one and feeding it."""
         own = copy.deepcopy(self)
-        own.max_k, own.shared, own.cycles_since_probe = max_k, self, 0
+        own.max_k, own.shared, own.cycles_since_probe, own.probe_every = max_k, self, 0, PROBE_EVERY
         return own
 
     @property
@@ -95,8 +100,9 @@ class AdaptiveK:
         best = max(range(limit + 1), key=self.rate)
         if best == 0:
             self.cycles_since_probe += 1
-            if self.cycles_since_probe >= PROBE_EVERY:
+            if self.cycles_since_probe >= self.probe_every:
                 self.cycles_since_probe = 0
+                self.probing = True
                 return 1
         return best
 
@@ -104,6 +110,9 @@ class AdaptiveK:
         """Fold in one cycle: `drafted` tokens proposed, `accepted` of them taken."""
         if self.shared is not None:
             self.shared.observe(drafted, accepted, draft_ms, verify_ms)
+        if self.probing and drafted:
+            self.probing = False
+            self.probe_every = PROBE_EVERY if accepted else min(2 * self.probe_every, MAX_PROBE_EVERY)
         for stats in self.verify.values():
             stats[0] *= DECAY
             stats[1] *= DECAY
