@@ -55,6 +55,10 @@ DRAFT_FAULTS = RETRYABLE | {grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.O
 TARGET_RETRY_BACKOFF_S = (0.05, 0.2, 0.5, 1.0, 2.0, 2.0, 4.0, 4.0, 8.0, 8.0)
 # After a failed draft call, cycles run without drafting for this many cycles (doubling).
 DRAFT_BACKOFF_CYCLES = (1, 2, 4, 8, 16, 32)
+# A cycle without drafts (speculation off, adaptive K = 0, draft back-off) has the target
+# decode up to this many tokens in one call: one round trip and one commit for all of
+# them instead of one per token. A request's first cycle decodes one (time to first token).
+SOLO_STEPS = 4
 # Longest one Propose call may take before the cycle abandons it and runs target-only.
 # A healthy draft needs K·c_q plus one gRPC hop: tens of ms for the drafts we serve
 # (2-layer draft ~11 ms/token, SmolLM2-135M ~70 ms/token on CPU; K+1 = 17 of the latter
@@ -275,8 +279,11 @@ class CycleLoop:
         if call is not None and self.plan.pipeline and len(drafts) == k:
             # Runs while the target verifies: wait for the guess, start the next cycle's drafting.
             guess = asyncio.get_running_loop().create_task(self.speculate(call, drafts))
+        # No draft was asked for (K = 0, speculation off, draft back-off): several plain steps.
+        # A draft that was asked but proposed nothing (an n-gram miss) may match after one token.
+        steps = self.solo_steps() if call is None else 1
         try:
-            verdict = await self.verify(drafts)
+            verdict = await self.verify(drafts, steps)
         except BaseException:
             if guess is not None:
                 discard(guess)
@@ -288,7 +295,8 @@ class CycleLoop:
         verified_at = time.perf_counter()
 
         n = verdict.num_accepted
-        new = [d.token_id for d in drafts[:n]] + [verdict.next_token]
+        more = list(verdict.more_tokens)[: steps - 1]  # decoded after next_token (steps > 1)
+        new = [d.token_id for d in drafts[:n]] + [verdict.next_token] + more
         eos = False
         for i, token in enumerate(new):
             if token in self.plan.eos_token_ids:
@@ -305,7 +313,8 @@ class CycleLoop:
         self.committed.extend(new)
         # The target holds everything up to the accepted prefix. The draft fed every token
         # it streamed but its last; of those, the accepted ones are still valid.
-        self.target_seen = before + n
+        # (after a call of several steps it also fed all of them but the last)
+        self.target_seen = min(before + n + len(more), len(self.committed) - 1)
         if call is not None:
             fed = max(0, len(call.tokens) - 1)
             self.draft_seen = before + min(n, fed)
@@ -313,7 +322,9 @@ class CycleLoop:
             self.drop_speculation()  # e.g. an end token cut the cycle short
         self.stats.add(len(drafts), n, len(new))
         if self.adaptive is not None:
-            self.adaptive.observe(len(drafts), n, (drafted_at - start) * 1000, (verified_at - drafted_at) * 1000)
+            # c_verify(0) is the cost of one plain step: a call of several steps counts per token
+            verify_ms = (verified_at - drafted_at) * 1000 / (1 + len(more))
+            self.adaptive.observe(len(drafts), n, (drafted_at - start) * 1000, verify_ms)
         info = pb.CycleInfo(
             index=self.cycle,
             drafted=len(drafts),
@@ -328,6 +339,16 @@ class CycleLoop:
         self.cycle += 1
         generated = len(self.committed) - len(self.plan.prompt)
         return Outcome(new, info, eos, generated >= self.plan.max_new_tokens)
+
+    def solo_steps(self) -> int:
+        """Tokens a cycle without drafts asks the target for: 1 on the request's first cycle,
+        else up to SOLO_STEPS, never past max_new_tokens or the context."""
+        if self.cycle == 0:
+            return 1
+        plan = self.plan
+        remaining = plan.max_new_tokens - (len(self.committed) - len(plan.prompt))
+        room = plan.max_context - len(self.committed) if plan.max_context else remaining
+        return max(1, min(SOLO_STEPS, remaining, room))
 
     def timeout(self) -> float | None:
         return None if self.deadline is None else max(0.001, self.deadline - time.monotonic())
@@ -430,7 +451,7 @@ class CycleLoop:
 
     # ------------------------------------------------------------ verifying
 
-    async def verify(self, drafts: Sequence[pb.DraftToken]) -> pb.VerifyResponse:
+    async def verify(self, drafts: Sequence[pb.DraftToken], steps: int = 1) -> pb.VerifyResponse:
         """Verify on the target, retrying a retryable failure (the request is idempotent:
         same position, same drafts, same per-cycle random stream) while Redis is up."""
         request = pb.VerifyRequest(
@@ -442,6 +463,7 @@ class CycleLoop:
             cycle=self.cycle,
             draft_fingerprint=self.plan.draft_fingerprint,
             draft_model=self.plan.draft_model,
+            steps=steps,
         )
         for attempt, pause in enumerate((*TARGET_RETRY_BACKOFF_S, None)):
             try:

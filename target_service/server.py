@@ -48,11 +48,13 @@ class TargetServicer(ModelService, pb_grpc.TargetServicer):
         self.check_draft_vocabulary(request)
         if len(request.drafts) > self.config.max_k:
             raise InvalidArgument(f"{len(request.drafts)} drafts exceed the limit of {self.config.max_k}")
+        if request.steps > self.config.max_k + 1:
+            raise InvalidArgument(f"steps {request.steps} exceeds the limit of {self.config.max_k + 1} tokens per call")
         sampling = self.internal_sampling(request.sampling)
         drafts = [draft_from_pb(d, self.info.vocab_size) for d in request.drafts]
         async with self.session(request) as state:
             generator = cycle_generator(sampling.seed, request.cycle, TARGET)
-            verdict = await self.worker.run(self.verifier.verify, state, drafts, sampling, generator)
+            verdict = await self.worker.run(self.verifier.verify, state, drafts, sampling, generator, request.steps)
         self.metrics.forward_latency.observe(verdict.forward_ms / 1000)
         span = trace.get_current_span()  # the gRPC server span, when tracing is on
         span.set_attribute("specdec.forward_ms", verdict.forward_ms)
@@ -64,6 +66,7 @@ class TargetServicer(ModelService, pb_grpc.TargetServicer):
             bonus=verdict.bonus,
             forward_ms=verdict.forward_ms,
             accept_ms=verdict.accept_ms,
+            more_tokens=verdict.more_tokens,
         )
 
     def check_draft_vocabulary(self, request: pb.VerifyRequest) -> None:

@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from specdec.errors import OutOfRange
 from specdec.kvcache import SessionState, forward
-from specdec.sampling import rejection_sample
+from specdec.sampling import rejection_sample, sample
 from specdec.wire import Draft, Sampling, stack_draft_probs
 
 
@@ -33,6 +33,7 @@ class Verdict:
     bonus: bool
     forward_ms: float
     accept_ms: float
+    more_tokens: list[int] = field(default_factory=list)  # decoded after next_token (steps > 1)
 
 
 class Verifier:
@@ -44,18 +45,21 @@ class Verifier:
         self.solo_threads = solo_threads or threads
 
     def verify(
-        self, state: SessionState, drafts: Sequence[Draft], sampling: Sampling, generator: torch.Generator
-    ) -> Verdict:
+        self, state: SessionState, drafts: Sequence[Draft], sampling: Sampling, generator: torch.Generator,
+        steps: int = 1,
+    ) -> Verdict:  # fmt: skip
+        """Judge `drafts`; without drafts, decode up to `steps` tokens (plain sampling from p,
+        one generator for the whole call), stopping after an end token."""
         k = len(drafts)
+        steps = 1 if k else max(steps, 1)
         use_threads(self.threads if k else self.solo_threads)
         fed = state.pending + [d.token for d in drafts]
-        if self.loaded.max_context and len(state.held) + len(fed) > self.loaded.max_context:
-            raise OutOfRange(
-                f"{len(state.held) + len(fed)} positions exceed the target's context of {self.loaded.max_context}"
-            )
+        positions = len(state.held) + len(fed) + steps - 1
+        if self.loaded.max_context and positions > self.loaded.max_context:
+            raise OutOfRange(f"{positions} positions exceed the target's context of {self.loaded.max_context}")
         start = time.perf_counter()
-        logits = forward(self.model, state.cache, fed)  # [P+K, V]
-        target_probs = sampling.warp(logits[-(k + 1) :])  # [K+1, V]
+        logits = forward(self.model, state.cache, fed, keep=k + 1)  # [K+1, V]
+        target_probs = sampling.warp(logits)  # [K+1, V]
         forward_done = time.perf_counter()
 
         draft_tokens = torch.tensor([d.token for d in drafts], dtype=torch.long)  # [K]
@@ -67,6 +71,7 @@ class Verifier:
         state.feed(fed)
         state.crop(accepted_length)
         state.pending = [next_token]
+        more_tokens = self.decode_more(state, steps - 1, sampling, generator)
         done = time.perf_counter()
         return Verdict(
             num_accepted=num_accepted,
@@ -74,4 +79,19 @@ class Verifier:
             bonus=num_accepted == k,
             forward_ms=(forward_done - start) * 1000,
             accept_ms=(done - forward_done) * 1000,
+            more_tokens=more_tokens,
         )
+
+    def decode_more(self, state: SessionState, steps: int, sampling: Sampling, generator: torch.Generator) -> list[int]:
+        """Plain decoding after state.pending: up to `steps` tokens, none after an end token."""
+        tokens: list[int] = []
+        if steps <= 0:
+            return tokens
+        eos = set(self.loaded.eos_token_ids or [])
+        while len(tokens) < steps and state.pending[-1] not in eos:
+            logits = forward(self.model, state.cache, state.pending)  # [1, V]
+            state.feed(state.pending)
+            token = sample(sampling.warp(logits[-1]), generator)
+            state.pending = [token]
+            tokens.append(token)
+        return tokens

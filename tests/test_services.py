@@ -3,6 +3,7 @@ serving tiny random models (a ~40-token character vocabulary) so each request is
 
 import asyncio
 import collections
+import math
 import time
 
 import grpc
@@ -11,11 +12,11 @@ import redis
 import torch
 
 import specdec
+from coordinator.cycles import SOLO_STEPS
 from specdec.models import load_model
 from specdec.sampling import warp
 from specdec.session import meta_key
 from specdec.v1 import specdec_pb2 as pb
-from specdec.v1 import specdec_pb2_grpc as pb_grpc
 from conftest import internal_stub
 
 PROMPT = "hello world"
@@ -55,7 +56,16 @@ def test_speculation_off_gives_the_same_greedy_output_as_on(client):
     on = client.generate(PROMPT, max_new_tokens=30)
     off = client.generate(PROMPT, max_new_tokens=30, speculate=False)
     assert on.token_ids == off.token_ids and on.text == off.text
-    assert off.stats.draft_tokens == 0 and off.stats.cycles == len(off.token_ids)
+    # Without drafts the target decodes up to SOLO_STEPS tokens per call: one on the first
+    # cycle (time to first token), then several per round trip and commit.
+    assert off.stats.draft_tokens == 0 and off.stats.cycles == 1 + math.ceil((len(off.token_ids) - 1) / SOLO_STEPS)
+
+
+def test_several_plain_steps_per_call_keep_sampled_output_seeded_and_the_length_exact(client):
+    runs = [client.generate(PROMPT, max_new_tokens=23, speculate=False, ignore_eos=True, temperature=1.0, seed=5)
+            for _ in range(2)]  # fmt: skip
+    assert runs[0].token_ids == runs[1].token_ids and len(runs[0].token_ids) == 23
+    assert runs[0].stats.cycles == 1 + math.ceil(22 / SOLO_STEPS)
 
 
 @pytest.mark.parametrize("k", [1, 3])

@@ -11,6 +11,8 @@ from specdec.errors import FailedPrecondition, InvalidArgument, NotFound, OutOfR
 from specdec.kvcache import SessionPool, SessionState, cache_bytes
 from specdec.rng import DRAFT, TARGET, cycle_generator
 from specdec.v1 import specdec_pb2 as pb
+from specdec import wire
+from specdec.sampling import warp
 from specdec.wire import Sampling, draft_from_pb, draft_token_to_pb, sampling_from_pb, stack_draft_probs
 
 
@@ -104,50 +106,68 @@ def test_bad_sampling_params_are_invalid_arguments(msg, field):
         sampling_from_pb(msg)
 
 
-def test_truncated_q_travels_as_its_exact_sparse_support():
+def test_truncated_q_travels_in_fixed_point_as_id_gaps_and_weights():
     q = torch.zeros(1000)
     q[[3, 17, 999]] = torch.tensor([0.5, 0.25, 0.25])
     msg = draft_token_to_pb(0, 17, q)
-    assert msg.WhichOneof("q") == "sparse"
-    assert list(msg.sparse.ids) == [3, 17, 999]
+    assert msg.WhichOneof("q") == "fixed"
+    assert list(msg.fixed.id_gaps) == [3, 14, 982] and list(msg.fixed.weights) == [131072, 65536, 65536]
     assert torch.equal(draft_from_pb(msg, 1000).q, q)
 
 
-def test_full_support_q_travels_as_exact_float16_and_one_hot_travels_as_one_hot():
-    from specdec.wire import wire_q
+def test_fixed_point_rounding_sums_exactly_and_moves_each_token_by_at_most_one_unit():
+    generator = torch.Generator().manual_seed(5)
+    for scale in (0.5, 3.0, 8.0):
+        q = torch.softmax(torch.randn(5000, generator=generator) * scale, -1)
+        fixed = wire.to_fixed_point(q)
+        weights = wire.fixed_weights(fixed)
+        assert weights is not None and int(weights.sum()) == wire.FIXED_ONE and int(weights.min()) >= 0
+        assert float((fixed.double() - q.double()).abs().max()) <= 1 / wire.FIXED_ONE + 1e-9
+        assert wire.fixed_weights(q) is None  # a float q is not mistaken for fixed point
 
-    q = wire_q(torch.softmax(torch.randn(50, generator=torch.Generator().manual_seed(0)), -1))
-    msg = draft_token_to_pb(1, 4, q)
-    assert msg.WhichOneof("q") == "dense" and len(msg.dense.fp16) == 2 * 50 and not msg.dense.probs
-    # What arrives is what the draft sampled from (proportionally): q renormalised.
-    assert torch.allclose(draft_from_pb(msg, 50).q, q / q.sum(), rtol=0, atol=1e-7)
+
+def test_any_q_round_trips_exactly_through_the_wire_whatever_its_form():
+    generator = torch.Generator().manual_seed(6)
+    for vocab, scale, top_k in ((50, 1.0, 0), (49152, 0.01, 0), (49152, 3.0, 50), (49152, 2.0, 0)):
+        sent = wire.wire_q(warp(torch.randn(vocab, generator=generator) * scale, 1.0, top_k=top_k))
+        token = int(torch.multinomial(sent, 1, generator=generator))
+        received = draft_from_pb(draft_token_to_pb(0, token, sent), vocab).q
+        # exactly what the draft sampled from, up to float16 dense's renormalisation
+        assert torch.allclose(received, sent / sent.sum(), rtol=0, atol=1e-7)
+
+
+def test_a_flat_full_support_q_travels_as_float16_dense_not_lossy_fixed_point():
+    q = torch.softmax(torch.randn(49152, generator=torch.Generator().manual_seed(0)) * 0.01, -1)
+    sent = wire.wire_q(q)  # ~2e-5 per token: fixed point would move ~25% of the mass
+    msg = draft_token_to_pb(1, 4, sent)
+    assert msg.WhichOneof("q") == "dense" and len(msg.dense.fp16) == 2 * 49152 and not msg.dense.probs
     one_hot = draft_token_to_pb(2, 4, None)
     assert one_hot.WhichOneof("q") == "one_hot" and draft_from_pb(one_hot, 50).q is None
 
 
-def test_float32_dense_q_is_still_accepted_on_the_wire():
+def test_float32_dense_and_sparse_q_are_still_accepted_on_the_wire():
     q = torch.softmax(torch.randn(50, generator=torch.Generator().manual_seed(1)), -1)
     msg = pb.DraftToken(token_id=3, dense=pb.DenseProbs(probs=q.tolist()))
     assert torch.equal(draft_from_pb(msg, 50).q, q)
+    sparse = pb.DraftToken(token_id=3, sparse=pb.SparseProbs(ids=[3, 9], probs=[0.75, 0.25]))
+    assert draft_from_pb(sparse, 50).q[[3, 9]].tolist() == [0.75, 0.25]
 
 
-def test_dense_float16_q_takes_half_the_bytes_of_float32_and_truncated_q_far_less():
-    from specdec.sampling import warp
-
-    logits = torch.randn(49152, generator=torch.Generator().manual_seed(2)) * 3
-    dense = draft_token_to_pb(0, int(logits.argmax()), wire_q_of(warp(logits, 1.0)))
-    top_k = draft_token_to_pb(0, int(logits.argmax()), wire_q_of(warp(logits, 1.0, top_k=50)))
+def test_a_flat_draft_at_top_p_or_top_k_costs_under_a_fiftieth_of_dense_float32():
+    # A distilled draft is flat: at top-p 0.9 its support is ~1,000-4,000 of SmolLM2's 49,152
+    # ids (median ~1,000); these logits give 50 and ~1,500.
     float32_dense = 49152 * 4
-    assert dense.ByteSize() < 0.51 * float32_dense
-    assert top_k.ByteSize() * 50 < float32_dense
-
-
-def wire_q_of(q):
-    from specdec.wire import wire_q
-
-    return wire_q(q)
-    one_hot = draft_token_to_pb(2, 4, None)
-    assert one_hot.WhichOneof("q") == "one_hot" and draft_from_pb(one_hot, 50).q is None
+    generator = torch.Generator().manual_seed(2)
+    for top_k, top_p in ((50, 1.0), (0, 0.9)):
+        logits = torch.randn(49152, generator=generator) * 3.2
+        q = warp(logits, 1.0, top_k=top_k, top_p=top_p)
+        sent = wire.wire_q(q)
+        msg = draft_token_to_pb(0, int(logits.argmax()), sent)
+        assert msg.WhichOneof("q") == "fixed"
+        support = int((q > 0).sum())
+        assert (top_k == 50 and support == 50) or 700 < support < 3000
+        assert msg.ByteSize() * 50 < float32_dense, (support, msg.ByteSize())
+        assert float((sent - q).abs().sum()) <= wire.FIXED_MAX_L1  # costs ≤ 0.005 of α
 
 
 def test_stacked_q_of_a_mixed_cycle_makes_one_hot_rows_explicit():
@@ -167,6 +187,11 @@ def test_stacked_q_of_a_mixed_cycle_makes_one_hot_rows_explicit():
         (pb.DraftToken(token_id=1, dense=pb.DenseProbs(fp16=b"\x00\x3c" * 3)), "entries"),
         (pb.DraftToken(token_id=1, dense=pb.DenseProbs(fp16=b"\x00\x3c" * 10)), "sums to"),
         (pb.DraftToken(token_id=11), "vocabulary"),
+        (pb.DraftToken(token_id=1, fixed=pb.FixedProbs(id_gaps=[1, 1], weights=[40000, 40000])), "sum to 80000"),
+        (pb.DraftToken(token_id=1, fixed=pb.FixedProbs(id_gaps=[1, 0], weights=[32768, 32768])), "ascend"),
+        (pb.DraftToken(token_id=1, fixed=pb.FixedProbs(id_gaps=[1], weights=[32768, 32768])), "2 weights"),
+        (pb.DraftToken(token_id=1, fixed=pb.FixedProbs(id_gaps=[1, 20], weights=[131072, 131072])), "21"),
+        (pb.DraftToken(token_id=1, fixed=pb.FixedProbs()), "sum to 0"),
     ],
 )
 def test_a_q_that_is_not_a_distribution_is_an_invalid_argument(msg, message):
@@ -339,7 +364,7 @@ def test_pool_refuses_sessions_the_store_does_not_know():
 
 # ---------------------------------------------------------------- adaptive K
 
-from coordinator.adaptive import PROBE_EVERY, AdaptiveK
+from coordinator.adaptive import MAX_PROBE_EVERY, PROBE_EVERY, AdaptiveK
 from specdec.sampling import expected_tokens_per_cycle
 
 
@@ -368,6 +393,25 @@ def test_adaptive_k_turns_speculation_off_for_a_useless_draft_but_keeps_probing(
     feed(controller, 40, bernoulli(0.0), draft_ms_per_token=2.0, verify_ms=lambda k: 60 + 8 * k)
     chosen = [controller.choose(8) for _ in range(2 * PROBE_EVERY)]
     assert chosen.count(0) >= 2 * PROBE_EVERY - 2 and 1 in chosen
+
+
+def test_rejected_probes_come_less_and_less_often_and_an_accepted_one_resets_them():
+    controller = AdaptiveK(max_k=8)
+    feed(controller, 40, bernoulli(0.0), draft_ms_per_token=2.0, verify_ms=lambda k: 60 + 8 * k)
+    controller.cycles_since_probe, controller.probe_every = 0, PROBE_EVERY
+    probes = []
+    for cycle in range(2000):
+        k = controller.choose(8)
+        if k:
+            probes.append(cycle)
+        controller.observe(k, 0, 2.0 * k, 60 + 8 * k)
+    gaps = [b - a for a, b in zip(probes, probes[1:])]
+    assert gaps[:3] == [2 * PROBE_EVERY, 4 * PROBE_EVERY, MAX_PROBE_EVERY] and set(gaps[3:]) == {MAX_PROBE_EVERY}
+    assert controller.probe_every == MAX_PROBE_EVERY
+    while not controller.choose(8):  # the next probe is accepted: back to probing every PROBE_EVERY
+        controller.observe(0, 0, 0.0, 60)
+    controller.observe(1, 1, 2.0, 68)
+    assert controller.probe_every == PROBE_EVERY
 
 
 def test_adaptive_k_drafts_long_for_a_good_cheap_draft():
@@ -431,3 +475,34 @@ def test_the_target_takes_all_its_solo_threads_for_cycles_without_drafts():
         assert torch.get_num_threads() == 1
     finally:
         torch.set_num_threads(before)
+
+
+def test_a_call_without_drafts_decodes_several_tokens_like_single_steps_and_stops_at_eos():
+    from types import SimpleNamespace
+
+    from transformers import DynamicCache
+
+    from specdec.models import build_tiny_model, build_tiny_tokenizer
+    from target_service.verifier import Verifier
+
+    model = build_tiny_model(build_tiny_tokenizer(), hidden_size=32, num_layers=1, seed=0)
+    greedy = Sampling(0.0, 0, 1.0, 1)
+
+    def run(steps_per_call, calls, eos=(), sampling=greedy):
+        verifier = Verifier(SimpleNamespace(model=model, max_context=512, eos_token_ids=list(eos)))
+        state = SessionState("s", pending=[1, 2, 3], cache=DynamicCache(config=model.config))
+        out = []
+        for call in range(calls):
+            verdict = verifier.verify(state, [], sampling, cycle_generator(1, call, TARGET), steps_per_call)
+            out += [verdict.next_token, *verdict.more_tokens]
+        return out, state
+
+    single, _ = run(1, 8)
+    several, state = run(4, 2)
+    assert several == single
+    assert state.held == [1, 2, 3, *several[:-1]] and state.pending == several[-1:]  # the last is not fed yet
+    sampled = Sampling(1.0, 0, 1.0, 1)
+    free, _ = run(8, 1, sampling=sampled)
+    stop_at = next(i for i in range(1, 8) if free[i] not in free[:i])  # a token first seen mid-call
+    stopped, _ = run(8, 1, eos=[free[stop_at]], sampling=sampled)
+    assert stopped == free[: stop_at + 1]  # the same draws, and nothing after the end token

@@ -50,6 +50,14 @@ class OneHot(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
+class FixedProbs(_message.Message):
+    __slots__ = ("id_gaps", "weights")
+    ID_GAPS_FIELD_NUMBER: _ClassVar[int]
+    WEIGHTS_FIELD_NUMBER: _ClassVar[int]
+    id_gaps: _containers.RepeatedScalarFieldContainer[int]
+    weights: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, id_gaps: _Optional[_Iterable[int]] = ..., weights: _Optional[_Iterable[int]] = ...) -> None: ...
+
 class ModelInfoRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
@@ -219,21 +227,23 @@ class ProposeRequest(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., position: _Optional[int] = ..., new_tokens: _Optional[_Iterable[int]] = ..., k: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., cycle: _Optional[int] = ...) -> None: ...
 
 class DraftToken(_message.Message):
-    __slots__ = ("token_id", "sparse", "dense", "one_hot", "index")
+    __slots__ = ("token_id", "sparse", "dense", "one_hot", "fixed", "index")
     TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     SPARSE_FIELD_NUMBER: _ClassVar[int]
     DENSE_FIELD_NUMBER: _ClassVar[int]
     ONE_HOT_FIELD_NUMBER: _ClassVar[int]
+    FIXED_FIELD_NUMBER: _ClassVar[int]
     INDEX_FIELD_NUMBER: _ClassVar[int]
     token_id: int
     sparse: SparseProbs
     dense: DenseProbs
     one_hot: OneHot
+    fixed: FixedProbs
     index: int
-    def __init__(self, token_id: _Optional[int] = ..., sparse: _Optional[_Union[SparseProbs, _Mapping]] = ..., dense: _Optional[_Union[DenseProbs, _Mapping]] = ..., one_hot: _Optional[_Union[OneHot, _Mapping]] = ..., index: _Optional[int] = ...) -> None: ...
+    def __init__(self, token_id: _Optional[int] = ..., sparse: _Optional[_Union[SparseProbs, _Mapping]] = ..., dense: _Optional[_Union[DenseProbs, _Mapping]] = ..., one_hot: _Optional[_Union[OneHot, _Mapping]] = ..., fixed: _Optional[_Union[FixedProbs, _Mapping]] = ..., index: _Optional[int] = ...) -> None: ...
 
 class VerifyRequest(_message.Message):
-    __slots__ = ("session_id", "position", "new_tokens", "drafts", "sampling", "cycle", "draft_fingerprint", "draft_model")
+    __slots__ = ("session_id", "position", "new_tokens", "drafts", "sampling", "cycle", "draft_fingerprint", "draft_model", "steps")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     POSITION_FIELD_NUMBER: _ClassVar[int]
     NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -242,6 +252,7 @@ class VerifyRequest(_message.Message):
     CYCLE_FIELD_NUMBER: _ClassVar[int]
     DRAFT_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     DRAFT_MODEL_FIELD_NUMBER: _ClassVar[int]
+    STEPS_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     position: int
     new_tokens: _containers.RepeatedScalarFieldContainer[int]
@@ -250,18 +261,21 @@ class VerifyRequest(_message.Message):
     cycle: int
     draft_fingerprint: str
     draft_model: str
-    def __init__(self, session_id: _Optional[str] = ..., position: _Optional[int] = ..., new_tokens: _Optional[_Iterable[int]] = ..., drafts: _Optional[_Iterable[_Union[DraftToken, _Mapping]]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., cycle: _Optional[int] = ..., draft_fingerprint: _Optional[str] = ..., draft_model: _Optional[str] = ...) -> None: ...
+    steps: int
+    def __init__(self, session_id: _Optional[str] = ..., position: _Optional[int] = ..., new_tokens: _Optional[_Iterable[int]] = ..., drafts: _Optional[_Iterable[_Union[DraftToken, _Mapping]]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., cycle: _Optional[int] = ..., draft_fingerprint: _Optional[str] = ..., draft_model: _Optional[str] = ..., steps: _Optional[int] = ...) -> None: ...
 
 class VerifyResponse(_message.Message):
-    __slots__ = ("num_accepted", "next_token", "bonus", "forward_ms", "accept_ms")
+    __slots__ = ("num_accepted", "next_token", "bonus", "forward_ms", "accept_ms", "more_tokens")
     NUM_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     NEXT_TOKEN_FIELD_NUMBER: _ClassVar[int]
     BONUS_FIELD_NUMBER: _ClassVar[int]
     FORWARD_MS_FIELD_NUMBER: _ClassVar[int]
     ACCEPT_MS_FIELD_NUMBER: _ClassVar[int]
+    MORE_TOKENS_FIELD_NUMBER: _ClassVar[int]
     num_accepted: int
     next_token: int
     bonus: bool
     forward_ms: float
     accept_ms: float
-    def __init__(self, num_accepted: _Optional[int] = ..., next_token: _Optional[int] = ..., bonus: _Optional[bool] = ..., forward_ms: _Optional[float] = ..., accept_ms: _Optional[float] = ...) -> None: ...
+    more_tokens: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, num_accepted: _Optional[int] = ..., next_token: _Optional[int] = ..., bonus: _Optional[bool] = ..., forward_ms: _Optional[float] = ..., accept_ms: _Optional[float] = ..., more_tokens: _Optional[_Iterable[int]] = ...) -> None: ...
