@@ -15,6 +15,9 @@ Terms (the seed's performance model, design.md §3):
     sequential analytic tokens/s = E[tokens] / (K·c_q + c_verify)
     pipelined  analytic tokens/s = E[tokens] / max(K·c_q, c_verify)
     efficiency = measured specdec tokens/s / sequential analytic tokens/s
+    bytes/cycle  bytes of q on the wire per drafting cycle, against K·V·4 for dense float32
+    cycle_ms   median time of drafting cycles, pipelined (drafted while the previous cycle
+               verified) and sequential, to compare with max(K·c_q, c_verify) and their sum
 """
 
 from __future__ import annotations
@@ -59,11 +62,15 @@ def add_bench_parser(commands) -> None:
                    help="tokens drafted per cycle, or `adaptive` (up to --max-k) (default: %(default)s)")  # fmt: skip
     p.add_argument("--max-k", type=int, default=8, help="largest K with --k adaptive (default: %(default)s)")
     p.add_argument("--prompts", default=None, help='JSONL file, one {"prompt": ...} per line (default: the shipped set)')
+    p.add_argument("--kind", default=None,
+                   help='only the prompts whose "kind" is this (the shipped set has extractive, code, chat)')
     p.add_argument("--max-new-tokens", type=int, default=64, help="tokens per prompt (default: %(default)s)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default: %(default)s)")
     p.add_argument("--top-k", type=int, default=0, help="top-k warping when sampling (0 = off)")
     p.add_argument("--top-p", type=float, default=1.0, help="top-p warping when sampling (1.0 = off)")
     p.add_argument("--repeats", type=int, default=1, help="passes over the prompt set (default: %(default)s)")
+    p.add_argument("--no-pipeline", action="store_true",
+                   help="specdec drafts each cycle after the previous verdict (compare cycle_ms with the default)")
     p.add_argument("--threads", type=int, default=0,
                    help="torch threads of the in-process baselines (0 = torch's default, all cores)")  # fmt: skip
     p.add_argument("--no-chat-template", action="store_true", help="use prompts as raw text")
@@ -76,7 +83,9 @@ def k_value(text: str):
     return parse(text)
 
 
-def load_prompts(path: str | None) -> list[str]:
+def load_prompts(path: str | None, kind: str | None = None) -> list[str]:
+    """The prompts of a JSONL file (default: the shipped set), only those whose "kind" is
+    `kind` when given (the shipped set's kinds: extractive, code, chat)."""
     if path is None:
         text = resources.files("specdec.data").joinpath(DEFAULT_PROMPTS).read_text()
     else:
@@ -88,9 +97,10 @@ def load_prompts(path: str | None) -> list[str]:
             item = json.loads(line)
             if not isinstance(item, dict) or not isinstance(item.get("prompt"), str):
                 raise SystemExit(f"{path or DEFAULT_PROMPTS}:{number}: expected an object with a string 'prompt'")
-            prompts.append(item["prompt"])
+            if kind is None or item.get("kind") == kind:
+                prompts.append(item["prompt"])
     if not prompts:
-        raise SystemExit("no prompts")
+        raise SystemExit(f"no prompts{f' of kind {kind!r}' if kind else ''} in {path or DEFAULT_PROMPTS}")
     return prompts
 
 
@@ -191,7 +201,8 @@ def run_specdec(args, prompts_ids, prompts_text) -> tuple[Run, dict]:
     from specdec.redis_server import free_port
 
     run = Run()
-    totals = {"drafted": 0, "accepted": 0, "draft_cycles": 0, "cycles": 0, "draft_bytes": 0, "k_sum": 0, "pipelined": 0}
+    totals = {"drafted": 0, "accepted": 0, "draft_cycles": 0, "cycles": 0, "draft_bytes": 0, "k_sum": 0, "pipelined": 0,
+              "cycle_ms": {"sequential": [], "pipelined": []}}  # fmt: skip
     with Stack(StackConfig(port=free_port(), target=args.target, draft=args.draft), quiet=True) as stack:
         with specdec.Client(stack.address) as client:
             adaptive = args.k == "adaptive"
@@ -199,6 +210,7 @@ def run_specdec(args, prompts_ids, prompts_text) -> tuple[Run, dict]:
                 max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                 adaptive_k=adaptive,
                 num_speculative_tokens=args.max_k if adaptive else args.k,
+                pipeline=not args.no_pipeline,
             )  # fmt: skip
             client.generate(prompt_token_ids=prompts_ids[0][:8], **{**options, "max_new_tokens": 8})  # warm-up
             seed = 0
@@ -217,6 +229,9 @@ def run_specdec(args, prompts_ids, prompts_text) -> tuple[Run, dict]:
                             totals["draft_bytes"] += chunk.cycle.draft_bytes
                             totals["pipelined"] += chunk.cycle.pipelined
                             totals["k_sum"] += chunk.cycle.k if chunk.cycle.drafted else 0
+                            if chunk.cycle.drafted:  # a drafting cycle's time, start of drafting to verdict
+                                kind = "pipelined" if chunk.cycle.pipelined else "sequential"
+                                totals["cycle_ms"][kind].append(chunk.cycle.draft_ms + chunk.cycle.verify_ms)
                         stats = chunk.stats
                     run.seconds += time.perf_counter() - start
                     run.tokens += len(out)
@@ -239,7 +254,7 @@ def run_bench(args) -> int:
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    prompts = load_prompts(args.prompts)
+    prompts = load_prompts(args.prompts, args.kind)
     progress(f"loading target {args.target}" + ("" if args.draft == NGRAM else f" and draft {args.draft}"))
     target = load_model(args.target)
     draft = None if args.draft == NGRAM else load_model(args.draft)
@@ -280,6 +295,8 @@ def run_bench(args) -> int:
         "draft": args.draft,
         "k": args.k,
         "prompts": len(prompts),
+        "kind": args.kind,
+        "pipeline": not args.no_pipeline,
         "new_tokens": spec.tokens,
         "temperature": args.temperature,
         "top_k": args.top_k,
@@ -302,10 +319,16 @@ def run_bench(args) -> int:
         "efficiency": spec.tokens_per_s / sequential if sequential else 0.0,
         "speedup_vs_target_only": spec.tokens_per_s / target_only.tokens_per_s,
         "speedup_vs_hf_assisted": spec.tokens_per_s / hf_assisted.tokens_per_s,
-        "bytes_per_cycle": totals["draft_bytes"] / totals["cycles"] if totals["cycles"] else 0.0,
+        # per cycle that drafted (adaptive K's target-only cycles send nothing and are not counted)
+        "bytes_per_cycle": totals["draft_bytes"] / totals["draft_cycles"] if totals["draft_cycles"] else 0.0,
         "dense_bytes_per_cycle": k * vocab * 4,
         "k_used": k,
         "pipelined_cycles": totals["pipelined"],
+        # median ms of drafting cycles whose drafts were made while the previous cycle verified
+        # (pipelined) and of those that drafted after it (sequential)
+        "cycle_ms": {
+            kind: {"median": percentile(times, 50), "cycles": len(times)} for kind, times in totals["cycle_ms"].items()
+        },
         "cycles": totals["cycles"],
         "greedy_outputs_agree": (sum(agree), len(agree)) if greedy else None,
         "baseline_threads": args.threads or threads_before,
@@ -355,6 +378,8 @@ def format_report(r: dict) -> str:
         f"pipelined {r['analytic_tokens_per_s']['pipelined']:.2f}; efficiency {r['efficiency']:.3f}",
         f"speedup vs target only {r['speedup_vs_target_only']:.2f}x, vs transformers assisted {r['speedup_vs_hf_assisted']:.2f}x",
         f"q on the wire: {r['bytes_per_cycle']:.0f} bytes/cycle (dense would be {r['dense_bytes_per_cycle']})",
+        "drafting cycles, median ms: "
+        + ", ".join(f"{kind} {c['median']:.1f} ({c['cycles']} cycles)" for kind, c in r["cycle_ms"].items()),
     ]
     if r["greedy_outputs_agree"] is not None:
         same, total = r["greedy_outputs_agree"]

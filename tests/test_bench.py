@@ -8,7 +8,7 @@ import sys
 REQUIRED = {
     "target", "draft", "k", "prompts", "new_tokens", "runs", "alpha", "mean_accepted_length", "c_q_ms", "c_p_ms",
     "c_verify_ms", "analytic_tokens_per_s", "efficiency", "speedup_vs_target_only", "speedup_vs_hf_assisted",
-    "bytes_per_cycle", "dense_bytes_per_cycle",
+    "bytes_per_cycle", "dense_bytes_per_cycle", "cycle_ms",
 }  # fmt: skip
 
 
@@ -26,6 +26,8 @@ def test_bench_json_has_every_figure_and_greedy_outputs_agree(tiny_models, tmp_p
     assert set(report["runs"]) == {"target_only", "hf_assisted", "specdec"}
     assert report["runs"]["specdec"]["tokens_per_s"] > 0 and report["runs"]["specdec"]["p99_token_ms"] > 0
     assert report["greedy_outputs_agree"] == [2, 2]
+    cycles = report["cycle_ms"]
+    assert cycles["sequential"]["cycles"] + cycles["pipelined"]["cycles"] >= 1 and cycles["sequential"]["median"] > 0
     assert 0.0 <= report["alpha"] <= 1.0 and report["dense_bytes_per_cycle"] == 3 * 39 * 4
     expected = (1 - report["alpha"] ** 4) / (1 - report["alpha"])
     sequential = expected / (3 * report["c_q_ms"] + report["c_verify_ms"]) * 1000
@@ -38,3 +40,14 @@ def test_bench_refuses_a_malformed_prompt_file(tmp_path):
     out = subprocess.run([sys.executable, "-m", "specdec.cli", "bench", "--prompts", str(bad)],
                          capture_output=True, text=True, timeout=120)  # fmt: skip
     assert out.returncode != 0 and "expected an object with a string 'prompt'" in out.stderr
+
+
+def test_bench_kind_keeps_only_the_prompts_of_that_kind():
+    import pytest
+
+    from specdec.bench import load_prompts
+
+    extractive = load_prompts(None, "extractive")
+    assert len(extractive) == 4 and all(p in load_prompts(None) for p in extractive)
+    with pytest.raises(SystemExit, match="no prompts of kind 'poetry'"):
+        load_prompts(None, "poetry")
