@@ -126,8 +126,22 @@ def catalog_model_dir(name: str) -> Path:
 
 
 def is_cached(name: str) -> bool:
-    """True when catalog model `name` has a finished conversion (or draft build) in the cache."""
-    return (name in CATALOG or name in draft_catalog()) and (catalog_model_dir(name) / CACHE_MARKER).is_file()
+    """True when catalog model `name` has a finished conversion (or draft build) in the cache;
+    a draft's build must also come from the compact weights shipped now (a newer release's
+    weights rebuild it)."""
+    marker = catalog_model_dir(name) / CACHE_MARKER
+    if name in CATALOG:
+        return marker.is_file()
+    drafts = draft_catalog()
+    if name not in drafts or not marker.is_file():
+        return False
+    from specdec.distill import packaged_weights
+
+    try:
+        built_from = json.loads(marker.read_text()).get("weights_sha256")
+    except (OSError, ValueError):
+        return False
+    return built_from == _sha256(packaged_weights(drafts[name]))
 
 
 def ensure_catalog_model(name: str, *, progress: bool = True) -> Path:
@@ -145,16 +159,9 @@ def ensure_catalog_model(name: str, *, progress: bool = True) -> Path:
         return ensure_distilled_draft(name, progress=progress)
     entry = _catalog_entry(name)
     final = catalog_model_dir(name)
-    # the fast path touches nothing, so a read-only prepopulated cache works
-    if is_cached(name):
-        return final
-    final.parent.mkdir(parents=True, exist_ok=True)
-    with _exclusive_lock(final.parent / f".{name}.lock"):
-        # another process may have finished while we waited for the lock
-        if is_cached(name):
+    with staged_build(name) as staging:
+        if staging is None:
             return final
-        _remove_stale_staging(final)
-        staging = final.parent / f".{name}.staging-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         bar = tqdm(total=4, desc=f"specdec: preparing {name}", unit="step", disable=not progress, file=sys.stderr)
         try:
             with tempfile.TemporaryDirectory(prefix=f".{name}.download-", dir=final.parent) as scratch:
@@ -188,9 +195,35 @@ def ensure_catalog_model(name: str, *, progress: bool = True) -> Path:
                 bar.update(1)
         finally:
             bar.close()
+    return final
+
+
+@contextlib.contextmanager
+def staged_build(name: str):
+    """Build the cache directory of catalog entry `name` once, whatever the processes.
+
+    Yields None when the directory is already complete (before or after waiting for the
+    lock), else a fresh staging path beside it, to be filled and handed to
+    `publish_staged`. A lock file keeps two processes from building at once; staging
+    directories left by interrupted builds are removed, and this one is removed if the
+    build fails. The fast path touches nothing, so a read-only prepopulated cache works.
+    """
+    final = catalog_model_dir(name)
+    if is_cached(name):
+        yield None
+        return
+    final.parent.mkdir(parents=True, exist_ok=True)
+    with _exclusive_lock(final.parent / f".{name}.lock"):
+        if is_cached(name):  # another process finished while we waited for the lock
+            yield None
+            return
+        _remove_stale_staging(final)
+        staging = final.parent / f".{name}.staging-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        try:
+            yield staging
+        finally:
             if staging.exists():
                 shutil.rmtree(staging, ignore_errors=True)
-    return final
 
 
 def publish_staged(staging: Path, final: Path, marker_file: str, marker: dict) -> None:

@@ -5,6 +5,7 @@ command (README "Make a draft"), never a test.
 """
 
 import argparse
+import dataclasses
 import json
 from pathlib import Path
 
@@ -24,7 +25,7 @@ from specdec.distill import (
     materialize_draft,
     run_distill,
 )
-from specdec.models import VocabMismatchError, build_tiny_model, build_tiny_tokenizer, load_model, save_model
+from specdec.models import VocabMismatchError, build_tiny_model, build_tiny_tokenizer, is_cached, load_model, save_model
 
 from conftest import TINY_INIT_RANGE, start_stack
 
@@ -196,3 +197,17 @@ def test_a_catalog_draft_is_built_on_first_use_and_cached(distilled, tiny, tmp_p
     stamp = (built / "model.safetensors").stat().st_mtime_ns
     assert distill_module.ensure_distilled_draft("tiny-draft", progress=False) == built
     assert (built / "model.safetensors").stat().st_mtime_ns == stamp  # cached: not rebuilt
+    # New shipped weights (a later release) make the cached build stale: it is rebuilt from them.
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
+    with safe_open(str(out / WEIGHTS_NAME), "pt") as handle:
+        metadata = handle.metadata()
+    tensors = load_file(str(out / WEIGHTS_NAME))
+    first = sorted(tensors)[0]
+    tensors[first] = tensors[first] + 0.01
+    save_file(tensors, str(tmp_path / "newer.safetensors"), metadata=metadata)
+    monkeypatch.setitem(distill_module.DRAFT_CATALOG, "tiny-draft", dataclasses.replace(entry, weights=str(tmp_path / "newer.safetensors")))
+    assert not is_cached("tiny-draft")
+    assert distill_module.ensure_distilled_draft("tiny-draft", progress=False) == built and is_cached("tiny-draft")
+    assert (built / "model.safetensors").stat().st_mtime_ns != stamp
