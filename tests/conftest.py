@@ -19,7 +19,6 @@ def redis_url(redis_server):
 # ---------------------------------------------------------------- models
 
 import functools
-import os
 from types import SimpleNamespace
 
 import grpc

@@ -2,7 +2,6 @@
 
 import json
 import os
-import pathlib
 import signal
 import subprocess
 import sys
