@@ -1141,3 +1141,28 @@ def test_sample_draws_from_exactly_the_given_distribution():
     assert isinstance(sample(probs), int)
     with pytest.raises(ValueError, match=r"shape \[V\]"):
         sample(probs.unsqueeze(0))
+
+
+# ---------------------------------------------------------------- fast truncation
+
+
+@pytest.mark.parametrize("vocab_size", [50, 2000, 49152])
+def test_partial_ranking_truncates_exactly_like_the_full_sort(vocab_size):
+    """truncate_top_k_top_p ranks only the most likely tokens where that decides the result;
+    it must keep exactly the tokens the definition (a full stable sort) keeps, ties included."""
+    from specdec.sampling import truncate_by_full_sort, truncate_top_k_top_p
+
+    generator = torch.Generator().manual_seed(vocab_size)
+    cases = 0
+    for scale in (0.5, 3.0, 8.0):
+        for tied in (False, True):
+            logits = torch.randn(6, vocab_size, generator=generator) * scale  # [R, V]
+            if tied:  # many exact ties, some straddling the candidate boundary
+                logits = torch.round(logits * 2) / 2
+            for top_k, top_p in ((0, 0.5), (0, 0.9), (0, 0.99), (50, 1.0), (1, 1.0), (1500, 1.0), (50, 0.9), (3000, 0.8)):
+                fast = truncate_top_k_top_p(logits, top_k, top_p)
+                slow = truncate_by_full_sort(logits, top_k, top_p)
+                assert torch.equal(fast > -math.inf, slow > -math.inf), (scale, tied, top_k, top_p)
+                assert torch.equal(fast, slow)
+                cases += 1
+    assert cases == 48
