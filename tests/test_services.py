@@ -309,12 +309,16 @@ def test_a_model_service_killed_mid_session_is_replaced_and_the_output_is_unchan
         # The fault hit mid-stream: the stream stalled while the new target process started.
         assert max(b - a for a, b in zip(arrivals, arrivals[1:])) > 1.0
     else:
-        # Cycles ran target-only while the draft was down, then speculation resumed.
+        # Cycles ran target-only from the kill on (several tokens per call, so the request
+        # may end before the new draft process is up; test_faults checks that speculation
+        # resumes within a request).
         drafted = [c.cycle.drafted for c in chunks]
-        first_gap = drafted.index(0)
-        assert first_gap >= 3 and any(drafted[first_gap:]), "speculation never resumed"
+        assert drafted.index(0) >= 3
     assert chunks[-1].finish_reason == "length" and chunks[-1].stats.generated_tokens == new_tokens
     tiny_stack.wait_ready((service,))
     # Served again by the new process, same output.
     options["max_new_tokens"] = 40
-    assert client.generate(PROMPT, **options).token_ids == expected.token_ids[:40]
+    again = client.generate(PROMPT, **options)
+    assert again.token_ids == expected.token_ids[:40]
+    if service == "draft":
+        assert again.stats.draft_tokens > 0  # the new draft process drafts
