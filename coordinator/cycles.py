@@ -244,15 +244,21 @@ class CycleLoop:
         finally:
             self.drop_speculation()
 
-    def limit(self, committed_length: int) -> int | None:
-        """The largest K a cycle starting at `committed_length` may draft (a cycle emits up
-        to K + 1 tokens: never past max_new_tokens or the context), or None when done."""
+    def headroom(self, committed_length: int) -> int:
+        """How many more tokens may be committed after `committed_length`: never past
+        max_new_tokens or the context."""
         plan = self.plan
         remaining = plan.max_new_tokens - (committed_length - len(plan.prompt))
         room = plan.max_context - committed_length if plan.max_context else remaining
-        if remaining <= 0 or room <= 0:
+        return min(remaining, room)
+
+    def limit(self, committed_length: int) -> int | None:
+        """The largest K a cycle starting at `committed_length` may draft (a cycle emits up
+        to K + 1 tokens), or None when done."""
+        headroom = self.headroom(committed_length)
+        if headroom <= 0:
             return None
-        return max(0, min(plan.k, remaining - 1, room - 1))
+        return max(0, min(self.plan.k, headroom - 1))
 
     def choose_k(self, limit: int) -> int:
         return self.adaptive.choose(limit) if self.adaptive is not None else limit
@@ -345,10 +351,7 @@ class CycleLoop:
         else up to SOLO_STEPS, never past max_new_tokens or the context."""
         if self.cycle == 0:
             return 1
-        plan = self.plan
-        remaining = plan.max_new_tokens - (len(self.committed) - len(plan.prompt))
-        room = plan.max_context - len(self.committed) if plan.max_context else remaining
-        return max(1, min(SOLO_STEPS, remaining, room))
+        return max(1, min(SOLO_STEPS, self.headroom(len(self.committed))))
 
     def timeout(self) -> float | None:
         return None if self.deadline is None else max(0.001, self.deadline - time.monotonic())

@@ -756,8 +756,8 @@ def ensure_distilled_draft(name: str, *, progress: bool = True) -> Path:
             else:
                 target_dir = Path(entry.target)
             bar.update(1)
-            materialize_draft(str(target_dir), packaged_weights(entry), staging)
             weights = packaged_weights(entry)
+            materialize_draft(str(target_dir), weights, staging)
             marker = {
                 "name": name, "built_from": entry.weights, "weights_sha256": _sha256(weights), "target": entry.target,
                 "created_unix": time.time(),

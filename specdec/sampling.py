@@ -131,14 +131,20 @@ def truncate_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torc
     `truncate_by_full_sort`.
     """
     vocab_size = logits.shape[-1]
-    use_top_k = 0 < top_k < vocab_size
-    use_top_p = top_p < 1.0
-    if not (use_top_k or use_top_p):
+    if not (0 < top_k < vocab_size or top_p < 1.0):
         return logits
+    return mask_rows(logits, lambda row, k: keep_mask(row, k, top_p), top_k)
+
+
+def mask_rows(logits: torch.Tensor, keep_row, top_k: int) -> torch.Tensor:
+    """logits [..., V] with -inf wherever keep_row(row [V], top_k) [V] is False, row by row;
+    top_k is passed as 0 when it keeps the whole vocabulary."""
+    vocab_size = logits.shape[-1]
+    top_k = top_k if 0 < top_k < vocab_size else 0
     rows = logits.reshape(-1, vocab_size)  # [R, V]
     if rows.shape[0] == 0:
         return logits
-    keep = torch.stack([keep_mask(row, top_k if use_top_k else 0, top_p) for row in rows])  # [R, V]
+    keep = torch.stack([keep_row(row, top_k) for row in rows])  # [R, V]
     return logits.masked_fill(~keep.reshape(logits.shape), -math.inf)
 
 
@@ -185,14 +191,8 @@ def keep_ranked(row: torch.Tensor, candidates: torch.Tensor, top_k: int, top_p: 
 def truncate_by_full_sort(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
     """truncate_top_k_top_p ranking every token of every row (the reference for tests).
     logits [..., V] -> [..., V] with -inf where removed."""
-    vocab_size = logits.shape[-1]
-    top_k = top_k if 0 < top_k < vocab_size else 0
-    rows = logits.reshape(-1, vocab_size)  # [R, V]
-    if rows.shape[0] == 0:
-        return logits
-    everything = torch.arange(vocab_size, device=logits.device)  # [V]
-    keep = torch.stack([keep_ranked(row, everything, top_k, top_p, complete=True) for row in rows])
-    return logits.masked_fill(~keep.reshape(logits.shape), -math.inf)
+    everything = torch.arange(logits.shape[-1], device=logits.device)  # [V]
+    return mask_rows(logits, lambda row, k: keep_ranked(row, everything, k, top_p, complete=True), top_k)
 
 
 def sample(probs: torch.Tensor, generator: torch.Generator | None = None) -> int:

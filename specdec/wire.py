@@ -116,7 +116,7 @@ def to_fixed_point(q: torch.Tensor) -> torch.Tensor:
     q64 = q.to(torch.float64)  # [V]
     edges = torch.round(torch.cumsum(q64, 0) * (FIXED_ONE / q64.sum())).to(torch.int64)  # [V]
     edges[-1] = FIXED_ONE
-    weights = torch.diff(edges, prepend=edges.new_zeros(1))  # [V], ≥ 0, Σ = 2^16
+    weights = torch.diff(edges, prepend=edges.new_zeros(1))  # [V], ≥ 0, Σ = FIXED_ONE
     return weights.to(torch.float32) / FIXED_ONE
 
 
