@@ -3,11 +3,21 @@
 Terms (the seed's formulas):
     α̂            running estimate of the acceptance rate: accepted drafts / drafts the
                  target judged (a rejected draft ends its cycle's judging)
+    class        the draft's confidence class of a proposal (DraftToken.match_length):
+                 an n-gram draft's match length 1..max_ngram, 0 for a model draft. One
+                 α̂ per class: a 3-gram match of an n-gram draft is accepted far more
+                 often than a 1-gram one, so the two deserve different K
     c_q          ms per draft token, as the coordinator sees it (network included)
     c_verify(k)  ms per target pass over k drafts (+ the new tokens); c_verify(0) is a plain step
     rate(k)      E[tokens per cycle] / cycle time
                  = (1 − α̂^(k+1)) / (1 − α̂) / (k·c_q + c_verify(k))   for k ≥ 1
                  = 1 / c_verify(0)                                   for k = 0 (target only)
+
+K is chosen before drafting (`choose`): for an n-gram draft the coordinator looks the
+match up itself (specdec.ngram, microseconds), so K is the best for that match's class,
+and a miss or a weak match costs no draft call and runs plain steps; for a model draft,
+K is the best for its one class. Once drafts arrive, `trim` keeps only as many as their
+own class makes worth verifying (a guard for when the class was not known beforehand).
 
 Estimates decay (DECAY per cycle) so K follows the text as it changes. c_verify(k)
 is a line fitted to the passes seen so far, with a prior slope until two sizes have
@@ -40,8 +50,8 @@ MAX_PROBE_EVERY = 128
 @dataclass
 class AdaptiveK:
     max_k: int
-    accepted: float = PRIOR_ACCEPTED
-    judged: float = PRIOR_JUDGED
+    # class -> [decayed accepted drafts, decayed judged drafts]
+    classes: dict[int, list[float]] = field(default_factory=dict)
     draft_ms: float = 0.0  # decayed sum of draft time ...
     drafted: float = 0.0  # ... and of drafted tokens
     # k -> (decayed sum of verify ms, decayed count)
@@ -60,7 +70,15 @@ class AdaptiveK:
 
     @property
     def alpha(self) -> float:
-        return self.accepted / self.judged
+        """α̂ over every class together."""
+        if not self.classes:
+            return PRIOR_ACCEPTED / PRIOR_JUDGED
+        return sum(a for a, _ in self.classes.values()) / sum(j for _, j in self.classes.values())
+
+    def class_alpha(self, match_length: int) -> float:
+        """α̂ of one class (the prior's 0.5 until it is seen; the prior decays like any count)."""
+        accepted, judged = self.classes.get(match_length, (PRIOR_ACCEPTED, PRIOR_JUDGED))
+        return accepted / judged
 
     def c_q(self) -> float:
         return self.draft_ms / self.drafted if self.drafted else 0.0
@@ -81,46 +99,77 @@ class AdaptiveK:
         slope = max(slope, 0.0)
         return max(mean_y + slope * (k - mean_x), 1e-3)
 
-    def rate(self, k: int) -> float:
-        """Expected tokens per ms with lookahead k (0 when costs are still unknown)."""
+    def rate(self, k: int, alpha: float | None = None) -> float:
+        """Expected tokens per ms with lookahead k at acceptance `alpha` (default: α̂ of the
+        best class), 0 when costs are still unknown."""
         verify = self.c_verify(k)
         if verify is None:
             return 0.0
         if k == 0:
             return 1.0 / verify
-        return expected_tokens_per_cycle(self.alpha, k) / (k * self.c_q() + verify)
+        alpha = self.best_alpha() if alpha is None else alpha
+        return expected_tokens_per_cycle(alpha, k) / (k * self.c_q() + verify)
 
-    def choose(self, limit: int) -> int:
-        """K for the next cycle, at most `limit` (what max_new_tokens and the context allow)."""
+    def best_alpha(self) -> float:
+        return max((self.class_alpha(c) for c in self.classes), default=self.class_alpha(0))
+
+    def best_k(self, limit: int, alpha: float | None = None) -> int:
+        return max(range(limit + 1), key=lambda k: self.rate(k, alpha))
+
+    def choose(self, limit: int, match_length: int | None = None) -> int:
+        """K for the next cycle, at most `limit` (what max_new_tokens and the context allow),
+        for drafts of class `match_length` when it is known beforehand (an n-gram draft's
+        match, looked up by the coordinator), else for the best class seen."""
         limit = min(limit, self.max_k)
         if limit <= 0:
             return 0
         if not self.verify or not self.drafted:
             return min(limit, max(1, self.max_k // 2))  # nothing measured yet: start in the middle
-        best = max(range(limit + 1), key=self.rate)
-        if best == 0:
-            self.cycles_since_probe += 1
-            if self.cycles_since_probe >= self.probe_every:
-                self.cycles_since_probe = 0
-                self.probing = True
-                return 1
-        return best
+        alpha = None if match_length is None else self.class_alpha(match_length)
+        best = self.best_k(limit, alpha)
+        return self.probe() if best == 0 else best
 
-    def observe(self, drafted: int, accepted: int, draft_ms: float, verify_ms: float) -> None:
-        """Fold in one cycle: `drafted` tokens proposed, `accepted` of them taken."""
+    def trim(self, match_length: int, offered: int) -> int:
+        """How many of `offered` drafts of class `match_length` to verify: the K ≤ offered
+        best for that class's α̂ (0: none, a plain step). A probe is never trimmed."""
+        if self.probing or not self.verify or not self.drafted:
+            return offered
+        best = self.best_k(offered, self.class_alpha(match_length))
+        return self.probe() if best == 0 else best
+
+    def probe(self) -> int:
+        """0 (speculation loses), or 1 once every `probe_every` such calls: a one-token
+        probe that keeps α̂ current."""
+        self.cycles_since_probe += 1
+        if self.cycles_since_probe < self.probe_every:
+            return 0
+        self.cycles_since_probe = 0
+        self.probing = True
+        return 1
+
+    def observe(self, drafted: int, accepted: int, draft_ms: float | None, verify_ms: float | None,
+                match_length: int = 0, proposed: int | None = None) -> None:  # fmt: skip
+        """Fold in one cycle: `drafted` tokens of class `match_length` verified, `accepted`
+        of them taken, out of `proposed` (default: `drafted`; more when trim() left some
+        out) drafted in `draft_ms`. Costs of None are not folded in (a request's first
+        cycle, whose calls also prefill the prompt)."""
         if self.shared is not None:
-            self.shared.observe(drafted, accepted, draft_ms, verify_ms)
+            self.shared.observe(drafted, accepted, draft_ms, verify_ms, match_length, proposed)
+        proposed = drafted if proposed is None else proposed
         if self.probing and drafted:
             self.probing = False
             self.probe_every = PROBE_EVERY if accepted else min(2 * self.probe_every, MAX_PROBE_EVERY)
-        for stats in self.verify.values():
-            stats[0] *= DECAY
-            stats[1] *= DECAY
-        total = self.verify.setdefault(drafted, [0.0, 0.0])
-        total[0] += verify_ms
-        total[1] += 1
+        if verify_ms is not None:
+            for stats in self.verify.values():
+                stats[0] *= DECAY
+                stats[1] *= DECAY
+            total = self.verify.setdefault(drafted, [0.0, 0.0])
+            total[0] += verify_ms
+            total[1] += 1
         if drafted:
-            self.accepted = self.accepted * DECAY + accepted
-            self.judged = self.judged * DECAY + accepted + (1 if accepted < drafted else 0)
+            counts = self.classes.setdefault(match_length, [PRIOR_ACCEPTED, PRIOR_JUDGED])
+            counts[0] = counts[0] * DECAY + accepted
+            counts[1] = counts[1] * DECAY + accepted + (1 if accepted < drafted else 0)
+        if proposed and draft_ms is not None:
             self.draft_ms = self.draft_ms * DECAY + draft_ms
-            self.drafted = self.drafted * DECAY + drafted
+            self.drafted = self.drafted * DECAY + proposed

@@ -42,6 +42,7 @@ from opentelemetry import context as otel_context
 
 from coordinator.adaptive import AdaptiveK
 from specdec import telemetry
+from specdec.ngram import find_continuation
 from specdec.session import SessionStore
 from specdec.v1 import specdec_pb2 as pb
 from specdec.wire import Sampling, sampling_to_pb
@@ -100,6 +101,8 @@ class Plan:
     pipeline: bool = True
     # Choose K per cycle (coordinator.adaptive); `k` is then the largest K allowed.
     adaptive: bool = False
+    # An n-gram draft's (min_ngram, max_ngram): adaptive K looks its match up beforehand.
+    ngram: tuple[int, int] | None = None
 
 
 @dataclass
@@ -260,8 +263,15 @@ class CycleLoop:
             return None
         return max(0, min(self.plan.k, headroom - 1))
 
-    def choose_k(self, limit: int) -> int:
-        return self.adaptive.choose(limit) if self.adaptive is not None else limit
+    def choose_k(self, limit: int, context: Sequence[int]) -> int:
+        """K for a cycle drafting after `context`. With adaptive K and an n-gram draft, the
+        match the draft would copy is looked up here first: no match, no draft call."""
+        if self.adaptive is None:
+            return limit
+        if self.plan.ngram is None:
+            return self.adaptive.choose(limit)
+        _, match_length = find_continuation(context, 1, self.plan.ngram[1], self.plan.ngram[0])
+        return self.adaptive.choose(limit, match_length) if match_length else 0
 
     async def run_cycle(self, limit: int) -> Outcome:
         with self.tracer.start_as_current_span(
@@ -279,6 +289,9 @@ class CycleLoop:
         start = time.perf_counter()
         call, k, pipelined = self.draft_call(limit)
         drafts = await self.take_drafts(call, k) if call is not None else []
+        proposed = len(drafts)
+        if drafts and self.adaptive is not None:  # verify only what these drafts' class is worth
+            drafts = drafts[: self.adaptive.trim(drafts[0].match_length, len(drafts))]
         drafted_at = time.perf_counter()
 
         guess = None
@@ -286,7 +299,8 @@ class CycleLoop:
             # Runs while the target verifies: wait for the guess, start the next cycle's drafting.
             guess = asyncio.get_running_loop().create_task(self.speculate(call, drafts))
         # No draft was asked for (K = 0, speculation off, draft back-off): several plain steps.
-        # A draft that was asked but proposed nothing (an n-gram miss) may match after one token.
+        # A draft that was asked but proposed nothing (an n-gram miss, or drafts trimmed
+        # away) may match after one token.
         steps = self.solo_steps() if call is None else 1
         try:
             verdict = await self.verify(drafts, steps)
@@ -328,9 +342,12 @@ class CycleLoop:
             self.drop_speculation()  # e.g. an end token cut the cycle short
         self.stats.add(len(drafts), n, len(new))
         if self.adaptive is not None:
-            # c_verify(0) is the cost of one plain step: a call of several steps counts per token
-            verify_ms = (verified_at - drafted_at) * 1000 / (1 + len(more))
-            self.adaptive.observe(len(drafts), n, (drafted_at - start) * 1000, verify_ms)
+            # c_verify(0) is the cost of one plain step: a call of several steps counts per token.
+            # The first cycle's calls also prefill the prompt: its costs would mislead.
+            verify_ms = (verified_at - drafted_at) * 1000 / (1 + len(more)) if self.cycle else None
+            draft_ms = (drafted_at - start) * 1000 if self.cycle else None
+            match_length = drafts[0].match_length if drafts else 0
+            self.adaptive.observe(len(drafts), n, draft_ms, verify_ms, match_length, proposed)
         info = pb.CycleInfo(
             index=self.cycle,
             drafted=len(drafts),
@@ -367,7 +384,7 @@ class CycleLoop:
             if speculation.assumed == self.committed and speculation.k <= limit:
                 return speculation.call, speculation.k, True
             speculation.call.cancel()
-        k = self.choose_k(limit)
+        k = self.choose_k(limit, self.committed)
         if k == 0 or self.cycle < self.draft_paused_until:
             return None, k, False
         # With pipelining, one token more than K: the guess of the bonus token.
@@ -428,7 +445,7 @@ class CycleLoop:
         guess = tokens[len(drafts)].token_id
         assumed = self.committed + [d.token_id for d in drafts] + [guess]
         limit = self.limit(len(assumed))
-        k = self.choose_k(limit) if limit else 0
+        k = self.choose_k(limit, assumed) if limit else 0
         if not k:
             return None
         position = len(self.committed) + len(drafts)  # the draft fed every draft before the guess

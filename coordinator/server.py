@@ -264,6 +264,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             draft_fingerprint="" if self.draft_info.kind == "ngram" else self.draft_info.vocab_fingerprint,
             pipeline=pipeline,
             adaptive=adaptive,
+            ngram=(self.draft_info.min_ngram or 1, self.draft_info.max_ngram or 3) if self.draft_info.kind == "ngram" else None,
         )
 
     def prompt_ids(self, request: pb.GenerateRequest) -> list[int]:

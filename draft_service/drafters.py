@@ -1,9 +1,11 @@
 """Drafters: what proposes tokens for a session.
 
 A drafter's `propose(state, k, sampling, generator)` is a generator of
-(token, q) pairs, at most k of them, computed one at a time so the service can
-stream each the moment it exists. q is the exact warped distribution [V] the
-token was sampled from, or None for a one-hot q (a drafter with no distribution).
+(token, q, match_length) triples, at most k of them, computed one at a time so the
+service can stream each the moment it exists. q is the exact warped distribution [V]
+the token was sampled from, or None for a one-hot q (a drafter with no distribution).
+match_length is the proposal's confidence class for adaptive K: the n-gram length an
+n-gram drafter matched, 0 for a model.
 
 After each token the drafter leaves `state` as: held = what its model has seen,
 pending = [that token]; so the next proposal (or the next cycle's `sync`) knows
@@ -12,11 +14,12 @@ what the cache covers.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 
 import torch
 
 from specdec.kvcache import SessionState, forward
+from specdec.ngram import find_continuation
 from specdec.sampling import sample
 from specdec.wire import Sampling, wire_q
 
@@ -35,14 +38,14 @@ class ModelDrafter:
 
     def propose(
         self, state: SessionState, k: int, sampling: Sampling, generator: torch.Generator
-    ) -> Iterator[tuple[int, torch.Tensor | None]]:
+    ) -> Iterator[tuple[int, torch.Tensor | None, int]]:
         for _ in range(k):
             logits = forward(self.model, state.cache, state.pending)  # [1, V]: the last position
             state.feed(state.pending)
             draft_probs = wire_q(sampling.warp(logits[-1]))  # [V], exactly as it will travel
             token = sample(draft_probs, generator)
             state.pending = [token]
-            yield token, draft_probs
+            yield token, draft_probs, 0
 
 
 class NgramDrafter:
@@ -60,22 +63,9 @@ class NgramDrafter:
 
     def propose(
         self, state: SessionState, k: int, sampling: Sampling, generator: torch.Generator
-    ) -> Iterator[tuple[int, torch.Tensor | None]]:
-        for token in find_continuation(state.tokens(), k, self.max_ngram, self.min_ngram):
+    ) -> Iterator[tuple[int, torch.Tensor | None, int]]:
+        continuation, match_length = find_continuation(state.tokens(), k, self.max_ngram, self.min_ngram)
+        for token in continuation:
             state.feed(state.pending)
             state.pending = [token]
-            yield token, None
-
-
-def find_continuation(tokens: Sequence[int], k: int, max_ngram: int, min_ngram: int) -> list[int]:
-    """Up to k tokens that followed the latest earlier match of the longest suffix n-gram."""
-    length = len(tokens)
-    for n in range(min(max_ngram, length - 1), min_ngram - 1, -1):
-        suffix = list(tokens[length - n :])
-        # Scan backwards so the most recent match wins; a match must end before the suffix starts.
-        for start in range(length - n - 1, -1, -1):
-            if tokens[start : start + n] == suffix:
-                continuation = list(tokens[start + n : start + n + k])
-                if continuation:
-                    return continuation
-    return []
+            yield token, None, match_length

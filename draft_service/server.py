@@ -40,6 +40,7 @@ class DraftServicer(ModelService, pb_grpc.DraftServicer):
         if self.config.model == NGRAM:
             self.drafter = NgramDrafter(self.config.max_ngram, self.config.min_ngram)
             self.info.kind = NGRAM
+            self.info.min_ngram, self.info.max_ngram = self.config.min_ngram, self.config.max_ngram
             self.pool = self.make_pool(lambda: None)
             return
         self.drafter = ModelDrafter(self.load_model())
@@ -60,8 +61,8 @@ class DraftServicer(ModelService, pb_grpc.DraftServicer):
                 if item is None:
                     break
                 self.metrics.forward_latency.observe(time.perf_counter() - started)
-                token, q = item
-                yield draft_token_to_pb(index, token, q)
+                token, q, match_length = item
+                yield draft_token_to_pb(index, token, q, match_length)
 
 
 async def serve(config: DraftConfig) -> None:

@@ -184,7 +184,7 @@ def step_ms(model, context: list[int], tokens: int, repeats: int = 5) -> float:
 
 
 def ngram_ms(context: list[int], k: int) -> float:
-    from draft_service.drafters import find_continuation
+    from specdec.ngram import find_continuation
 
     start = time.perf_counter()
     for _ in range(100):

@@ -139,10 +139,10 @@ def wire_q(q: torch.Tensor) -> torch.Tensor:
     return q.to(torch.float16).to(torch.float32)
 
 
-def draft_token_to_pb(index: int, token: int, q: torch.Tensor | None) -> pb.DraftToken:
+def draft_token_to_pb(index: int, token: int, q: torch.Tensor | None, match_length: int = 0) -> pb.DraftToken:
     """q None -> one_hot; q in fixed point -> fixed; else dense float16. q is [V], already
-    `wire_q(q)` (so either encoding is exact)."""
-    msg = pb.DraftToken(token_id=token, index=index)
+    `wire_q(q)` (so either encoding is exact). match_length: see DraftToken."""
+    msg = pb.DraftToken(token_id=token, index=index, match_length=match_length)
     if q is None:
         msg.one_hot.SetInParent()
         return msg

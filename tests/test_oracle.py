@@ -86,6 +86,18 @@ def test_greedy_output_equals_transformers_generate_for_every_draft_and_k(stack,
         assert drafted > 0 and accepted > 0, "prompt lookup should find something in the repeat prompt"
 
 
+def test_adaptive_k_output_equals_transformers_generate(stack, oracle):
+    """Adaptive K chooses K per cycle and, for the n-gram draft, verifies only the drafts
+    its match length makes worth it: which drafts the target sees changes, the output not."""
+    if stack.draft_kind == "target-itself":
+        pytest.skip("the n-gram and random drafts cover the choices (skip, trim, probe)")
+    with specdec.Client(stack.address) as client:
+        for ids, expected in oracle.items():
+            result = client.generate(prompt_token_ids=list(ids), max_new_tokens=NEW_TOKENS,
+                                     num_speculative_tokens=max(KS), adaptive_k=True)  # fmt: skip
+            assert result.token_ids == expected, f"draft {stack.draft_kind}, adaptive K, prompt {ids[:6]}..."
+
+
 def test_text_prompt_is_tokenized_like_the_oracle(stack, oracle, target):
     if stack.draft_kind != "ngram":
         pytest.skip("one draft is enough for tokenization")

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from coordinator.text import TextStream, first_stop
-from draft_service.drafters import find_continuation
+from specdec.ngram import find_continuation
 from specdec.errors import FailedPrecondition, InvalidArgument, NotFound, OutOfRange, ResourceExhausted
 from specdec.kvcache import SessionPool, SessionState, cache_bytes
 from specdec.rng import DRAFT, TARGET, cycle_generator
@@ -19,25 +19,35 @@ from specdec.wire import Sampling, draft_from_pb, draft_token_to_pb, sampling_fr
 # ---------------------------------------------------------------- n-gram lookup
 
 
-def test_ngram_proposes_what_followed_the_latest_match_of_the_longest_suffix():
+def test_ngram_proposes_what_followed_the_latest_match_of_the_longest_suffix_and_its_length():
     tokens = [1, 2, 3, 9, 1, 2, 3, 7, 8, 5, 2, 3]
     # Suffix [2, 3] last occurred before at index 5..6, followed by 7, 8, 5.
-    assert find_continuation(tokens, 3, max_ngram=3, min_ngram=1) == [7, 8, 5]
+    assert find_continuation(tokens, 3, max_ngram=3, min_ngram=1) == ([7, 8, 5], 2)
 
 
 def test_ngram_prefers_a_longer_match_over_a_more_recent_shorter_one():
     tokens = [4, 5, 6, 10, 11, 9, 6, 12, 4, 5, 6]
     # [4, 5, 6] matches at 0 (followed by 10); [6] alone would match at 6 (followed by 12).
-    assert find_continuation(tokens, 2, max_ngram=3, min_ngram=1) == [10, 11]
+    assert find_continuation(tokens, 2, max_ngram=3, min_ngram=1) == ([10, 11], 3)
 
 
 def test_ngram_without_a_match_proposes_nothing():
-    assert find_continuation([1, 2, 3, 4], 4, max_ngram=3, min_ngram=1) == []
-    assert find_continuation([7], 4, max_ngram=3, min_ngram=1) == []
+    assert find_continuation([1, 2, 3, 4], 4, max_ngram=3, min_ngram=1) == ([], 0)
+    assert find_continuation([7], 4, max_ngram=3, min_ngram=1) == ([], 0)
+
+
+def test_ngram_drafter_tags_each_proposal_with_its_match_length_and_the_wire_keeps_it():
+    from draft_service.drafters import NgramDrafter
+
+    state = SessionState("s", held=[4, 5, 6, 10, 11, 9, 6, 12, 4, 5], pending=[6])
+    proposals = list(NgramDrafter().propose(state, 2, Sampling(), torch.Generator()))
+    assert proposals == [(10, None, 3), (11, None, 3)]
+    message = draft_token_to_pb(0, 10, None, match_length=3)
+    assert pb.DraftToken.FromString(message.SerializeToString()).match_length == 3
 
 
 def test_ngram_continuation_is_capped_at_k():
-    assert find_continuation([1, 2, 3, 4, 5, 6, 1], 2, max_ngram=2, min_ngram=1) == [2, 3]
+    assert find_continuation([1, 2, 3, 4, 5, 6, 1], 2, max_ngram=2, min_ngram=1) == ([2, 3], 1)
 
 
 # ---------------------------------------------------------------- text stream
@@ -435,6 +445,36 @@ def test_adaptive_k_respects_the_limit():
     controller = AdaptiveK(max_k=8)
     feed(controller, 30, bernoulli(1.0), draft_ms_per_token=0.5, verify_ms=lambda k: 50 + k)
     assert controller.choose(2) == 2 and controller.choose(0) == 0
+
+
+def test_adaptive_k_verifies_long_ngram_matches_and_skips_short_ones():
+    """Per-class α̂: an n-gram draft's 3-gram matches (accepted 90%) get a long K, its
+    1-gram matches (accepted 10%) none, save a probe now and then; with the pooled α̂ of
+    the two (~0.5) neither would get its right K."""
+    controller = AdaptiveK(max_k=8)
+    verify = lambda k: 90 + 25 * k  # a CPU: each verified token costs a quarter of a step
+    draws = {3: bernoulli(0.9, seed=1), 1: bernoulli(0.1, seed=2)}
+    for cycle in range(200):
+        match_length = 3 if cycle % 2 else 1
+        k = controller.trim(match_length, controller.choose(8, match_length))
+        accepted = next((i for i in range(k) if not next(draws[match_length])), k)
+        controller.observe(k, accepted, 0.01 * k, verify(k), match_length)
+    assert controller.class_alpha(3) > 0.75 and controller.class_alpha(1) < 0.25
+    assert controller.choose(8, 3) >= 4 and controller.trim(3, 8) >= 4
+    chosen = []
+    for _ in range(2 * MAX_PROBE_EVERY):
+        chosen.append(controller.choose(8, 1))
+        controller.observe(chosen[-1], 0, 0.01 * chosen[-1], verify(chosen[-1]), 1)
+    assert chosen.count(0) >= len(chosen) - 2 and 1 in chosen  # skipped, but still probed
+    assert controller.trim(1, 8) == 0  # drafts of a weak class that arrive anyway: not verified
+
+
+def test_adaptive_k_keeps_every_draft_of_a_model_draft():
+    """One class (a model draft): trim keeps the K that choose picked, so no drafting is wasted."""
+    controller = AdaptiveK(max_k=8)
+    feed(controller, 60, bernoulli(0.7, seed=4), draft_ms_per_token=5.0, verify_ms=lambda k: 60 + 10 * k)
+    k = controller.choose(8)
+    assert k > 0 and controller.trim(0, k) == k
 
 
 def test_a_new_session_starts_from_what_earlier_sessions_learnt():

@@ -63,7 +63,7 @@ class ModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfoResponse(_message.Message):
-    __slots__ = ("model", "kind", "vocab_size", "vocab_fingerprint", "max_context", "eos_token_ids", "device", "dtype", "max_k", "sessions_held", "cache_bytes", "cache_evictions")
+    __slots__ = ("model", "kind", "vocab_size", "vocab_fingerprint", "max_context", "eos_token_ids", "device", "dtype", "max_k", "sessions_held", "cache_bytes", "cache_evictions", "min_ngram", "max_ngram")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -76,6 +76,8 @@ class ModelInfoResponse(_message.Message):
     SESSIONS_HELD_FIELD_NUMBER: _ClassVar[int]
     CACHE_BYTES_FIELD_NUMBER: _ClassVar[int]
     CACHE_EVICTIONS_FIELD_NUMBER: _ClassVar[int]
+    MIN_NGRAM_FIELD_NUMBER: _ClassVar[int]
+    MAX_NGRAM_FIELD_NUMBER: _ClassVar[int]
     model: str
     kind: str
     vocab_size: int
@@ -88,7 +90,9 @@ class ModelInfoResponse(_message.Message):
     sessions_held: int
     cache_bytes: int
     cache_evictions: int
-    def __init__(self, model: _Optional[str] = ..., kind: _Optional[str] = ..., vocab_size: _Optional[int] = ..., vocab_fingerprint: _Optional[str] = ..., max_context: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., max_k: _Optional[int] = ..., sessions_held: _Optional[int] = ..., cache_bytes: _Optional[int] = ..., cache_evictions: _Optional[int] = ...) -> None: ...
+    min_ngram: int
+    max_ngram: int
+    def __init__(self, model: _Optional[str] = ..., kind: _Optional[str] = ..., vocab_size: _Optional[int] = ..., vocab_fingerprint: _Optional[str] = ..., max_context: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., max_k: _Optional[int] = ..., sessions_held: _Optional[int] = ..., cache_bytes: _Optional[int] = ..., cache_evictions: _Optional[int] = ..., min_ngram: _Optional[int] = ..., max_ngram: _Optional[int] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
     __slots__ = ("session_id",)
@@ -227,20 +231,22 @@ class ProposeRequest(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., position: _Optional[int] = ..., new_tokens: _Optional[_Iterable[int]] = ..., k: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., cycle: _Optional[int] = ...) -> None: ...
 
 class DraftToken(_message.Message):
-    __slots__ = ("token_id", "sparse", "dense", "one_hot", "fixed", "index")
+    __slots__ = ("token_id", "sparse", "dense", "one_hot", "fixed", "index", "match_length")
     TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     SPARSE_FIELD_NUMBER: _ClassVar[int]
     DENSE_FIELD_NUMBER: _ClassVar[int]
     ONE_HOT_FIELD_NUMBER: _ClassVar[int]
     FIXED_FIELD_NUMBER: _ClassVar[int]
     INDEX_FIELD_NUMBER: _ClassVar[int]
+    MATCH_LENGTH_FIELD_NUMBER: _ClassVar[int]
     token_id: int
     sparse: SparseProbs
     dense: DenseProbs
     one_hot: OneHot
     fixed: FixedProbs
     index: int
-    def __init__(self, token_id: _Optional[int] = ..., sparse: _Optional[_Union[SparseProbs, _Mapping]] = ..., dense: _Optional[_Union[DenseProbs, _Mapping]] = ..., one_hot: _Optional[_Union[OneHot, _Mapping]] = ..., fixed: _Optional[_Union[FixedProbs, _Mapping]] = ..., index: _Optional[int] = ...) -> None: ...
+    match_length: int
+    def __init__(self, token_id: _Optional[int] = ..., sparse: _Optional[_Union[SparseProbs, _Mapping]] = ..., dense: _Optional[_Union[DenseProbs, _Mapping]] = ..., one_hot: _Optional[_Union[OneHot, _Mapping]] = ..., fixed: _Optional[_Union[FixedProbs, _Mapping]] = ..., index: _Optional[int] = ..., match_length: _Optional[int] = ...) -> None: ...
 
 class VerifyRequest(_message.Message):
     __slots__ = ("session_id", "position", "new_tokens", "drafts", "sampling", "cycle", "draft_fingerprint", "draft_model", "steps")

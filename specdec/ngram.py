@@ -1,0 +1,25 @@
+"""Prompt lookup: the n-gram match an n-gram draft copies from.
+
+One function, used by the n-gram drafter (which proposes the continuation) and by the
+coordinator's adaptive K (which needs only the match length, the proposal's confidence
+class, to decide whether asking the draft is worth a cycle).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+
+def find_continuation(tokens: Sequence[int], k: int, max_ngram: int, min_ngram: int) -> tuple[list[int], int]:
+    """(up to k tokens that followed the latest earlier match of the longest suffix n-gram,
+    that n-gram's length n); ([], 0) without a match."""
+    length = len(tokens)
+    for n in range(min(max_ngram, length - 1), min_ngram - 1, -1):
+        suffix = list(tokens[length - n :])
+        # Scan backwards so the most recent match wins; a match must end before the suffix starts.
+        for start in range(length - n - 1, -1, -1):
+            if tokens[start : start + n] == suffix:
+                continuation = list(tokens[start + n : start + n + k])
+                if continuation:
+                    return continuation, n
+    return [], 0
