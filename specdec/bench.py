@@ -18,6 +18,8 @@ Terms (the seed's performance model, design.md §3):
     bytes/cycle  bytes of q on the wire per drafting cycle, against K·V·4 for dense float32
     cycle_ms   median time of drafting cycles, pipelined (drafted while the previous cycle
                verified) and sequential, to compare with max(K·c_q, c_verify) and their sum
+    required α (`--costs`) the smallest α at which K drafts per cycle reach 1.0× / 1.3× the
+               target's own tokens/s (1 / c_p), sequential and pipelined
 """
 
 from __future__ import annotations
@@ -75,6 +77,10 @@ def add_bench_parser(commands) -> None:
                    help="torch threads of the in-process baselines (0 = torch's default, all cores)")  # fmt: skip
     p.add_argument("--no-chat-template", action="store_true", help="use prompts as raw text")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    p.add_argument("--costs", action="store_true",
+                   help="only measure this machine's costs (c_p, c_q, a verify pass over 2..max-k+1 tokens) "
+                        "and print the acceptance rate α each K needs to match, or beat by 1.3x, the target "
+                        "alone; no generation runs (seconds, not minutes)")  # fmt: skip
 
 
 def k_value(text: str):
@@ -246,6 +252,73 @@ def run_specdec(args, prompts_ids, prompts_text) -> tuple[Run, dict]:
 # ---------------------------------------------------------------- the command
 
 
+def required_alpha(speedup: float, k: int, c_q: float, c_verify: float, c_p: float, pipelined: bool = False) -> float | None:
+    """The smallest α at which K drafts per cycle make `speedup` × the target alone's
+    tokens/s (1 / c_p), by the seed's model: E[tokens](α, K) / (K·c_q + c_verify), or
+    / max(K·c_q, c_verify) when pipelined. None when even α = 1 falls short."""
+    from specdec.sampling import expected_tokens_per_cycle
+
+    cycle_ms = max(k * c_q, c_verify) if pipelined else k * c_q + c_verify
+    needed = speedup * cycle_ms / c_p  # tokens per cycle
+    if needed > k + 1:
+        return None
+    low, high = 0.0, 1.0
+    for _ in range(50):  # E[tokens] rises with α: bisect
+        middle = (low + high) / 2
+        low, high = (middle, high) if expected_tokens_per_cycle(middle, k) < needed else (low, middle)
+    return high
+
+
+def run_costs(args, target, draft, context: list[int]) -> int:
+    """`specdec bench --costs`: what each K costs here, and the α it needs to pay."""
+    import torch
+
+    from specdec.launcher import default_threads
+
+    target_threads, draft_threads = default_threads(args.draft)
+    torch.set_num_threads(target_threads)
+    max_k = args.max_k if args.k == "adaptive" else max(args.k, 1)
+    progress(f"measuring a target step and verify passes over 2..{max_k + 1} tokens ({target_threads} threads)")
+    c_p = step_ms(target.model, context, 1)
+    verify = {k: step_ms(target.model, context, k + 1) for k in range(1, max_k + 1)}
+    torch.set_num_threads(draft_threads)
+    c_q = ngram_ms(context, max_k) if draft is None else step_ms(draft.model, context, 1)
+    required = {
+        mode: {
+            f"{speedup:g}": {str(k): required_alpha(speedup, k, c_q, verify[k], c_p, mode == "pipelined") for k in verify}
+            for speedup in (1.0, 1.3)
+        }
+        for mode in ("sequential", "pipelined")
+    }  # fmt: skip
+    report = {
+        "target": args.target, "draft": args.draft, "context_tokens": len(context),
+        "threads": {"target": target_threads, "draft": draft_threads},
+        "c_p_ms": c_p, "c_q_ms": c_q, "c_verify_ms": {str(k): ms for k, ms in verify.items()},
+        "verify_over_step": {str(k): ms / c_p for k, ms in verify.items()},
+        "required_alpha": required,
+    }  # fmt: skip
+    print(json.dumps(report) if args.json else format_costs(report))
+    return 0
+
+
+def format_costs(r: dict) -> str:
+    def alpha(value):
+        return "  never" if value is None else f"{value:>7.2f}"
+
+    lines = [
+        f"target {r['target']} ({r['threads']['target']} threads), draft {r['draft']} ({r['threads']['draft']}), "
+        f"{r['context_tokens']} tokens of context",
+        f"c_p {r['c_p_ms']:.1f} ms per target step, c_q {r['c_q_ms']:.2f} ms per draft token",
+        "",
+        f"{'K':>3}{'c_verify':>10}{'/ c_p':>7}   α for 1.0x / 1.3x the target alone: sequential, pipelined",
+    ]
+    seq, pipe = r["required_alpha"]["sequential"], r["required_alpha"]["pipelined"]
+    for k, ms in r["c_verify_ms"].items():
+        lines.append(f"{k:>3}{ms:>8.1f}ms{r['verify_over_step'][k]:>7.2f}   "
+                     f"{alpha(seq['1'][k])}{alpha(seq['1.3'][k])}   {alpha(pipe['1'][k])}{alpha(pipe['1.3'][k])}")  # fmt: skip
+    return "\n".join(lines)
+
+
 def run_bench(args) -> int:
     import torch
 
@@ -259,6 +332,9 @@ def run_bench(args) -> int:
     target = load_model(args.target)
     draft = None if args.draft == NGRAM else load_model(args.draft)
     prompts_ids = [encode(target.tokenizer, p, not args.no_chat_template) for p in prompts]
+    if args.costs:  # a context of ~128 tokens made of the prompts themselves
+        context = [t for ids in prompts_ids for t in ids][:128]
+        return run_costs(args, target, draft, context)
 
     progress(f"target alone: {len(prompts)} prompts x {args.repeats}")
     target_only = run_hf(target.model, prompts_ids, args)
