@@ -10,6 +10,7 @@ checks that its output never changes."""
 
 import collections
 import struct
+import zlib
 import threading
 import time
 
@@ -203,7 +204,7 @@ def generate_requests(draw):
 @st.composite
 def q_of(draw, token_id):
     """A draft token's q: mostly a distribution that holds the token, sometimes anything."""
-    form = draw(st.sampled_from(["sparse", "fixed", "dense32", "dense16", "one_hot", "none"]))
+    form = draw(st.sampled_from(["sparse", "fixed", "fixed_deflated", "dense32", "dense16", "one_hot", "none"]))
     msg = pb.DraftToken()
     if form == "fixed":
         pair = sorted({token_id % 40, (token_id + 1) % 40})
@@ -211,6 +212,11 @@ def q_of(draw, token_id):
         uint32 = st.integers(0, 2**32 - 1)
         msg.fixed.id_gaps.extend(draw(mostly(st.just(gaps), st.lists(uint32, max_size=8))))
         msg.fixed.weights.extend(draw(mostly(st.just([196608, 65536][: len(gaps)]), st.lists(uint32, max_size=9))))
+    elif form == "fixed_deflated":
+        pair = sorted({token_id % 40, (token_id + 1) % 40})
+        gaps = [pair[0]] + [b - a for a, b in zip(pair, pair[1:])]
+        good = zlib.compress(pb.FixedProbs(id_gaps=gaps, weights=[196608, 65536][: len(gaps)]).SerializeToString())
+        msg.fixed_deflated = draw(mostly(st.just(good), st.binary(max_size=64)))
     elif form == "sparse":
         ids = draw(mostly(st.just([token_id, (token_id + 1) % 40]), st.lists(st.one_of(vocab_ids, int32), max_size=8)))
         probs = draw(mostly(st.just([0.75, 0.25][: len(ids)]), st.lists(floats, max_size=9)))

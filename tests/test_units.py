@@ -1,6 +1,7 @@
 """Unit tests of the small pieces the services are built from."""
 
 import asyncio
+import zlib
 
 import pytest
 import torch
@@ -173,7 +174,8 @@ def test_a_flat_draft_at_top_p_or_top_k_costs_under_a_fiftieth_of_dense_float32(
         q = warp(logits, 1.0, top_k=top_k, top_p=top_p)
         sent = wire.wire_q(q)
         msg = draft_token_to_pb(0, int(logits.argmax()), sent)
-        assert msg.WhichOneof("q") == "fixed"
+        assert msg.WhichOneof("q") == ("fixed" if top_k == 50 else "fixed_deflated")
+        assert torch.equal(draft_from_pb(msg, 49152).q, sent)  # exact either way
         support = int((q > 0).sum())
         assert (top_k == 50 and support == 50) or 700 < support < 3000
         assert msg.ByteSize() * 50 < float32_dense, (support, msg.ByteSize())
@@ -184,6 +186,16 @@ def test_stacked_q_of_a_mixed_cycle_makes_one_hot_rows_explicit():
     q = torch.tensor([0.5, 0.5, 0.0])
     drafts = [draft_from_pb(draft_token_to_pb(0, 1, q), 3), draft_from_pb(draft_token_to_pb(1, 2, None), 3)]
     assert torch.equal(stack_draft_probs(drafts), torch.tensor([[0.5, 0.5, 0.0], [0.0, 0.0, 1.0]]))
+
+
+FIXED_1_2 = pb.FixedProbs(id_gaps=[1, 1], weights=[131072, 131072]).SerializeToString()
+
+
+def test_a_deflated_fixed_q_decodes_to_the_same_q_as_the_plain_one():
+    plain = pb.DraftToken(token_id=1, fixed=pb.FixedProbs.FromString(FIXED_1_2))
+    deflated = pb.DraftToken(token_id=1, fixed_deflated=zlib.compress(FIXED_1_2))
+    assert torch.equal(draft_from_pb(plain, 10).q, draft_from_pb(deflated, 10).q)
+    assert draft_token_to_pb(0, 1, draft_from_pb(plain, 10).q).WhichOneof("q") == "fixed"  # too small to deflate
 
 
 @pytest.mark.parametrize(
@@ -202,6 +214,12 @@ def test_stacked_q_of_a_mixed_cycle_makes_one_hot_rows_explicit():
         (pb.DraftToken(token_id=1, fixed=pb.FixedProbs(id_gaps=[1], weights=[32768, 32768])), "2 weights"),
         (pb.DraftToken(token_id=1, fixed=pb.FixedProbs(id_gaps=[1, 20], weights=[131072, 131072])), "21"),
         (pb.DraftToken(token_id=1, fixed=pb.FixedProbs()), "sum to 0"),
+        (pb.DraftToken(token_id=1, fixed_deflated=b"not zlib at all"), "not zlib"),
+        (pb.DraftToken(token_id=1, fixed_deflated=zlib.compress(b"\x00" * 10_000)), "inflates past 132"),
+        (pb.DraftToken(token_id=1, fixed_deflated=zlib.compress(FIXED_1_2)[:-3]), "not one whole"),
+        (pb.DraftToken(token_id=1, fixed_deflated=zlib.compress(FIXED_1_2) + b"x"), "not one whole"),
+        (pb.DraftToken(token_id=1, fixed_deflated=zlib.compress(b"\xff\xff")), "FixedProbs"),
+        (pb.DraftToken(token_id=1, fixed_deflated=zlib.compress(pb.FixedProbs(id_gaps=[1], weights=[3]).SerializeToString())), "sum to 3"),
     ],
 )
 def test_a_q_that_is_not_a_distribution_is_an_invalid_argument(msg, message):

@@ -231,12 +231,13 @@ class ProposeRequest(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., position: _Optional[int] = ..., new_tokens: _Optional[_Iterable[int]] = ..., k: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., cycle: _Optional[int] = ...) -> None: ...
 
 class DraftToken(_message.Message):
-    __slots__ = ("token_id", "sparse", "dense", "one_hot", "fixed", "index", "match_length")
+    __slots__ = ("token_id", "sparse", "dense", "one_hot", "fixed", "fixed_deflated", "index", "match_length")
     TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     SPARSE_FIELD_NUMBER: _ClassVar[int]
     DENSE_FIELD_NUMBER: _ClassVar[int]
     ONE_HOT_FIELD_NUMBER: _ClassVar[int]
     FIXED_FIELD_NUMBER: _ClassVar[int]
+    FIXED_DEFLATED_FIELD_NUMBER: _ClassVar[int]
     INDEX_FIELD_NUMBER: _ClassVar[int]
     MATCH_LENGTH_FIELD_NUMBER: _ClassVar[int]
     token_id: int
@@ -244,9 +245,10 @@ class DraftToken(_message.Message):
     dense: DenseProbs
     one_hot: OneHot
     fixed: FixedProbs
+    fixed_deflated: bytes
     index: int
     match_length: int
-    def __init__(self, token_id: _Optional[int] = ..., sparse: _Optional[_Union[SparseProbs, _Mapping]] = ..., dense: _Optional[_Union[DenseProbs, _Mapping]] = ..., one_hot: _Optional[_Union[OneHot, _Mapping]] = ..., fixed: _Optional[_Union[FixedProbs, _Mapping]] = ..., index: _Optional[int] = ..., match_length: _Optional[int] = ...) -> None: ...
+    def __init__(self, token_id: _Optional[int] = ..., sparse: _Optional[_Union[SparseProbs, _Mapping]] = ..., dense: _Optional[_Union[DenseProbs, _Mapping]] = ..., one_hot: _Optional[_Union[OneHot, _Mapping]] = ..., fixed: _Optional[_Union[FixedProbs, _Mapping]] = ..., fixed_deflated: _Optional[bytes] = ..., index: _Optional[int] = ..., match_length: _Optional[int] = ...) -> None: ...
 
 class VerifyRequest(_message.Message):
     __slots__ = ("session_id", "position", "new_tokens", "drafts", "sampling", "cycle", "draft_fingerprint", "draft_model", "steps")
