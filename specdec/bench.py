@@ -30,6 +30,7 @@ import os
 import statistics
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from importlib import resources
 
@@ -269,20 +270,34 @@ def required_alpha(speedup: float, k: int, c_q: float, c_verify: float, c_p: flo
     return high
 
 
-def run_costs(args, target, draft, context: list[int]) -> int:
-    """`specdec bench --costs`: what each K costs here, and the α it needs to pay."""
+def measure_costs(draft_name: str, target, draft, context: list[int], ks: Sequence[int]) -> tuple[float, dict[int, float], float]:
+    """(c_p, {K: c_verify over K+1 tokens}, c_q) after `context`, each model on the threads
+    the services give it (launcher.default_threads); the caller's thread count is restored."""
     import torch
 
     from specdec.launcher import default_threads
 
+    target_threads, draft_threads = default_threads(draft_name)
+    threads_before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(target_threads)
+        c_p = step_ms(target.model, context, 1)
+        verify = {k: step_ms(target.model, context, k + 1) for k in ks}
+        torch.set_num_threads(draft_threads)
+        c_q = ngram_ms(context, max(ks)) if draft is None else step_ms(draft.model, context, 1)
+    finally:
+        torch.set_num_threads(threads_before)
+    return c_p, verify, c_q
+
+
+def run_costs(args, target, draft, context: list[int]) -> int:
+    """`specdec bench --costs`: what each K costs here, and the α it needs to pay."""
+    from specdec.launcher import default_threads
+
     target_threads, draft_threads = default_threads(args.draft)
-    torch.set_num_threads(target_threads)
     max_k = args.max_k if args.k == "adaptive" else max(args.k, 1)
     progress(f"measuring a target step and verify passes over 2..{max_k + 1} tokens ({target_threads} threads)")
-    c_p = step_ms(target.model, context, 1)
-    verify = {k: step_ms(target.model, context, k + 1) for k in range(1, max_k + 1)}
-    torch.set_num_threads(draft_threads)
-    c_q = ngram_ms(context, max_k) if draft is None else step_ms(draft.model, context, 1)
+    c_p, verify, c_q = measure_costs(args.draft, target, draft, context, range(1, max_k + 1))
     required = {
         mode: {
             f"{speedup:g}": {str(k): required_alpha(speedup, k, c_q, verify[k], c_p, mode == "pipelined") for k in verify}
@@ -352,12 +367,8 @@ def run_bench(args) -> int:
 
     context = prompts_ids[0] + target_only.outputs[0]
     threads_before = torch.get_num_threads()
-    torch.set_num_threads(target_threads)
-    c_p = step_ms(target.model, context, 1)
-    c_verify = step_ms(target.model, context, k + 1)
-    torch.set_num_threads(draft_threads)
-    c_q = ngram_ms(context, k) if draft is None else step_ms(draft.model, context, 1)
-    torch.set_num_threads(threads_before)
+    c_p, verify, c_q = measure_costs(args.draft, target, draft, context, [k])
+    c_verify = verify[k]
 
     alpha = totals["accepted"] / totals["drafted"] if totals["drafted"] else 0.0
     expected = expected_tokens_per_cycle(alpha, k)
