@@ -27,6 +27,7 @@ from specdec.errors import (
 )
 from specdec.metrics import CoordinatorMetrics
 from specdec.kvcache import check_token_ids
+from specdec.ngram import DEFAULT_MAX_NGRAM, DEFAULT_MIN_NGRAM
 from specdec.security import ChannelSecurity, ServerSecurity
 from specdec.session import SessionStore, check_session_id, new_session_id
 from specdec.v1 import specdec_pb2 as pb
@@ -264,8 +265,14 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             draft_fingerprint="" if self.draft_info.kind == "ngram" else self.draft_info.vocab_fingerprint,
             pipeline=pipeline,
             adaptive=adaptive,
-            ngram=(self.draft_info.min_ngram or 1, self.draft_info.max_ngram or 3) if self.draft_info.kind == "ngram" else None,
+            ngram=self.ngram_lengths(),
         )
+
+    def ngram_lengths(self) -> tuple[int, int] | None:
+        """An n-gram draft's (min_ngram, max_ngram), for adaptive K's own lookup; None for a model."""
+        if self.draft_info.kind != "ngram":
+            return None
+        return self.draft_info.min_ngram or DEFAULT_MIN_NGRAM, self.draft_info.max_ngram or DEFAULT_MAX_NGRAM
 
     def prompt_ids(self, request: pb.GenerateRequest) -> list[int]:
         limit = self.config.max_prompt_tokens

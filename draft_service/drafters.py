@@ -19,12 +19,10 @@ from collections.abc import Iterator
 import torch
 
 from specdec.kvcache import SessionState, forward
-from specdec.ngram import find_continuation
+from specdec.ngram import DEFAULT_MAX_NGRAM, DEFAULT_MIN_NGRAM, find_continuation
 from specdec.sampling import sample
 from specdec.wire import Sampling, wire_q
 
-DEFAULT_MAX_NGRAM = 3
-DEFAULT_MIN_NGRAM = 1
 
 
 class ModelDrafter:

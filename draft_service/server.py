@@ -9,6 +9,7 @@ from draft_service.drafters import ModelDrafter, NgramDrafter
 from specdec import model_service, serving
 from specdec.errors import InvalidArgument, grpc_handler
 from specdec.model_service import ModelService, ModelServiceConfig
+from specdec.ngram import DEFAULT_MAX_NGRAM, DEFAULT_MIN_NGRAM
 from specdec.rng import DRAFT, cycle_generator
 from specdec.session import SessionStore
 from specdec.v1 import specdec_pb2 as pb
@@ -24,8 +25,8 @@ class DraftConfig(ModelServiceConfig):
     model: str = NGRAM
     port: int = 50052
     # Longest and shortest suffix n-gram the n-gram drafter looks up.
-    max_ngram: int = 3
-    min_ngram: int = 1
+    max_ngram: int = DEFAULT_MAX_NGRAM
+    min_ngram: int = DEFAULT_MIN_NGRAM
 
 
 class DraftServicer(ModelService, pb_grpc.DraftServicer):

@@ -11,6 +11,8 @@ import logging
 import os
 import sys
 
+from specdec.ngram import DEFAULT_MAX_NGRAM, DEFAULT_MIN_NGRAM
+
 DEFAULT_ADDRESS = "127.0.0.1:50051"
 TRUE = {"1", "true", "yes", "on"}
 
@@ -159,8 +161,8 @@ def add_model_flags(p: argparse.ArgumentParser, prefix: str, model: str) -> None
 def add_draft_flags(p: argparse.ArgumentParser) -> None:
     add_common_service_flags(p, "SPECDEC_DRAFT", 50052)
     add_model_flags(p, "SPECDEC_DRAFT", "ngram")
-    env_flag(p, "--max-ngram", "SPECDEC_DRAFT_MAX_NGRAM", default=3, type=int, help="longest n-gram to look up (ngram)")
-    env_flag(p, "--min-ngram", "SPECDEC_DRAFT_MIN_NGRAM", default=1, type=int, help="shortest n-gram to look up (ngram)")
+    env_flag(p, "--max-ngram", "SPECDEC_DRAFT_MAX_NGRAM", default=DEFAULT_MAX_NGRAM, type=int, help="longest n-gram to look up (ngram)")
+    env_flag(p, "--min-ngram", "SPECDEC_DRAFT_MIN_NGRAM", default=DEFAULT_MIN_NGRAM, type=int, help="shortest n-gram to look up (ngram)")
 
 
 def add_target_flags(p: argparse.ArgumentParser) -> None:

@@ -9,6 +9,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+# The n-gram lengths an n-gram draft looks up unless told otherwise (`--max-ngram`, `--min-ngram`).
+DEFAULT_MAX_NGRAM = 3
+DEFAULT_MIN_NGRAM = 1
+
 
 def find_continuation(tokens: Sequence[int], k: int, max_ngram: int, min_ngram: int) -> tuple[list[int], int]:
     """(up to k tokens that followed the latest earlier match of the longest suffix n-gram,
