@@ -44,6 +44,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenize
 
 CACHE_ENV = "SPECDEC_CACHE"  # overrides the cache folder (tests point it at a temp dir)
 CACHE_MARKER = "specdec-model.json"  # written last inside a converted dir; its presence means "complete"
+OUTPUT_VOCAB_FILE = "specdec-output-vocab.json"  # in a model dir: the only token ids its head may predict
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
@@ -413,6 +414,8 @@ def load_model(name_or_path: str, *, dtype: str = "float32", device: str = "cpu"
         model = AutoModelForCausalLM.from_pretrained(
             str(gguf_file.parent), gguf_file=gguf_file.name, local_files_only=True, **_dtype_kwarg(torch_dtype)
         )
+    if gguf_file is None and (path / OUTPUT_VOCAB_FILE).exists():
+        restrict_output_vocab(model, read_output_vocab(path / OUTPUT_VOCAB_FILE, _embedding_rows(model)))
     model.to(device)
     model.eval()
     parameter = next(model.parameters())
@@ -428,6 +431,54 @@ def load_model(name_or_path: str, *, dtype: str = "float32", device: str = "cpu"
         device=str(parameter.device),
         dtype=str(parameter.dtype).removeprefix("torch."),
     )
+
+
+class SubsetHead(torch.nn.Module):
+    """An output layer that scores only `token_ids`; every other token gets logit -inf.
+
+    weight [M, H] holds the kept rows of the full [V, H] head, so a step costs M·H instead of
+    V·H multiply-adds; the output is still [..., V] (probability exactly 0 off the subset), so
+    sampling, the wire and the verifier see an ordinary distribution over the whole vocabulary.
+    """
+
+    def __init__(self, weight: torch.Tensor, token_ids: torch.Tensor, vocab_size: int):
+        super().__init__()
+        self.weight = torch.nn.Parameter(weight.detach().clone(), requires_grad=False)  # [M, H]
+        self.register_buffer("token_ids", token_ids.long().clone())  # [M]
+        self.vocab_size = vocab_size
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        scores = torch.nn.functional.linear(hidden, self.weight)  # [..., M]
+        logits = scores.new_full((*scores.shape[:-1], self.vocab_size), -torch.inf)  # [..., V]
+        return logits.index_copy_(-1, self.token_ids, scores)
+
+
+def read_output_vocab(path: Path, vocab_size: int) -> torch.Tensor:
+    """The sorted, distinct token ids of an output-vocabulary file; ValueError if it is malformed."""
+    try:
+        ids = json.loads(Path(path).read_text())["token_ids"]
+    except (ValueError, KeyError, TypeError) as exc:
+        raise ValueError(f"{path}: expected {{\"token_ids\": [...]}}: {exc}") from None
+    if not ids or not all(isinstance(i, int) and 0 <= i < vocab_size for i in ids) or len(set(ids)) != len(ids):
+        raise ValueError(f"{path}: token_ids must be distinct ids in [0, {vocab_size})")
+    return torch.tensor(sorted(ids), dtype=torch.long)
+
+
+def restrict_output_vocab(model, token_ids: torch.Tensor) -> None:
+    """Replace the model's output layer by a SubsetHead over `token_ids` (rows of its own head)."""
+    head = model.get_output_embeddings()
+    if getattr(head, "bias", None) is not None:
+        raise ValueError("restricting the output vocabulary of a head with a bias is not supported")
+    model.set_output_embeddings(SubsetHead(head.weight[token_ids], token_ids, head.weight.shape[0]))
+
+
+def write_output_vocab(directory: str | os.PathLike, token_ids: torch.Tensor) -> Path:
+    """Write the output-vocabulary file `load_model` reads (the ids, sorted)."""
+    path = Path(directory) / OUTPUT_VOCAB_FILE
+    ids = sorted(int(i) for i in token_ids)
+    note = "load_model() gives every token not listed here probability 0 (a SubsetHead replaces lm_head)"
+    path.write_text(json.dumps({"note": note, "token_ids": ids}) + "\n")
+    return path
 
 
 def load_tokenizer(name_or_path: str) -> PreTrainedTokenizerBase:

@@ -36,7 +36,7 @@ TINY_PROMPTS = [
 ]  # fmt: skip
 DISTILL_FLAGS = [
     "--layers", "1", "--hidden", "32", "--heads", "2", "--data-tokens", "2500", "--max-new-tokens", "40",
-    "--eval-every", "1", "--no-progress",
+    "--eval-every", "1", "--no-progress", "--draft-vocab", "32",
 ]  # fmt: skip
 
 
@@ -157,7 +157,7 @@ def test_kl_top_k_is_zero_for_equal_distributions_and_counts_the_tail():
     logits = torch.randn(5, 50)
     log_p = torch.log_softmax(logits, -1)
     top_logp, top_ids = log_p.topk(8, -1)
-    assert kl_top_k(logits, top_ids, top_logp).item() == pytest.approx(0.0, abs=1e-5)
+    assert kl_top_k(logits, top_ids, top_logp).item() == pytest.approx(0.0, abs=1e-5)  # columns = ids: M = V
     # same top-k shape but q moves mass into the tail: the tail bin sees it
     shifted = logits.clone()
     shifted.scatter_add_(1, top_ids, torch.full_like(top_logp, -2.0))
@@ -167,6 +167,50 @@ def test_kl_top_k_is_zero_for_equal_distributions_and_counts_the_tail():
     full = torch.nn.functional.kl_div(torch.log_softmax(q_logits, -1), log_p, log_target=True, reduction="none").sum(-1)
     all_logp, all_ids = log_p.topk(50, -1)
     assert kl_top_k(q_logits, all_ids, all_logp).item() == pytest.approx(full.mean().item(), rel=1e-4)
+
+
+def test_kl_top_k_puts_tokens_outside_the_draft_vocabulary_in_the_tail_bin():
+    log_p = torch.log_softmax(torch.randn(4, 30), -1)  # [N, V]
+    top_logp, top_ids = log_p.topk(10, -1)  # [N, k]
+    vocab_ids = torch.arange(0, 30, 2)  # the draft predicts the even ids only: M = 15
+    columns = torch.full((30,), -1)
+    columns[vocab_ids] = torch.arange(15)
+    q_logits = torch.randn(4, 15)  # [N, M]
+    top_cols = columns[top_ids]
+    assert (top_cols < 0).any() and (top_cols >= 0).any()
+    # by hand: bins = p's kept top-k tokens, then one bin for everything else
+    log_q = torch.log_softmax(q_logits, -1)
+    expected = []
+    for row in range(4):
+        kept = top_cols[row] >= 0
+        p_top, q_top = top_logp[row][kept].exp(), log_q[row][top_cols[row][kept]].exp()
+        p_rest, q_rest = 1 - p_top.sum(), 1 - q_top.sum()
+        expected.append((p_top * (p_top / q_top).log()).sum() + p_rest * (p_rest / q_rest).log())
+    assert kl_top_k(q_logits, top_cols, top_logp).item() == pytest.approx(torch.stack(expected).mean().item(), rel=1e-4)
+
+
+def test_output_vocab_is_the_tokens_with_most_target_mass():
+    ids = torch.tensor([[5, 1], [5, 2], [3, 1]])  # [n, k]: three positions, p's top-2
+    logp = torch.tensor([[0.6, 0.3], [0.5, 0.4], [0.9, 0.05]]).log()
+    records = [{"topk_ids": ids, "topk_logp": logp}]
+    # mass: 5 -> 1.1, 3 -> 0.9, 2 -> 0.4, 1 -> 0.35
+    assert distill_module.choose_output_vocab(records, 2, 8).tolist() == [3, 5]  # sorted by id
+    assert distill_module.choose_output_vocab(records, 0, 8).tolist() == list(range(8))
+    coverage = distill_module.vocab_coverage(records, torch.tensor([3, 5]), 8)
+    assert coverage["argmax_share"] == 1.0
+    assert coverage["top_k_mass_share"] == pytest.approx(2.0 / 2.75)
+
+
+def test_written_draft_predicts_only_its_output_vocab(distilled):
+    out, first, _, _ = distilled
+    vocab = json.loads((out / "specdec-output-vocab.json").read_text())["token_ids"]
+    assert len(vocab) == 32 == first["architecture"]["output_vocab"]
+    draft = load_model(str(out))
+    logits = draft.model(input_ids=torch.tensor([[1, 5, 9, 12]])).logits[0]  # [T, V]
+    assert logits.shape[-1] == draft.vocab_size == 39
+    outside = torch.ones(39, dtype=torch.bool)
+    outside[vocab] = False
+    assert torch.isneginf(logits[:, outside]).all() and torch.isfinite(logits[:, ~outside]).all()
 
 
 def test_default_prompt_set_is_varied_and_holds_out_distinct_prompts():

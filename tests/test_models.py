@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 import socket
 import tempfile
 import time
@@ -22,6 +23,7 @@ from specdec import models
 from specdec.models import (
     CATALOG,
     CACHE_MARKER,
+    OUTPUT_VOCAB_FILE,
     CatalogFetchError,
     LoadedModel,
     ModelNotFoundError,
@@ -37,6 +39,7 @@ from specdec.models import (
     load_tokenizer,
     save_model,
     vocab_fingerprint,
+    write_output_vocab,
 )
 
 SMOLLM2 = "smollm2-135m-instruct"
@@ -170,6 +173,26 @@ def test_save_model_then_load_model_gives_identical_logits(tiny_dir, tiny_tokeni
     assert loaded.vocab_fingerprint == vocab_fingerprint(tiny_tokenizer)
     assert loaded.tokenizer.decode(loaded.tokenizer.encode("round trip")) == "round trip"
     assert loaded.tokenizer.chat_template == tiny_tokenizer.chat_template
+
+
+def test_an_output_vocab_file_restricts_what_the_loaded_model_predicts(tiny_dir, tiny_tokenizer, tmp_path):
+    directory, original = tiny_dir
+    copy = tmp_path / "subset"
+    shutil.copytree(directory, copy)
+    kept = [2, 5, 7, 11, 30]
+    write_output_vocab(copy, torch.tensor([11, 2, 30, 7, 5]))
+    loaded = load_model(str(copy))
+    prompt = tiny_tokenizer.encode("some text")
+    full, subset = next_token_logits(original, prompt), next_token_logits(loaded.model, prompt)  # [V] each
+    assert subset.shape == full.shape and loaded.vocab_size == 39
+    assert torch.allclose(subset[kept], full[kept], atol=1e-6)  # the kept rows score exactly as before
+    outside = torch.ones(39, dtype=torch.bool)
+    outside[kept] = False
+    assert torch.isneginf(subset[outside]).all()  # probability 0 for every other token
+    for bad in ('{"token_ids": []}', '{"token_ids": [1, 1]}', '{"token_ids": [39]}', '{"ids": [1]}', "not json"):
+        (copy / OUTPUT_VOCAB_FILE).write_text(bad)
+        with pytest.raises(ValueError, match=OUTPUT_VOCAB_FILE):
+            load_model(str(copy))
 
 
 def test_load_model_dtypes_and_devices(tiny_dir):
