@@ -773,7 +773,7 @@ DRAFT_CATALOG: dict[str, DraftEntry] = {
         target="smollm2-135m-instruct",
         weights="smollm2-135m-instruct-draft.safetensors",
         description="2-layer 256-wide Llama distilled from SmolLM2-135M-Instruct by `specdec distill` "
-        "(shares its tokenizer; embeddings = the target's, projected)",
+        "(shares its tokenizer; input = the target's embedding, projected; predicts its 8,192 most used tokens)",
     ),
 }
 
