@@ -856,16 +856,18 @@ def distill(config: DistillConfig) -> dict:
     llama_config = draft_llama_config(target.model.config, hidden=config.hidden, layers=config.layers,
                                       heads=config.heads, vocab_size=target.vocab_size)  # fmt: skip
     embedding = target.model.get_input_embeddings().weight.detach()
-    vocab_ids = choose_output_vocab(train_records, config.draft_vocab, target.vocab_size)
+    saved = torch.load(checkpoint_path, weights_only=False) if checkpoint_path.exists() else None
+    if saved is not None and saved.get("arch") != _arch(config):
+        raise DistillError(f"the checkpoint in {out} is a {saved['arch']} draft; resume with the same "
+                           "--layers/--hidden/--heads/--draft-vocab/--learn-projections")  # fmt: skip
+    # a resumed run keeps the output vocabulary it started with (the token ids are in the checkpoint)
+    vocab_ids = saved["draft"]["vocab_ids"] if saved else choose_output_vocab(train_records, config.draft_vocab, target.vocab_size)
     coverage = vocab_coverage(held_out, vocab_ids, target.vocab_size)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(config.seed)
         draft = DraftModel(embedding, llama_config, vocab_ids)
     state: dict[str, Any] = {"step": 0, "train_seconds": 0.0, "history": [], "best": None, "optimizer": None}
-    if checkpoint_path.exists():
-        saved = torch.load(checkpoint_path, weights_only=False)
-        if saved.get("arch") != _arch(config):
-            raise DistillError(f"the checkpoint in {out} is a {saved['arch']} draft; resume with the same --layers/--hidden/--heads")
+    if saved is not None:
         draft.load_state_dict(saved["draft"], strict=False)
         state.update(step=saved["step"], train_seconds=saved["train_seconds"], history=saved["history"],
                      best=saved["best"], optimizer=saved["optimizer"])  # fmt: skip
