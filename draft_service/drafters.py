@@ -24,7 +24,6 @@ from specdec.sampling import sample
 from specdec.wire import Sampling, wire_q
 
 
-
 class ModelDrafter:
     """Drafts with a causal LM: one forward pass per drafted token, on the session's KV cache."""
 
