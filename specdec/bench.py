@@ -14,6 +14,9 @@ Terms (the seed's performance model, design.md §3):
     E[tokens]  (1 − α^(K+1)) / (1 − α) tokens per cycle
     sequential analytic tokens/s = E[tokens] / (K·c_q + c_verify)
     pipelined  analytic tokens/s = E[tokens] / max(K·c_q, c_verify)
+               summed over the run's own cycles (`analytic_rates`): each drafting cycle at the
+               K it drafted, each token of a plain cycle (no drafts: adaptive K = 0, back-off)
+               at c_p, so an adaptive run is compared with the mix it actually ran
     efficiency = measured specdec tokens/s / sequential analytic tokens/s
     bytes/cycle  bytes of q on the wire per drafting cycle, against K·V·4 for dense float32
     cycle_ms   median time of drafting cycles, pipelined (drafted while the previous cycle
@@ -209,7 +212,7 @@ def run_specdec(args, prompts_ids, prompts_text) -> tuple[Run, dict]:
 
     run = Run()
     totals = {"drafted": 0, "accepted": 0, "draft_cycles": 0, "cycles": 0, "draft_bytes": 0, "k_sum": 0, "pipelined": 0,
-              "cycle_ms": {"sequential": [], "pipelined": []}}  # fmt: skip
+              "cycle_ms": {"sequential": [], "pipelined": []}, "cycles_by_k": {}, "plain_tokens": 0}  # fmt: skip
     with Stack(StackConfig(port=free_port(), target=args.target, draft=args.draft), quiet=True) as stack:
         with specdec.Client(stack.address) as client:
             adaptive = args.k == "adaptive"
@@ -236,6 +239,11 @@ def run_specdec(args, prompts_ids, prompts_text) -> tuple[Run, dict]:
                             totals["draft_bytes"] += chunk.cycle.draft_bytes
                             totals["pipelined"] += chunk.cycle.pipelined
                             totals["k_sum"] += chunk.cycle.k if chunk.cycle.drafted else 0
+                            if chunk.cycle.drafted:  # the analytic model takes the K actually drafted
+                                by_k = totals["cycles_by_k"]
+                                by_k[chunk.cycle.drafted] = by_k.get(chunk.cycle.drafted, 0) + 1
+                            else:
+                                totals["plain_tokens"] += len(chunk.token_ids)
                             if chunk.cycle.drafted:  # a drafting cycle's time, start of drafting to verdict
                                 kind = "pipelined" if chunk.cycle.pipelined else "sequential"
                                 totals["cycle_ms"][kind].append(chunk.cycle.draft_ms + chunk.cycle.verify_ms)
@@ -268,6 +276,25 @@ def required_alpha(speedup: float, k: int, c_q: float, c_verify: float, c_p: flo
         middle = (low + high) / 2
         low, high = (middle, high) if expected_tokens_per_cycle(middle, k) < needed else (low, middle)
     return high
+
+
+def analytic_rates(alpha: float, cycles_by_k: dict[int, int], plain_tokens: int, c_q: float,
+                   c_verify: dict[int, float], c_p: float) -> tuple[float, float]:
+    """(sequential, pipelined) analytic tokens/s of a run's own cycles, by the seed's model.
+
+    cycles_by_k: {K: drafting cycles that drafted K tokens}; plain_tokens: tokens of cycles that
+    drafted nothing (each one target step, c_p). A drafting cycle yields E[tokens](α, K) and takes
+    K·c_q + c_verify[K] (sequential) or max(K·c_q, c_verify[K]) (pipelined), all in ms.
+    With one K and no plain cycles this is E[tokens] / (K·c_q + c_verify).
+    """
+    from specdec.sampling import expected_tokens_per_cycle
+
+    tokens = plain_tokens + sum(n * expected_tokens_per_cycle(alpha, k) for k, n in cycles_by_k.items())
+    sequential_ms = plain_tokens * c_p + sum(n * (k * c_q + c_verify[k]) for k, n in cycles_by_k.items())
+    pipelined_ms = plain_tokens * c_p + sum(n * max(k * c_q, c_verify[k]) for k, n in cycles_by_k.items())
+    if not tokens or not sequential_ms:
+        return 0.0, 0.0
+    return tokens / sequential_ms * 1000, tokens / pipelined_ms * 1000
 
 
 def measure_costs(draft_name: str, target, draft, context: list[int], ks: Sequence[int]) -> tuple[float, dict[int, float], float]:
@@ -338,7 +365,6 @@ def run_bench(args) -> int:
     import torch
 
     from specdec.models import load_model
-    from specdec.sampling import expected_tokens_per_cycle
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -367,13 +393,12 @@ def run_bench(args) -> int:
 
     context = prompts_ids[0] + target_only.outputs[0]
     threads_before = torch.get_num_threads()
-    c_p, verify, c_q = measure_costs(args.draft, target, draft, context, [k])
+    cycles_by_k = dict(sorted(totals["cycles_by_k"].items()))
+    c_p, verify, c_q = measure_costs(args.draft, target, draft, context, sorted({k, *cycles_by_k}))
     c_verify = verify[k]
 
     alpha = totals["accepted"] / totals["drafted"] if totals["drafted"] else 0.0
-    expected = expected_tokens_per_cycle(alpha, k)
-    sequential = expected / (k * c_q + c_verify) * 1000
-    pipelined = expected / max(k * c_q, c_verify) * 1000
+    sequential, pipelined = analytic_rates(alpha, cycles_by_k, totals["plain_tokens"], c_q, verify, c_p)
     vocab = load_vocab_size(args.target)
     greedy = args.temperature == 0
     agree = [a == b == c for a, b, c in zip(target_only.outputs, hf_assisted.outputs, spec.outputs)]
@@ -410,6 +435,11 @@ def run_bench(args) -> int:
         "bytes_per_cycle": totals["draft_bytes"] / totals["draft_cycles"] if totals["draft_cycles"] else 0.0,
         "dense_bytes_per_cycle": k * vocab * 4,
         "k_used": k,
+        # what the analytic model summed: drafting cycles by the K they drafted, plain cycles' tokens,
+        # and c_verify for each of those K
+        "cycles_by_k": {str(kk): n for kk, n in cycles_by_k.items()},
+        "plain_tokens": totals["plain_tokens"],
+        "c_verify_ms_by_k": {str(kk): ms for kk, ms in verify.items()},
         "pipelined_cycles": totals["pipelined"],
         # median ms of drafting cycles whose drafts were made while the previous cycle verified
         # (pipelined) and of those that drafted after it (sequential)
@@ -463,6 +493,9 @@ def format_report(r: dict) -> str:
         f"c_q {r['c_q_ms']:.2f} ms, c_p {r['c_p_ms']:.2f} ms, c_verify(K+1) {r['c_verify_ms']:.2f} ms",
         f"analytic tokens/s: sequential {r['analytic_tokens_per_s']['sequential']:.2f}, "
         f"pipelined {r['analytic_tokens_per_s']['pipelined']:.2f}; efficiency {r['efficiency']:.3f}",
+        "  (the run's own cycles: "
+        + ", ".join(f"{n} drafting {k}" for k, n in r["cycles_by_k"].items())
+        + f"{', ' if r['cycles_by_k'] else ''}{r['plain_tokens']} tokens from plain steps)",
         f"speedup vs target only {r['speedup_vs_target_only']:.2f}x, vs transformers assisted {r['speedup_vs_hf_assisted']:.2f}x",
         f"q on the wire: {r['bytes_per_cycle']:.0f} bytes/cycle (dense would be {r['dense_bytes_per_cycle']})",
         "drafting cycles, median ms: "

@@ -29,9 +29,32 @@ def test_bench_json_has_every_figure_and_greedy_outputs_agree(tiny_models, tmp_p
     cycles = report["cycle_ms"]
     assert cycles["sequential"]["cycles"] + cycles["pipelined"]["cycles"] >= 1 and cycles["sequential"]["median"] > 0
     assert 0.0 <= report["alpha"] <= 1.0 and report["dense_bytes_per_cycle"] == 3 * 39 * 4
-    expected = (1 - report["alpha"] ** 4) / (1 - report["alpha"])
-    sequential = expected / (3 * report["c_q_ms"] + report["c_verify_ms"]) * 1000
+    # the analytic model sums the run's own cycles: each drafting cycle at the K it drafted (at most 3)
+    alpha, c_q, c_p = report["alpha"], report["c_q_ms"], report["c_p_ms"]
+    by_k = {int(k): n for k, n in report["cycles_by_k"].items()}
+    assert by_k and set(by_k) <= {1, 2, 3} and sum(by_k.values()) == cycles["sequential"]["cycles"] + cycles["pipelined"]["cycles"]
+    verify = {int(k): ms for k, ms in report["c_verify_ms_by_k"].items()}
+    tokens = report["plain_tokens"] + sum(n * (1 - alpha ** (k + 1)) / (1 - alpha) for k, n in by_k.items())
+    ms = report["plain_tokens"] * c_p + sum(n * (k * c_q + verify[k]) for k, n in by_k.items())
+    sequential = tokens / ms * 1000
     assert abs(report["analytic_tokens_per_s"]["sequential"] - sequential) < 1e-6 * sequential
+
+
+def test_analytic_rates_sum_the_runs_own_cycles():
+    from specdec.bench import analytic_rates
+
+    c_q, c_p, verify = 5.0, 100.0, {2: 150.0, 4: 200.0}
+    # one K, no plain cycles: the seed's E[tokens] / (K·c_q + c_verify), and / max(...) pipelined
+    sequential, pipelined = analytic_rates(0.5, {4: 10}, 0, c_q, verify, c_p)
+    expected = (1 - 0.5**5) / 0.5
+    assert abs(sequential - expected / 220.0 * 1000) < 1e-9 and abs(pipelined - expected / 200.0 * 1000) < 1e-9
+    # only plain steps: the target's own rate
+    assert analytic_rates(0.0, {}, 50, c_q, verify, c_p) == (10.0, 10.0)
+    # a mix weighs each cycle by its own cost: 3 cycles of K=2, 1 of K=4 and 20 plain tokens
+    e2, e4 = (1 - 0.5**3) / 0.5, expected
+    mixed, _ = analytic_rates(0.5, {2: 3, 4: 1}, 20, c_q, verify, c_p)
+    assert abs(mixed - (3 * e2 + e4 + 20) / (3 * 160.0 + 220.0 + 20 * 100.0) * 1000) < 1e-9
+    assert analytic_rates(0.0, {}, 0, c_q, verify, c_p) == (0.0, 0.0)
 
 
 def test_bench_refuses_a_malformed_prompt_file(tmp_path):
