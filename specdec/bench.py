@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 import time
 from collections.abc import Sequence
@@ -173,26 +172,6 @@ def assisted_kwargs(args, draft_model) -> dict:
 # ---------------------------------------------------------------- costs
 
 
-def step_ms(model, context: list[int], tokens: int, repeats: int = 5) -> float:
-    """ms for one forward of `tokens` new tokens after a cached `context` (median of repeats)."""
-    import torch
-    from transformers import DynamicCache
-
-    from specdec.kvcache import crop_cache
-
-    with torch.inference_mode():
-        cache = DynamicCache(config=model.config)
-        model(input_ids=torch.tensor([context]), cache=cache, use_cache=True)
-        new = torch.tensor([context[-tokens:]])
-        times = []
-        for _ in range(repeats + 1):
-            crop_cache(cache, len(context))
-            start = time.perf_counter()
-            model(input_ids=new, cache=cache, use_cache=True)
-            times.append((time.perf_counter() - start) * 1000)
-    return statistics.median(times[1:])
-
-
 def ngram_ms(context: list[int], k: int) -> float:
     from specdec.ngram import find_continuation
 
@@ -302,6 +281,7 @@ def measure_costs(draft_name: str, target, draft, context: list[int], ks: Sequen
     the services give it (launcher.default_threads); the caller's thread count is restored."""
     import torch
 
+    from specdec.kvcache import step_ms
     from specdec.launcher import default_threads
 
     target_threads, draft_threads = default_threads(draft_name)

@@ -606,31 +606,12 @@ def _arch(config: DistillConfig) -> dict:
 
 
 @torch.no_grad()
-def step_cost_ms(model, prompt_ids: list[int], steps: int = 24, warmup: int = 4) -> float:
-    """Median ms of one single-token decode step with a KV cache (greedy tokens), current threads."""
-    from transformers import DynamicCache
-
-    cache = DynamicCache(config=model.config)
-    out = model(input_ids=torch.tensor([prompt_ids]), cache=cache, use_cache=True)
-    token = out.logits[:, -1].argmax(-1, keepdim=True)  # [1, 1]
-    times = []
-    for index in range(warmup + steps):
-        begin = time.perf_counter()
-        out = model(input_ids=token, cache=cache, use_cache=True)
-        elapsed = time.perf_counter() - begin
-        token = out.logits[:, -1].argmax(-1, keepdim=True)
-        if index >= warmup:
-            times.append(elapsed * 1000)
-    times.sort()
-    return times[len(times) // 2]
-
-
-@torch.no_grad()
 def evaluate(target, draft, held_out: list[dict], *, max_k: int = 12, batch: int = 4) -> dict[str, Any]:
     """Exact held-out figures: α and greedy agreement on full softmaxes, c_q, c_p, best K.
 
     `target` and `draft` are specdec.models.LoadedModel (the draft as written to disk).
     """
+    from specdec.kvcache import step_ms
     from specdec.sampling import acceptance_rate, expected_speedup, expected_tokens_per_cycle
 
     pad_id = 0
@@ -652,8 +633,8 @@ def evaluate(target, draft, held_out: list[dict], *, max_k: int = 12, batch: int
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        c_q = step_cost_ms(draft.model, prompt)
-        c_p = step_cost_ms(target.model, prompt)
+        c_q = step_ms(draft.model, prompt, 1, repeats=24)
+        c_p = step_ms(target.model, prompt, 1, repeats=24)
     finally:
         torch.set_num_threads(threads)
     ratio = c_q / c_p

@@ -286,3 +286,22 @@ def forward(model, cache: DynamicCache | None, tokens: Sequence[int], keep: int 
     keep = min(keep, len(tokens))
     out = model(input_ids=input_ids, cache=cache, use_cache=cache is not None, logits_to_keep=keep)
     return out.logits[0, -keep:].float()  # [keep, V]
+
+
+def step_ms(model, context: Sequence[int], tokens: int, repeats: int = 5) -> float:
+    """Median ms of one forward of `tokens` new tokens after a cached `context`, projecting
+    each of them onto the vocabulary as Verify does (tokens = 1: one decode step, c_p or c_q;
+    tokens = K + 1: c_verify). The cache is cropped back to `context` before every repeat,
+    and a first, warm-up forward is not counted. Uses torch's current thread count."""
+    with torch.inference_mode():
+        cache = DynamicCache(config=model.config)
+        forward(model, cache, context)
+        new = list(context[-tokens:])
+        times = []
+        for _ in range(repeats + 1):
+            crop_cache(cache, len(context))
+            start = time.perf_counter()
+            forward(model, cache, new, keep=tokens)
+            times.append((time.perf_counter() - start) * 1000)
+    times = sorted(times[1:])
+    return times[len(times) // 2]
