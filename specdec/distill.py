@@ -199,6 +199,8 @@ def sample_batch(model, prompts: list[list[int]], *, max_new_tokens: int, top_k:
     positions = (attention.cumsum(-1) - 1).clamp_min(0)  # [B, L]
     from transformers import DynamicCache
 
+    from specdec.sampling import sample_rows
+
     cache = DynamicCache(config=model.config)  # filled in place by every forward
     out = model(input_ids=input_ids, attention_mask=attention, position_ids=positions, cache=cache, use_cache=True)
     logits = out.logits[:, -1].float()  # [b, V], b = sequences still running
@@ -208,7 +210,7 @@ def sample_batch(model, prompts: list[list[int]], *, max_new_tokens: int, top_k:
     steps = []  # per step: (rows [b], token [b], top ids [b, k], top log-probs [b, k])
     for _ in range(max_new_tokens):
         logp = torch.log_softmax(logits, dim=-1)  # [b, V]
-        token = torch.multinomial(logp.exp(), 1, generator=generator).squeeze(1)  # [b]
+        token = sample_rows(logp.exp(), generator)  # [b]
         values, indices = logp.topk(top_k, dim=-1)  # [b, k]
         steps.append((rows, token, indices.to(torch.int32), values.to(torch.float16)))
         running = ~torch.isin(token, eos)  # [b]

@@ -70,7 +70,8 @@ def test_several_plain_steps_per_call_keep_sampled_output_seeded_and_the_length_
 
 @pytest.mark.parametrize("k", [1, 3])
 def test_pipelining_changes_nothing_in_the_output(client, k):
-    for options in (dict(), dict(temperature=1.0, top_k=5, seed=11)):
+    pipelined = 0
+    for options in (dict(), *(dict(temperature=1.0, top_k=5, seed=seed) for seed in (11, 12, 13, 14))):
         runs = {
             pipeline: client.generate(
                 PROMPT, max_new_tokens=80, ignore_eos=True, num_speculative_tokens=k, pipeline=pipeline, **options
@@ -79,10 +80,12 @@ def test_pipelining_changes_nothing_in_the_output(client, k):
         }
         assert runs[True].token_ids == runs[False].token_ids, options
         assert not any(c.pipelined for c in runs[False].cycles)
+        pipelined += sum(c.pipelined for c in runs[True].cycles)
     if k == 1:
-        # With K=1 this draft is right about a third of the time, and so is its guess:
-        # some cycles start with drafts made during the previous verification.
-        assert any(c.pipelined for c in runs[True].cycles)
+        # With K=1 this draft's token is accepted in about a quarter of the cycles, and its guess
+        # then matches the target's bonus token about one time in six: over the four sampled runs
+        # (~60 such cycles) some cycles start with drafts made during the previous verification.
+        assert pipelined > 0
 
 
 def test_adaptive_k_keeps_the_greedy_output_and_chooses_k_per_cycle(client):
