@@ -218,14 +218,15 @@ def run_specdec(args, prompts_ids, prompts_text) -> tuple[Run, dict]:
                             totals["draft_bytes"] += chunk.cycle.draft_bytes
                             totals["pipelined"] += chunk.cycle.pipelined
                             totals["k_sum"] += chunk.cycle.k if chunk.cycle.drafted else 0
-                            if chunk.cycle.drafted:  # the analytic model takes the K actually drafted
+                            if chunk.cycle.drafted:
+                                # the analytic model takes the K actually drafted
                                 by_k = totals["cycles_by_k"]
                                 by_k[chunk.cycle.drafted] = by_k.get(chunk.cycle.drafted, 0) + 1
-                            else:
-                                totals["plain_tokens"] += len(chunk.token_ids)
-                            if chunk.cycle.drafted:  # a drafting cycle's time, start of drafting to verdict
+                                # a drafting cycle's time, start of drafting to verdict
                                 kind = "pipelined" if chunk.cycle.pipelined else "sequential"
                                 totals["cycle_ms"][kind].append(chunk.cycle.draft_ms + chunk.cycle.verify_ms)
+                            else:
+                                totals["plain_tokens"] += len(chunk.token_ids)
                         stats = chunk.stats
                     run.seconds += time.perf_counter() - start
                     run.tokens += len(out)
