@@ -328,6 +328,7 @@ class CycleLoop:
         increments = {"cycles": 1, "draft_tokens": len(drafts), "accepted_tokens": n}
         increments.update({f"accepted_pos_{i}": 1 for i in range(n)})
         await self.store.commit(self.plan.session_id, self.cycle, new, increments)
+        committed_at = time.perf_counter()
 
         before = len(self.committed)
         self.committed.extend(new)
@@ -358,6 +359,8 @@ class CycleLoop:
             k=k,
             draft_bytes=sum(d.ByteSize() for d in drafts),
             pipelined=pipelined,
+            forward_ms=verdict.forward_ms,
+            commit_ms=(committed_at - verified_at) * 1000,
         )
         self.cycle += 1
         generated = len(self.committed) - len(self.plan.prompt)

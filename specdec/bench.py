@@ -21,6 +21,11 @@ Terms (the seed's performance model, design.md §3):
     bytes/cycle  bytes of q on the wire per drafting cycle, against K·V·4 for dense float32
     cycle_ms   median time of drafting cycles, pipelined (drafted while the previous cycle
                verified) and sequential, to compare with max(K·c_q, c_verify) and their sum
+    profile    where a cycle's time goes (`profile_cycles`), medians by kind of cycle
+               (sequential, pipelined, plain): drafting, the Verify call, the target's forward
+               passes inside it (timed by the target service), the same work timed alone
+               (c_verify[K], or c_p per plain token), the Redis commit, and the interval between
+               chunks as the client sees it
     required α (`--costs`) the smallest α at which K drafts per cycle reach 1.0× / 1.3× the
                target's own tokens/s (1 / c_p), sequential and pipelined
 """
@@ -191,7 +196,8 @@ def run_specdec(args, prompts_ids, prompts_text) -> tuple[Run, dict]:
 
     run = Run()
     totals = {"drafted": 0, "accepted": 0, "draft_cycles": 0, "cycles": 0, "draft_bytes": 0, "k_sum": 0, "pipelined": 0,
-              "cycle_ms": {"sequential": [], "pipelined": []}, "cycles_by_k": {}, "plain_tokens": 0}  # fmt: skip
+              "cycle_ms": {"sequential": [], "pipelined": []}, "cycles_by_k": {}, "plain_tokens": 0,
+              "cycles_seen": []}  # fmt: skip
     with Stack(StackConfig(port=free_port(), target=args.target, draft=args.draft), quiet=True) as stack:
         with specdec.Client(stack.address) as client:
             adaptive = args.k == "adaptive"
@@ -212,9 +218,10 @@ def run_specdec(args, prompts_ids, prompts_text) -> tuple[Run, dict]:
                         now = time.perf_counter()
                         if chunk.token_ids:
                             run.token_ms += [(now - last) * 1000 / len(chunk.token_ids)] * len(chunk.token_ids)
-                        last = now
+                        interval_ms, last = (now - last) * 1000, now
                         out += chunk.token_ids
                         if chunk.cycle is not None:
+                            totals["cycles_seen"].append((chunk.cycle, len(chunk.token_ids), interval_ms))
                             totals["draft_bytes"] += chunk.cycle.draft_bytes
                             totals["pipelined"] += chunk.cycle.pipelined
                             totals["k_sum"] += chunk.cycle.k if chunk.cycle.drafted else 0
@@ -275,6 +282,41 @@ def analytic_rates(alpha: float, cycles_by_k: dict[int, int], plain_tokens: int,
     if not tokens or not sequential_ms:
         return 0.0, 0.0
     return tokens / sequential_ms * 1000, tokens / pipelined_ms * 1000
+
+
+def profile_cycles(cycles, c_verify: dict[int, float], c_p: float) -> dict:
+    """Where a cycle's time goes: per kind of cycle, the median ms of each part.
+
+    cycles: (CycleTrace, tokens it committed, ms since the previous chunk) for every chunk;
+    a request's first cycle (it prefills the prompt) is left out. Kinds: `sequential` and
+    `pipelined` drafting cycles, and `plain` cycles (no drafts: K = 0, back-off). Parts:
+    draft (drafts in hand), verify (the Verify call), forward (the target's forward passes,
+    timed inside the target service), alone (the same work timed alone: c_verify[K], or c_p
+    per token of a plain cycle), forward_vs_alone (median of forward / alone), commit (Redis),
+    interval (between chunks, as the client sees it: everything a cycle costs).
+    """
+    groups: dict[str, list] = {"sequential": [], "pipelined": [], "plain": []}
+    for cycle, tokens, interval_ms in cycles:
+        if cycle.index == 0 or not tokens:
+            continue
+        kind = "plain" if not cycle.drafted else "pipelined" if cycle.pipelined else "sequential"
+        alone = c_verify[cycle.drafted] if cycle.drafted else c_p * tokens
+        groups[kind].append((cycle, alone, interval_ms))
+    profile = {}
+    for kind, rows in groups.items():
+        if not rows:
+            continue
+        profile[kind] = {
+            "cycles": len(rows),
+            "draft_ms": percentile([c.draft_ms for c, _, _ in rows], 50),
+            "verify_ms": percentile([c.verify_ms for c, _, _ in rows], 50),
+            "forward_ms": percentile([c.forward_ms for c, _, _ in rows], 50),
+            "alone_ms": percentile([alone for _, alone, _ in rows], 50),
+            "forward_vs_alone": percentile([c.forward_ms / alone for c, alone, _ in rows], 50),
+            "commit_ms": percentile([c.commit_ms for c, _, _ in rows], 50),
+            "interval_ms": percentile([interval for _, _, interval in rows], 50),
+        }
+    return profile
 
 
 def measure_costs(draft_name: str, target, draft, context: list[int], ks: Sequence[int]) -> tuple[float, dict[int, float], float]:
@@ -428,6 +470,7 @@ def run_bench(args) -> int:
             kind: {"median": percentile(times, 50), "cycles": len(times)} for kind, times in totals["cycle_ms"].items()
         },
         "cycles": totals["cycles"],
+        "profile": profile_cycles(totals["cycles_seen"], verify, c_p),
         "greedy_outputs_agree": (sum(agree), len(agree)) if greedy else None,
         "baseline_threads": args.threads or threads_before,
         "service_threads": {"target": target_threads, "draft": draft_threads},
@@ -482,10 +525,26 @@ def format_report(r: dict) -> str:
         "drafting cycles, median ms: "
         + ", ".join(f"{kind} {c['median']:.1f} ({c['cycles']} cycles)" for kind, c in r["cycle_ms"].items()),
     ]
+    lines += format_profile(r["profile"])
     if r["greedy_outputs_agree"] is not None:
         same, total = r["greedy_outputs_agree"]
         lines.append(f"greedy outputs agree across the three runs: {'yes' if same == total else 'NO'} ({same}/{total} prompts)")
     return "\n".join(lines)
+
+
+def format_profile(profile: dict) -> list[str]:
+    if not profile:
+        return []
+    lines = [
+        "where a cycle's time goes (medians, ms; forward is timed in the target service, alone in this process):",
+        f"  {'cycles':<11}{'n':>5}{'draft':>8}{'verify':>8}{'forward':>9}{'alone':>8}{'fwd/alone':>10}{'commit':>8}{'interval':>10}",
+    ]
+    for kind, p in profile.items():
+        lines.append(
+            f"  {kind:<11}{p['cycles']:>5}{p['draft_ms']:>8.1f}{p['verify_ms']:>8.1f}{p['forward_ms']:>9.1f}"
+            f"{p['alone_ms']:>8.1f}{p['forward_vs_alone']:>10.2f}{p['commit_ms']:>8.1f}{p['interval_ms']:>10.1f}"
+        )
+    return lines
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -146,6 +146,10 @@ class CycleTrace:
     draft_bytes: int = 0
     # Drafted during the previous cycle's verification (pipelining).
     pipelined: bool = False
+    # Of verify_ms: the target's forward passes, timed inside the target service.
+    forward_ms: float = 0.0
+    # The commit of the cycle's tokens to Redis.
+    commit_ms: float = 0.0
 
 
 @dataclass
@@ -165,8 +169,9 @@ class Chunk:
         if msg.HasField("cycle"):
             c = msg.cycle
             cycle = CycleTrace(
-                c.index, c.k, c.drafted, c.accepted, c.bonus, c.draft_ms, c.verify_ms, c.draft_bytes, c.pipelined
-            )
+                c.index, c.k, c.drafted, c.accepted, c.bonus, c.draft_ms, c.verify_ms, c.draft_bytes, c.pipelined,
+                c.forward_ms, c.commit_ms,
+            )  # fmt: skip
         return cls(
             text=msg.text,
             token_ids=list(msg.token_ids),

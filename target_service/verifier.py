@@ -71,14 +71,15 @@ class Verifier:
         state.feed(fed)
         state.crop(accepted_length)
         state.pending = [next_token]
+        accepted_at = time.perf_counter()
         more_tokens = self.decode_more(state, steps - 1, sampling, generator)
         done = time.perf_counter()
         return Verdict(
             num_accepted=num_accepted,
             next_token=next_token,
             bonus=num_accepted == k,
-            forward_ms=(forward_done - start) * 1000,
-            accept_ms=(done - forward_done) * 1000,
+            forward_ms=(forward_done - start + done - accepted_at) * 1000,  # the plain steps are forwards too
+            accept_ms=(accepted_at - forward_done) * 1000,
             more_tokens=more_tokens,
         )
 

@@ -8,7 +8,7 @@ import sys
 REQUIRED = {
     "target", "draft", "k", "prompts", "new_tokens", "runs", "alpha", "mean_accepted_length", "c_q_ms", "c_p_ms",
     "c_verify_ms", "analytic_tokens_per_s", "efficiency", "speedup_vs_target_only", "speedup_vs_hf_assisted",
-    "bytes_per_cycle", "dense_bytes_per_cycle", "cycle_ms",
+    "bytes_per_cycle", "dense_bytes_per_cycle", "cycle_ms", "profile",
 }  # fmt: skip
 
 
@@ -38,6 +38,12 @@ def test_bench_json_has_every_figure_and_greedy_outputs_agree(tiny_models, tmp_p
     ms = report["plain_tokens"] * c_p + sum(n * (k * c_q + verify[k]) for k, n in by_k.items())
     sequential = tokens / ms * 1000
     assert abs(report["analytic_tokens_per_s"]["sequential"] - sequential) < 1e-6 * sequential
+    # the profile splits a drafting cycle: the target's forward is part of the Verify call,
+    # which is part of what the client waits between chunks
+    for kind in set(report["profile"]) & {"sequential", "pipelined"}:
+        part = report["profile"][kind]
+        assert 0 < part["forward_ms"] <= part["verify_ms"] <= part["interval_ms"]
+        assert part["alone_ms"] > 0 and part["forward_vs_alone"] > 0 and part["commit_ms"] > 0
 
 
 def test_analytic_rates_sum_the_runs_own_cycles():
@@ -55,6 +61,33 @@ def test_analytic_rates_sum_the_runs_own_cycles():
     mixed, _ = analytic_rates(0.5, {2: 3, 4: 1}, 20, c_q, verify, c_p)
     assert abs(mixed - (3 * e2 + e4 + 20) / (3 * 160.0 + 220.0 + 20 * 100.0) * 1000) < 1e-9
     assert analytic_rates(0.0, {}, 0, c_q, verify, c_p) == (0.0, 0.0)
+
+
+def test_profile_cycles_splits_each_kind_of_cycle_and_compares_its_forward_with_the_same_work_alone():
+    from specdec.bench import profile_cycles
+    from specdec.client import CycleTrace
+
+    def cycle(index, drafted, pipelined=False, forward=100.0):
+        return CycleTrace(index, 4, drafted, 0, False, 2.0, forward + 5, pipelined=pipelined, forward_ms=forward, commit_ms=1.0)
+
+    c_verify, c_p = {2: 80.0, 4: 100.0}, 50.0
+    rows = [
+        (cycle(0, 4, forward=900.0), 3, 1000.0),  # the first cycle prefills: left out
+        (cycle(1, 4, forward=120.0), 3, 130.0),
+        (cycle(2, 2, forward=120.0), 1, 130.0),
+        (cycle(6, 4, forward=100.0), 2, 110.0),
+        (cycle(3, 4, pipelined=True, forward=150.0), 5, 160.0),
+        (cycle(4, 0, forward=220.0), 4, 230.0),  # a plain cycle of 4 tokens: alone is 4 · c_p
+        (cycle(5, 4, forward=10.0), 0, 1.0),  # the last chunk of a request carries no tokens: left out
+    ]
+    profile = profile_cycles(rows, c_verify, c_p)
+    assert set(profile) == {"sequential", "pipelined", "plain"}
+    assert profile["sequential"]["cycles"] == 3 and profile["pipelined"]["cycles"] == 1
+    # per cycle forward / alone: 120/100, 120/80, 100/100; the median is 1.2, not 120/median(alone)
+    assert profile["sequential"]["forward_vs_alone"] == 1.2 and profile["sequential"]["interval_ms"] == 130.0
+    assert profile["pipelined"]["forward_vs_alone"] == 1.5 and profile["pipelined"]["alone_ms"] == 100.0
+    assert profile["plain"]["alone_ms"] == 200.0 and profile["plain"]["forward_vs_alone"] == 1.1
+    assert profile_cycles([], c_verify, c_p) == {}
 
 
 def test_bench_refuses_a_malformed_prompt_file(tmp_path):
