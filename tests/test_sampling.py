@@ -88,8 +88,8 @@ def truncate(probs: torch.Tensor, keep: int) -> torch.Tensor:
     return warp(logits, temperature=1.0, top_k=keep)
 
 
-def sample_rows(probs: torch.Tensor, num_samples: int, generator: torch.Generator) -> torch.Tensor:
-    """probs [V] -> [num_samples] i.i.d. token ids."""
+def draw_iid(probs: torch.Tensor, num_samples: int, generator: torch.Generator) -> torch.Tensor:
+    """probs [V] -> [num_samples] i.i.d. token ids (torch's own sampler: independent of the code under test)."""
     return torch.multinomial(probs, num_samples, replacement=True, generator=generator)
 
 
@@ -112,7 +112,7 @@ def run_cycles(
 
 def sample_drafts(draft_probs: torch.Tensor, num_rows: int, generator: torch.Generator) -> torch.Tensor:
     """draft_probs [K, V] -> draft tokens [N, K], position i sampled from draft_probs[i]."""
-    columns = [sample_rows(row, num_rows, generator) for row in draft_probs]
+    columns = [draw_iid(row, num_rows, generator) for row in draft_probs]
     return torch.stack(columns, dim=1) if columns else torch.zeros(num_rows, 0, dtype=torch.long)
 
 
@@ -1172,37 +1172,37 @@ def test_partial_ranking_truncates_exactly_like_the_full_sort(vocab_size):
 
 
 def test_sample_rows_draws_each_token_with_its_probability_and_never_a_zero():
-    from specdec.sampling import sample_rows as draw
+    from specdec.sampling import sample_rows
 
     generator = torch.Generator().manual_seed(11)
     probs = torch.tensor([0.0, 0.05, 0.0, 0.4, 0.25, 0.0, 0.3, 0.0])  # zeros inside and at both ends
     n = 200_000
-    tokens = draw(probs.expand(n, -1), generator)  # [n]
+    tokens = sample_rows(probs.expand(n, -1), generator)  # [n]
     frequencies = empirical(tokens, len(probs))
     assert frequencies[probs == 0].sum() == 0
     assert tv(frequencies, probs) < tv_bound(len(probs), n)
     # many different rows at once: each row's draws follow that row
     rows = random_probs(generator, 4, 6)  # [4, 6]
-    draws = draw(rows.repeat_interleave(50_000, 0), generator).view(4, 50_000)
+    draws = sample_rows(rows.repeat_interleave(50_000, 0), generator).view(4, 50_000)
     for row, row_draws in zip(rows, draws):
         assert tv(empirical(row_draws, 6), row) < tv_bound(6, 50_000)
     # a one-hot row (a greedy q) gives its token whatever the uniform
-    assert draw(torch.nn.functional.one_hot(torch.tensor([0, 7]), 8).float(), generator).tolist() == [0, 7]
+    assert sample_rows(torch.nn.functional.one_hot(torch.tensor([0, 7]), 8).float(), generator).tolist() == [0, 7]
     assert sample(torch.nn.functional.one_hot(torch.tensor(5), 49_152).float(), generator) == 5
 
 
 def test_sample_rows_maps_a_uniform_at_the_top_to_the_last_token_with_mass(monkeypatch):
     """u · total can round up to the total itself: the draw must not run past the row or land on a zero."""
-    from specdec.sampling import sample_rows as draw
+    from specdec.sampling import sample_rows
 
     monkeypatch.setattr(torch, "rand", lambda shape, **kwargs: torch.ones(shape, dtype=torch.float64))
     probs = torch.tensor([[0.5, 0.5, 0.0, 0.0], [0.0, 0.0, 0.0, 1.0], [0.2, 0.0, 0.8, 0.0]])
-    assert draw(probs).tolist() == [1, 3, 2]
+    assert sample_rows(probs).tolist() == [1, 3, 2]
 
 
 @pytest.mark.parametrize("row", [[0.0, 0.0, 0.0], [float("nan"), 0.5, 0.5], [float("inf"), 0.0, 0.0]])
 def test_sample_rows_refuses_a_row_without_usable_mass(row):
-    from specdec.sampling import sample_rows as draw
+    from specdec.sampling import sample_rows
 
     with pytest.raises(ValueError, match="no probability mass"):
-        draw(torch.tensor([row]))
+        sample_rows(torch.tensor([row]))
