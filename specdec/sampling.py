@@ -242,11 +242,14 @@ def check_distribution(
             f"{name} has vocabulary size {probs.shape[-1]} but {vocab_size} was expected "
             f"(shape {tuple(probs.shape)}); draft and target must share one vocabulary"
         )
-    if not torch.isfinite(probs).all():
-        raise ValueError(f"{name} contains NaN or inf")
-    if (probs < 0).any():
-        raise ValueError(f"{name} has negative entries (min {probs.min().item():.3g})")
+    # One pass over probs for the common case: NaN and negatives fail `>= 0`, +inf makes its
+    # row's sum inf; which of them it was is worked out only when one failed.
     row_sums = probs.to(PROB_DTYPE).sum(dim=-1)  # [...]
+    if not (probs >= 0).all() or not torch.isfinite(row_sums).all():
+        if not torch.isfinite(probs).all():
+            raise ValueError(f"{name} contains NaN or inf")
+        if (probs < 0).any():
+            raise ValueError(f"{name} has negative entries (min {probs.min().item():.3g})")
     bad_rows = ((row_sums - 1).abs() > SUM_TOLERANCE).nonzero()
     if len(bad_rows) > 0:
         row = tuple(bad_rows[0].tolist())
