@@ -156,8 +156,12 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         status = "cancelled"
         try:
             async for chunk in self.generate_chunks(request, plan, deadline, trace.set_span_in_context(span)):
+                if chunk.finish_reason != pb.FINISH_REASON_UNSPECIFIED:
+                    # Recorded before the last chunk leaves, so a client that reads the session
+                    # once its stream has ended sees its final status, never "running".
+                    await self.store.set_fields(plan.session_id, {"status": "finished"})
+                    status = "finished"
                 yield chunk
-            status = "finished"
             finish_reason = FINISH_NAMES[chunk.finish_reason]  # generate_chunks always yields a last chunk
             span.set_attribute("specdec.output_tokens", chunk.stats.generated_tokens)
             span.set_attribute("specdec.finish_reason", finish_reason)

@@ -246,9 +246,8 @@ def test_bad_requests_get_their_status_code_and_the_server_keeps_serving(client,
 def test_a_session_id_in_use_is_refused_and_the_session_is_left_alone(client, redis_url):
     client.generate(PROMPT, max_new_tokens=2, session_id="taken-1")
     store = redis.Redis.from_url(redis_url, decode_responses=True)
-    # The coordinator records "finished" just after the last chunk is sent; wait for it
-    # so the snapshot below is the session's final state, not a race with that write.
-    assert wait_until(lambda: store.hget(meta_key("taken-1"), "status") == "finished")
+    # Final the moment the stream has ended: "finished" is written before the last chunk.
+    assert store.hget(meta_key("taken-1"), "status") == "finished"
     before = store.hgetall(meta_key("taken-1"))
     got, message = code_of(lambda: client.generate(PROMPT, max_new_tokens=2, session_id="taken-1"))
     assert got == grpc.StatusCode.ALREADY_EXISTS and "taken-1" in message
