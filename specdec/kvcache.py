@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 
 import torch
 from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
 
 from specdec.errors import FailedPrecondition, InvalidArgument, NotFound, OutOfRange, ResourceExhausted
 
@@ -155,12 +156,98 @@ def check_token_ids(tokens: Sequence[int], vocab_size: int, name: str) -> None:
             raise InvalidArgument(f"{name} holds token id {t}, outside the vocabulary [0, {vocab_size})")
 
 
+class GrowingLayer(DynamicLayer):
+    """One layer's KV cache that appends in place.
+
+    transformers' DynamicLayer concatenates on every forward, so each decoded token copies
+    its layer's whole cache (for SmolLM2-135M at 300 tokens of context, 14 MB a step over
+    its 30 layers). This layer keeps key and value buffers [B, H, capacity, D] with room to
+    spare, writes the new positions into them and hands attention views of the filled part
+    [B, H, length, D]; capacity doubles when full, so appending costs O(new tokens) amortised,
+    and cropping (a rejected draft) only shortens `length`.
+    """
+
+    MIN_CAPACITY = 64
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.device = key_states.device
+        self.key_buffer = self.empty_like_with(key_states, self.MIN_CAPACITY)  # [B, H, capacity, D]
+        self.value_buffer = self.empty_like_with(value_states, self.MIN_CAPACITY)  # [B, H, capacity, D]
+        self.length = 0
+        self.is_initialized = True
+        self.point_views()
+
+    @staticmethod
+    def empty_like_with(states: torch.Tensor, capacity: int) -> torch.Tensor:
+        batch, heads, _, dim = states.shape
+        return states.new_empty(batch, heads, capacity, dim)
+
+    def point_views(self) -> None:
+        self.keys = self.key_buffer[:, :, : self.length]  # [B, H, length, D]
+        self.values = self.value_buffer[:, :, : self.length]
+
+    def grow(self, needed: int) -> None:
+        """Move to buffers of at least `needed` positions (at least twice the old capacity)."""
+        capacity = max(needed, 2 * self.key_buffer.shape[-2])
+        for name in ("key_buffer", "value_buffer"):
+            old = getattr(self, name)
+            new = self.empty_like_with(old, capacity)
+            new[:, :, : self.length] = old[:, :, : self.length]
+            setattr(self, name, new)
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        """Append [B, H, T, D] keys and values; return all of them so far, [B, H, length, D]."""
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        end = self.length + key_states.shape[-2]
+        if end > self.key_buffer.shape[-2]:
+            self.grow(end)
+        self.key_buffer[:, :, self.length : end] = key_states
+        self.value_buffer[:, :, self.length : end] = value_states
+        self.length = end
+        self.point_views()
+        return self.keys, self.values
+
+    def get_seq_length(self) -> int:
+        return self.length if self.is_initialized else 0
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Forget the last -tokens_to_remove positions (negative, as DynamicLayer takes it)."""
+        if tokens_to_remove > 0:
+            raise ValueError(f"crop takes a negative count of positions to remove, got {tokens_to_remove}")
+        if self.is_initialized and tokens_to_remove:
+            self.length = max(0, self.length + tokens_to_remove)
+            self.point_views()
+
+    def reset(self) -> None:
+        if self.is_initialized:
+            self.length = 0
+            self.point_views()
+
+    def nbytes(self) -> int:
+        """Memory held, spare capacity included."""
+        if not self.is_initialized:
+            return 0
+        return sum(b.numel() * b.element_size() for b in (self.key_buffer, self.value_buffer))
+
+
+def new_cache(config) -> DynamicCache:
+    """An empty KV cache for a model of `config`, appending in place (GrowingLayer) on every
+    layer of full attention; other layer kinds (sliding windows) keep transformers' own."""
+    cache = DynamicCache(config=config)
+    cache.layers = [GrowingLayer() if type(layer) is DynamicLayer else layer for layer in cache.layers]
+    return cache
+
+
 def cache_bytes(cache: DynamicCache | None) -> int:
-    """Memory held by a KV cache's keys and values."""
+    """Memory held by a KV cache's keys and values (a GrowingLayer's spare room included)."""
     if cache is None:
         return 0
     total = 0
     for layer in cache.layers:
+        if isinstance(layer, GrowingLayer):
+            total += layer.nbytes()
+            continue
         for tensor in (getattr(layer, "keys", None), getattr(layer, "values", None)):
             if isinstance(tensor, torch.Tensor):
                 total += tensor.numel() * tensor.element_size()
@@ -294,7 +381,7 @@ def step_ms(model, context: Sequence[int], tokens: int, repeats: int = 5) -> flo
     tokens = K + 1: c_verify). The cache is cropped back to `context` before every repeat,
     and a first, warm-up forward is not counted. Uses torch's current thread count."""
     with torch.inference_mode():
-        cache = DynamicCache(config=model.config)
+        cache = new_cache(model.config)
         forward(model, cache, context)
         new = list(context[-tokens:])
         times = []

@@ -78,13 +78,12 @@ class ModelService:
 
     def load_model(self):
         """Load config.model, describe it in ModelInfo, and make a pool of KV caches for it."""
-        from transformers import DynamicCache
-
+        from specdec.kvcache import new_cache
         from specdec.models import load_model
 
         loaded = load_model(self.config.model, dtype=self.config.dtype, device=self.config.device)
         self.info.MergeFrom(model_info_to_pb(loaded))
-        self.pool = self.make_pool(lambda: DynamicCache(config=loaded.model.config))
+        self.pool = self.make_pool(lambda: new_cache(loaded.model.config))
         return loaded
 
     def make_pool(self, new_cache) -> SessionPool:

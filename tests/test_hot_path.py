@@ -1,0 +1,112 @@
+"""The per-cycle hot path: a KV cache that appends in place, and prepacked linear layers.
+
+Both must change nothing a model computes beyond the last bits of rounding: the in-place
+cache gives the same logits as transformers' DynamicCache through appends, crops (a
+rejected draft) and growth; a packed model gives the same greedy tokens and logits within
+float32 tolerance, on the single-row path bit for bit."""
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from specdec.kvcache import GrowingLayer, cache_bytes, crop_cache, forward, new_cache
+from specdec.models import build_tiny_model, build_tiny_tokenizer, load_model, save_model
+from specdec.packed import ENV_SWITCH, PackedLinear, pack_linears, packing_available
+
+needs_onednn = pytest.mark.skipif(not packing_available(), reason="this torch build has no oneDNN")
+
+
+@pytest.fixture(scope="module")
+def model():
+    return build_tiny_model(build_tiny_tokenizer(), hidden_size=32, num_layers=2, seed=3, initializer_range=0.2)
+
+
+def test_the_in_place_cache_gives_the_same_logits_as_dynamic_cache_through_appends_crops_and_growth(model):
+    tokens = torch.randint(1, 30, (400,), generator=torch.Generator().manual_seed(0)).tolist()
+    growing, dynamic = new_cache(model.config), DynamicCache(config=model.config)
+    assert all(isinstance(layer, GrowingLayer) for layer in growing.layers)
+    held = 0
+    # prefill, single steps, K + 1 passes, crops back over a rejected draft, and growth past
+    # the first capacity (64) several times.
+    for feed, crop_to in [(50, None), (1, None), (5, 53), (5, None), (30, 70), (1, None), (200, 250), (9, 252)]:
+        chunk = tokens[held : held + feed]
+        a = forward(model, growing, chunk, keep=len(chunk))
+        b = forward(model, dynamic, chunk, keep=len(chunk))
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
+        held += feed
+        if crop_to is not None:
+            crop_cache(growing, crop_to)
+            crop_cache(dynamic, crop_to)
+            held = crop_to
+        assert growing.get_seq_length() == dynamic.get_seq_length() == held
+
+
+def test_the_in_place_cache_writes_a_step_into_its_buffers_without_copying_them(model):
+    cache = new_cache(model.config)
+    forward(model, cache, list(range(1, 11)))
+    layer = cache.layers[0]
+    buffer = layer.key_buffer
+    before = buffer[:, :, :10].clone()
+    forward(model, cache, [12])
+    assert layer.key_buffer is buffer, "a step within capacity must not move the cache"
+    assert layer.keys.data_ptr() == buffer.data_ptr() and layer.keys.shape[-2] == 11
+    torch.testing.assert_close(buffer[:, :, :10], before, rtol=0, atol=0)  # the old positions untouched
+
+
+def test_cache_bytes_counts_the_spare_capacity_of_an_in_place_cache(model):
+    cache = new_cache(model.config)
+    assert cache_bytes(cache) == 0
+    forward(model, cache, [1, 2, 3])
+    layer = cache.layers[0]
+    per_layer = 2 * layer.key_buffer.numel() * layer.key_buffer.element_size()
+    assert layer.key_buffer.shape[-2] == GrowingLayer.MIN_CAPACITY
+    assert cache_bytes(cache) == per_layer * len(cache.layers)
+    with pytest.raises(ValueError, match="negative"):
+        layer.crop(2)
+
+
+@needs_onednn
+def test_a_packed_linear_matches_nn_linear_for_one_and_several_rows():
+    linear = torch.nn.Linear(48, 80)
+    packed = PackedLinear(linear)
+    assert packed.weight is linear.weight and packed.bias is linear.bias
+    with torch.inference_mode():
+        one = torch.randn(1, 1, 48)
+        assert torch.equal(packed(one), linear(one))  # one row: the same path, bit for bit
+        for shape in [(1, 5, 48), (3, 7, 48), (9, 48)]:
+            x = torch.randn(shape)
+            torch.testing.assert_close(packed(x), linear(x), rtol=1e-5, atol=1e-5)
+
+
+@needs_onednn
+def test_a_packed_linear_takes_the_plain_path_when_training():
+    linear = torch.nn.Linear(16, 8)
+    packed = PackedLinear(linear)
+    x = torch.randn(4, 16, requires_grad=True)
+    packed(x).sum().backward()
+    assert linear.weight.grad is not None and x.grad is not None
+
+
+@needs_onednn
+def test_a_packed_model_keeps_its_tied_head_and_its_greedy_tokens(model):
+    tokens = [3, 9, 14, 2, 7, 21, 5]
+    with torch.inference_mode():
+        plain = model(torch.tensor([tokens])).logits
+        greedy = model.generate(torch.tensor([tokens]), max_new_tokens=12, do_sample=False)
+    packed = build_tiny_model(build_tiny_tokenizer(), hidden_size=32, num_layers=2, seed=3, initializer_range=0.2)
+    assert pack_linears(packed) == 2 * 7 + 1  # 7 per layer and the head
+    if packed.config.tie_word_embeddings:
+        assert packed.get_output_embeddings().weight is packed.get_input_embeddings().weight
+    with torch.inference_mode():
+        torch.testing.assert_close(packed(torch.tensor([tokens])).logits, plain, rtol=1e-4, atol=1e-4)
+        assert torch.equal(packed.generate(torch.tensor([tokens]), max_new_tokens=12, do_sample=False), greedy)
+
+
+@needs_onednn
+def test_load_model_packs_a_float32_cpu_model_unless_switched_off(tmp_path, monkeypatch, model):
+    save_model(model, build_tiny_tokenizer(), tmp_path / "m")
+    loaded = load_model(str(tmp_path / "m"))
+    assert any(isinstance(m, PackedLinear) for m in loaded.model.modules())
+    monkeypatch.setenv(ENV_SWITCH, "0")
+    loaded = load_model(str(tmp_path / "m"))
+    assert not any(isinstance(m, PackedLinear) for m in loaded.model.modules())
