@@ -42,6 +42,8 @@ from tqdm.auto import tqdm
 import transformers
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 
+from specdec.packed import pack_linears, should_pack
+
 CACHE_ENV = "SPECDEC_CACHE"  # overrides the cache folder (tests point it at a temp dir)
 CACHE_MARKER = "specdec-model.json"  # written last inside a converted dir; its presence means "complete"
 OUTPUT_VOCAB_FILE = "specdec-output-vocab.json"  # in a model dir: the only token ids its head may predict
@@ -418,6 +420,8 @@ def load_model(name_or_path: str, *, dtype: str = "float32", device: str = "cpu"
         restrict_output_vocab(model, read_output_vocab(path / OUTPUT_VOCAB_FILE, _embedding_rows(model)))
     model.to(device)
     model.eval()
+    if should_pack(model):  # a float32 CPU model verifies K + 1 rows from prepacked weights
+        pack_linears(model)
     parameter = next(model.parameters())
     return LoadedModel(
         model=model,

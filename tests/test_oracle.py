@@ -27,12 +27,16 @@ def target(smollm2_dir):
 
 
 @pytest.fixture(scope="module")
-def oracle(target):
-    """prompt ids -> the target's greedy continuation, from transformers generate."""
+def oracle(target, smollm2_dir):
+    """prompt ids -> the target's greedy continuation, from transformers generate on the
+    model as transformers itself loads it (no packed linear layers, its own KV cache)."""
+    from transformers import AutoModelForCausalLM
+
+    stock = AutoModelForCausalLM.from_pretrained(smollm2_dir, local_files_only=True, dtype=torch.float32).eval()
     expected = {}
     for prompt in PROMPTS:
         ids = target.tokenizer.encode(prompt)
-        out = target.model.generate(
+        out = stock.generate(
             torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
             do_sample=False, max_new_tokens=NEW_TOKENS, pad_token_id=target.tokenizer.pad_token_id,
         )  # fmt: skip
