@@ -21,6 +21,12 @@ and the next cycle drafts from the corrected prefix. Which drafts the target see
 never depends on the timing, only on the committed prefix and the per-cycle random
 streams, so the output is the same with pipelining on or off.
 
+Whether a cycle pipelines: the plan allows it, and the chance that its early drafting
+is kept, α̂^(K+1) (all K accepted and the guess right, each about α̂), is at least
+`plan.pipeline_min_keep`. The Verify of a pipelined cycle says `draft_busy`: a target
+sharing the draft's cores verifies on fewer threads then, so a guess that is seldom
+kept costs more than it saves; with the draft idle the target takes every core.
+
 Faults: a draft call that fails, or takes longer than its budget (`draft_budget`), is
 abandoned and the cycle runs target-only: Verify with no drafts, the same per-cycle
 random stream, so the output stays lossless (and identical for greedy). Drafting then
@@ -97,8 +103,11 @@ class Plan:
     max_context: int
     draft_model: str
     draft_fingerprint: str
-    # Draft the next cycle while the target verifies this one.
+    # Draft the next cycle while the target verifies this one ...
     pipeline: bool = True
+    # ... in cycles whose early drafting is kept with at least this estimated chance,
+    # α̂^(K+1) (`CycleLoop.pipelines`); 0 = every cycle.
+    pipeline_min_keep: float = 0.0
     # Choose K per cycle (coordinator.adaptive); `k` is then the largest K allowed.
     adaptive: bool = False
     # An n-gram draft's (min_ngram, max_ngram): adaptive K looks its match up beforehand.
@@ -223,6 +232,10 @@ class CycleLoop:
         self.target_seen = 0
         self.cycle = 0
         self.stats = Stats()
+        # Drafts the target judged (accepted ones, and the one rejection that ends a cycle)
+        # and accepted: α̂ for pipelining when adaptive K keeps no estimate of its own.
+        self.judged = 0
+        self.accepted = 0
         self.draft_failures = 0
         self.draft_paused_until = 0  # cycle index from which drafting resumes
         self.speculation: Speculation | None = None
@@ -295,7 +308,7 @@ class CycleLoop:
         drafted_at = time.perf_counter()
 
         guess = None
-        if call is not None and self.plan.pipeline and len(drafts) == k:
+        if call is not None and call.request.k > k and len(drafts) == k:
             # Runs while the target verifies: wait for the guess, start the next cycle's drafting.
             guess = asyncio.get_running_loop().create_task(self.speculate(call, drafts))
         # No draft was asked for (K = 0, speculation off, draft back-off): several plain steps.
@@ -303,7 +316,7 @@ class CycleLoop:
         # away) may match after one token.
         steps = self.solo_steps() if call is None else 1
         try:
-            verdict = await self.verify(drafts, steps)
+            verdict = await self.verify(drafts, steps, draft_busy=guess is not None)
         except BaseException:
             if guess is not None:
                 discard(guess)
@@ -342,6 +355,8 @@ class CycleLoop:
         if self.speculation is not None and self.speculation.assumed != self.committed:
             self.drop_speculation()  # e.g. an end token cut the cycle short
         self.stats.add(len(drafts), n, len(new))
+        self.accepted += n
+        self.judged += n + (1 if n < len(drafts) else 0)
         if self.adaptive is not None:
             # c_verify(0) is the cost of one plain step: a call of several steps counts per token.
             # The first cycle's calls also prefill the prompt: its costs would mislead.
@@ -391,8 +406,21 @@ class CycleLoop:
         if k == 0 or self.cycle < self.draft_paused_until:
             return None, k, False
         # With pipelining, one token more than K: the guess of the bonus token.
-        want = k + 1 if self.plan.pipeline else k
+        want = k + 1 if self.pipelines(k) else k
         return self.start_propose(self.draft_seen, self.committed[self.draft_seen :], want, self.cycle), k, False
+
+    def acceptance(self) -> float:
+        """α̂ of this session: adaptive K's estimate of its best class, else accepted / judged
+        drafts so far under a Beta(1, 1) prior (0.5 before any draft was judged)."""
+        if self.adaptive is not None:
+            return self.adaptive.best_alpha()
+        return (self.accepted + 1) / (self.judged + 2)
+
+    def pipelines(self, k: int) -> bool:
+        """Whether a cycle of K drafts asks for the guess and drafts the next cycle early (module doc)."""
+        if not self.plan.pipeline:
+            return False
+        return self.plan.pipeline_min_keep <= 0 or self.acceptance() ** (k + 1) >= self.plan.pipeline_min_keep
 
     def start_propose(self, position: int, new_tokens: Sequence[int], k: int, cycle: int) -> DraftCall:
         request = pb.ProposeRequest(
@@ -452,7 +480,8 @@ class CycleLoop:
         if not k:
             return None
         position = len(self.committed) + len(drafts)  # the draft fed every draft before the guess
-        return Speculation(self.start_propose(position, [guess], k + 1, self.cycle + 1), assumed, k)
+        want = k + 1 if self.pipelines(k) else k  # and a guess for the cycle after, if that pipelines too
+        return Speculation(self.start_propose(position, [guess], want, self.cycle + 1), assumed, k)
 
     async def settle_speculation(self, guess: asyncio.Task, verdict: pb.VerifyResponse, k: int) -> None:
         """Keep the speculative call if the verdict took every draft and the guess; else cancel."""
@@ -474,9 +503,10 @@ class CycleLoop:
 
     # ------------------------------------------------------------ verifying
 
-    async def verify(self, drafts: Sequence[pb.DraftToken], steps: int = 1) -> pb.VerifyResponse:
+    async def verify(self, drafts: Sequence[pb.DraftToken], steps: int = 1, draft_busy: bool = False) -> pb.VerifyResponse:
         """Verify on the target, retrying a retryable failure (the request is idempotent:
-        same position, same drafts, same per-cycle random stream) while Redis is up."""
+        same position, same drafts, same per-cycle random stream) while Redis is up.
+        `draft_busy`: the draft drafts on during this call (pipelining)."""
         request = pb.VerifyRequest(
             session_id=self.plan.session_id,
             position=self.target_seen,
@@ -487,6 +517,7 @@ class CycleLoop:
             draft_fingerprint=self.plan.draft_fingerprint,
             draft_model=self.plan.draft_model,
             steps=steps,
+            draft_busy=draft_busy,
         )
         for attempt, pause in enumerate((*TARGET_RETRY_BACKOFF_S, None)):
             try:

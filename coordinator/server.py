@@ -74,6 +74,11 @@ class CoordinatorConfig:
     metrics_port: int = 0
     # Draft the next cycle while the target verifies (requests may override).
     pipeline: bool = True
+    # ... but, unless a request asks for pipelining, only in cycles whose speculative drafting
+    # is likely kept: the session's acceptance estimate α̂ gives α̂^(K+1) >= this (0 = every
+    # cycle). A pipelined cycle keeps the draft busy while the target verifies, and a
+    # target sharing the draft's cores then verifies on fewer threads (coordinator.cycles).
+    pipeline_min_keep: float = 0.5
     # Requests that set no K get an adaptive K (up to max_k) instead of default_k.
     adaptive_k: bool = False
     # TLS and bearer tokens of the public API.
@@ -254,7 +259,12 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             raise InvalidArgument("stop strings must not be empty")
         session_id = check_session_id(request.session_id) if request.session_id else new_session_id()
         eos = frozenset() if request.ignore_eos else frozenset(self.target_info.eos_token_ids)
-        pipeline = spec.pipeline if spec.HasField("pipeline") else cfg.pipeline
+        # A request that asks for pipelining gets it in every cycle; the server default, only
+        # where it is likely to pay (pipeline_min_keep).
+        if spec.HasField("pipeline"):
+            pipeline, min_keep = spec.pipeline, 0.0
+        else:
+            pipeline, min_keep = cfg.pipeline, cfg.pipeline_min_keep
         # The guess is one draft token more than K; the draft must accept K + 1.
         pipeline = pipeline and (not self.draft_info.max_k or k < self.draft_info.max_k)
         return Plan(
@@ -268,6 +278,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             draft_model=self.draft_info.model,
             draft_fingerprint="" if self.draft_info.kind == "ngram" else self.draft_info.vocab_fingerprint,
             pipeline=pipeline,
+            pipeline_min_keep=min_keep,
             adaptive=adaptive,
             ngram=self.ngram_lengths(),
         )

@@ -79,8 +79,11 @@ def add_bench_parser(commands) -> None:
     p.add_argument("--top-k", type=int, default=0, help="top-k warping when sampling (0 = off)")
     p.add_argument("--top-p", type=float, default=1.0, help="top-p warping when sampling (1.0 = off)")
     p.add_argument("--repeats", type=int, default=1, help="passes over the prompt set (default: %(default)s)")
-    p.add_argument("--no-pipeline", action="store_true",
-                   help="specdec drafts each cycle after the previous verdict (compare cycle_ms with the default)")
+    p.add_argument("--pipeline", choices=["auto", "on", "off"], default="auto",
+                   help="specdec's pipelining: the server's choice per cycle (auto: where its early drafting "
+                        "is likely kept), every cycle (on), or none (off: each cycle drafts after the previous "
+                        "verdict); compare cycle_ms (default: %(default)s)")
+    p.add_argument("--no-pipeline", dest="pipeline", action="store_const", const="off", help="the same as --pipeline off")
     p.add_argument("--threads", type=int, default=0,
                    help="torch threads of the in-process baselines (0 = torch's default, all cores)")  # fmt: skip
     p.add_argument("--no-chat-template", action="store_true", help="use prompts as raw text")
@@ -205,7 +208,7 @@ def run_specdec(args, prompts_ids, prompts_text) -> tuple[Run, dict]:
                 max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                 adaptive_k=adaptive,
                 num_speculative_tokens=args.max_k if adaptive else args.k,
-                pipeline=not args.no_pipeline,
+                pipeline={"auto": None, "on": True, "off": False}[args.pipeline],
             )  # fmt: skip
             client.generate(prompt_token_ids=prompts_ids[0][:8], **{**options, "max_new_tokens": 8})  # warm-up
             seed = 0
@@ -388,22 +391,33 @@ def run_bench(args) -> int:
     import torch
 
     from specdec.models import load_model
+    from specdec.packed import PackedLinear
 
     if args.threads:
         torch.set_num_threads(args.threads)
     prompts = load_prompts(args.prompts, args.kind)
     progress(f"loading target {args.target}" + ("" if args.draft == NGRAM else f" and draft {args.draft}"))
-    target = load_model(args.target)
-    draft = None if args.draft == NGRAM else load_model(args.draft)
+    # The baselines run the models exactly as transformers loads them; the costs, like the
+    # services, use specdec's loading (packed linear layers on a CPU, specdec.packed).
+    target = load_model(args.target, pack=False)
+    draft = None if args.draft == NGRAM else load_model(args.draft, pack=False)
     prompts_ids = [encode(target.tokenizer, p, not args.no_chat_template) for p in prompts]
     if args.costs:  # a context of ~128 tokens made of the prompts themselves
         context = [t for ids in prompts_ids for t in ids][:128]
-        return run_costs(args, target, draft, context)
+        return run_costs(args, pack_loaded(target), pack_loaded(draft), context)
 
     progress(f"target alone: {len(prompts)} prompts x {args.repeats}")
     target_only = run_hf(target.model, prompts_ids, args)
+    assisted = assisted_kwargs(args, draft and draft.model)
     progress(f"transformers assisted ({'prompt lookup' if draft is None else 'assistant model'}, K={args.k})")
-    hf_assisted = run_hf(target.model, prompts_ids, args, **assisted_kwargs(args, draft and draft.model))
+    hf_assisted = run_hf(target.model, prompts_ids, args, **assisted)
+    pack_loaded(target)
+    pack_loaded(draft)
+    packed = any(isinstance(m, PackedLinear) for m in target.model.modules())
+    hf_assisted_packed = None
+    if packed:
+        progress("transformers assisted again, on specdec's packed linear layers (kernel for kernel)")
+        hf_assisted_packed = run_hf(target.model, prompts_ids, args, **assisted)
 
     # Costs, with the thread counts the services use (launcher.default_threads).
     from specdec.launcher import default_threads
@@ -424,14 +438,15 @@ def run_bench(args) -> int:
     sequential, pipelined = analytic_rates(alpha, cycles_by_k, totals["plain_tokens"], c_q, verify, c_p)
     vocab = load_vocab_size(args.target)
     greedy = args.temperature == 0
-    agree = [a == b == c for a, b, c in zip(target_only.outputs, hf_assisted.outputs, spec.outputs)]
+    runs = [target_only, hf_assisted, spec] + ([hf_assisted_packed] if packed else [])
+    agree = [len(set(map(tuple, outputs))) == 1 for outputs in zip(*(run.outputs for run in runs))]
     report = {
         "target": args.target,
         "draft": args.draft,
         "k": args.k,
         "prompts": len(prompts),
         "kind": args.kind,
-        "pipeline": not args.no_pipeline,
+        "pipeline": args.pipeline,
         "new_tokens": spec.tokens,
         "temperature": args.temperature,
         "top_k": args.top_k,
@@ -439,6 +454,9 @@ def run_bench(args) -> int:
         "runs": {
             "target_only": {"tokens_per_s": target_only.tokens_per_s, "new_tokens": target_only.tokens},
             "hf_assisted": {"tokens_per_s": hf_assisted.tokens_per_s, "new_tokens": hf_assisted.tokens},
+            # the same, with the target's linear layers packed as specdec's services run them
+            "hf_assisted_packed": None if hf_assisted_packed is None else {
+                "tokens_per_s": hf_assisted_packed.tokens_per_s, "new_tokens": hf_assisted_packed.tokens},
             "specdec": {
                 "tokens_per_s": spec.tokens_per_s,
                 "p50_token_ms": percentile(spec.token_ms, 50),
@@ -454,6 +472,7 @@ def run_bench(args) -> int:
         "efficiency": spec.tokens_per_s / sequential if sequential else 0.0,
         "speedup_vs_target_only": spec.tokens_per_s / target_only.tokens_per_s,
         "speedup_vs_hf_assisted": spec.tokens_per_s / hf_assisted.tokens_per_s,
+        "speedup_vs_hf_assisted_packed": spec.tokens_per_s / hf_assisted_packed.tokens_per_s if packed else None,
         # per cycle that drafted (adaptive K's target-only cycles send nothing and are not counted)
         "bytes_per_cycle": totals["draft_bytes"] / totals["draft_cycles"] if totals["draft_cycles"] else 0.0,
         "dense_bytes_per_cycle": k * vocab * 4,
@@ -482,6 +501,17 @@ def run_bench(args) -> int:
     return 0
 
 
+def pack_loaded(loaded):
+    """Pack a loaded model's linear layers in place, as specdec's loading does where it pays
+    (specdec.packed); returns it (None stays None)."""
+    from specdec.packed import PackedLinear, pack_linears, should_pack
+
+    if loaded is not None and should_pack(loaded.model):
+        if not any(isinstance(m, PackedLinear) for m in loaded.model.modules()):
+            pack_linears(loaded.model)
+    return loaded
+
+
 def load_vocab_size(name: str) -> int:
     from transformers import AutoConfig
 
@@ -507,7 +537,9 @@ def format_report(r: dict) -> str:
         f"{'run':<14}{'tokens/s':>10}{'vs target':>11}",
     ]
     base = runs["target_only"]["tokens_per_s"]
-    for name in ("target_only", "hf_assisted", "specdec"):
+    for name in ("target_only", "hf_assisted", "hf_assisted_packed", "specdec"):
+        if runs.get(name) is None:
+            continue
         tps = runs[name]["tokens_per_s"]
         lines.append(f"{name:<14}{tps:>10.2f}{tps / base:>10.2f}x")
     lines += [
@@ -520,7 +552,9 @@ def format_report(r: dict) -> str:
         "  (the run's own cycles: "
         + ", ".join(f"{n} drafting {k}" for k, n in r["cycles_by_k"].items())
         + f"{', ' if r['cycles_by_k'] else ''}{r['plain_tokens']} tokens from plain steps)",
-        f"speedup vs target only {r['speedup_vs_target_only']:.2f}x, vs transformers assisted {r['speedup_vs_hf_assisted']:.2f}x",
+        f"speedup vs target only {r['speedup_vs_target_only']:.2f}x, vs transformers assisted {r['speedup_vs_hf_assisted']:.2f}x"
+        + ("" if r.get("speedup_vs_hf_assisted_packed") is None else
+           f" ({r['speedup_vs_hf_assisted_packed']:.2f}x against it on packed layers)"),
         f"q on the wire: {r['bytes_per_cycle']:.0f} bytes/cycle (dense would be {r['dense_bytes_per_cycle']})",
         "drafting cycles, median ms: "
         + ", ".join(f"{kind} {c['median']:.1f} ({c['cycles']} cycles)" for kind, c in r["cycle_ms"].items()),
@@ -528,7 +562,7 @@ def format_report(r: dict) -> str:
     lines += format_profile(r["profile"])
     if r["greedy_outputs_agree"] is not None:
         same, total = r["greedy_outputs_agree"]
-        lines.append(f"greedy outputs agree across the three runs: {'yes' if same == total else 'NO'} ({same}/{total} prompts)")
+        lines.append(f"greedy outputs agree across the runs: {'yes' if same == total else 'NO'} ({same}/{total} prompts)")
     return "\n".join(lines)
 
 

@@ -169,8 +169,8 @@ def add_target_flags(p: argparse.ArgumentParser) -> None:
     add_common_service_flags(p, "SPECDEC_TARGET", 50053)
     add_model_flags(p, "SPECDEC_TARGET", "smollm2-135m-instruct")
     env_flag(p, "--solo-threads", "SPECDEC_TARGET_SOLO_THREADS", default=0, type=int,
-             help="torch threads for a cycle without drafts, when a draft sharing the machine is idle "
-                  "(0 = --threads)")  # fmt: skip
+             help="torch threads for a Verify while the draft is idle (drafts in hand, or none), when a "
+                  "draft shares the machine; --threads is for one while it drafts beside it (0 = --threads)")  # fmt: skip
 
 
 def add_coordinator_flags(p: argparse.ArgumentParser) -> None:
@@ -188,6 +188,10 @@ def add_coordinator_flags(p: argparse.ArgumentParser) -> None:
              help="requests that set no K get K chosen per cycle (up to --max-k) instead of --default-k")  # fmt: skip
     env_flag(p, "--no-pipeline", "SPECDEC_NO_PIPELINE", action="store_true",
              help="do not draft the next cycle while the target verifies (requests may still ask for it)")  # fmt: skip
+    env_flag(p, "--pipeline-min-keep", "SPECDEC_PIPELINE_MIN_KEEP", default=0.5, type=float,
+             help="for requests that do not ask for pipelining: pipeline a cycle only when the session's "
+                  "acceptance estimate a gives a^(K+1) >= this, the chance its early drafting is kept "
+                  "(default: %(default)s; 0 = every cycle, for a draft and a target on separate devices)")  # fmt: skip
     env_flag(p, "--max-prompt-tokens", "SPECDEC_MAX_PROMPT_TOKENS", default=8192, type=int,
              help="longest prompt accepted, in tokens")  # fmt: skip
     env_flag(p, "--max-concurrent-requests", "SPECDEC_MAX_CONCURRENT_REQUESTS", default=64, type=int,
@@ -302,7 +306,7 @@ def run_serve(args) -> int:
             redis_url=args.redis_url, tokenizer=args.tokenizer, default_k=args.default_k, max_k=args.max_k,
             default_max_new_tokens=args.default_max_new_tokens, max_new_tokens_limit=args.max_new_tokens_limit,
             metrics_port=args.metrics_port, pipeline=not args.no_pipeline, adaptive_k=args.adaptive_k,
-            draft_timeout_s=args.draft_timeout,
+            pipeline_min_keep=args.pipeline_min_keep, draft_timeout_s=args.draft_timeout,
             max_prompt_tokens=args.max_prompt_tokens, max_concurrent_requests=args.max_concurrent_requests,
             security=server_security(args, load_tokens(args.auth_token_file, AUTH_TOKEN_ENV)),
             internal=ChannelSecurity(args.internal_tls_ca, args.internal_tls_cert, args.internal_tls_key,

@@ -399,11 +399,14 @@ class LoadedModel:
     dtype: str = "float32"  # the weights' dtype as a name: "float32", "bfloat16", ...
 
 
-def load_model(name_or_path: str, *, dtype: str = "float32", device: str = "cpu") -> LoadedModel:
+def load_model(name_or_path: str, *, dtype: str = "float32", device: str = "cpu", pack: bool = True) -> LoadedModel:
     """Load a causal LM by catalog name, Hugging Face directory, or `.gguf` file path.
 
     dtype: "float32", "float16", "bfloat16", or "auto" (the checkpoint's own dtype).
     device: "cpu", "cuda", "cuda:N", or "auto" (cuda when available, else cpu).
+    pack: replace the linear layers by PackedLinear (specdec.packed) where that pays: a
+    float32 model on the CPU with oneDNN, unless SPECDEC_PACKED_LINEAR=0. False loads the
+    model exactly as transformers does (the bench's baselines).
     An existing path wins over a catalog name of the same spelling. Never contacts the hub.
     """
     torch_dtype = _parse_dtype(dtype)
@@ -420,7 +423,7 @@ def load_model(name_or_path: str, *, dtype: str = "float32", device: str = "cpu"
         restrict_output_vocab(model, read_output_vocab(path / OUTPUT_VOCAB_FILE, _embedding_rows(model)))
     model.to(device)
     model.eval()
-    if should_pack(model):  # a float32 CPU model verifies K + 1 rows from prepacked weights
+    if pack and should_pack(model):  # verify K + 1 rows from prepacked weights
         pack_linears(model)
     parameter = next(model.parameters())
     return LoadedModel(

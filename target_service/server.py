@@ -23,9 +23,10 @@ class TargetConfig(ModelServiceConfig):
     # The model whose distribution the output keeps.
     model: str = "smollm2-135m-instruct"
     port: int = 50053
-    # Torch threads for a Verify with drafts, and for one without (the draft is idle then,
-    # e.g. adaptive K chose 0): a model draft on the same machine needs a core while it
-    # drafts, not while the target decodes alone. 0 = leave torch's setting.
+    # Torch threads for a Verify while the draft drafts beside it (pipelining: the request
+    # says draft_busy), and for one while the draft is idle (drafts already in hand, or no
+    # drafts at all): a model draft on the same machine needs a core only while it drafts.
+    # 0 = leave torch's setting.
     threads: int = 0
     solo_threads: int = 0
 
@@ -54,7 +55,9 @@ class TargetServicer(ModelService, pb_grpc.TargetServicer):
         drafts = [draft_from_pb(d, self.info.vocab_size) for d in request.drafts]
         async with self.session(request) as state:
             generator = cycle_generator(sampling.seed, request.cycle, TARGET)
-            verdict = await self.worker.run(self.verifier.verify, state, drafts, sampling, generator, request.steps)
+            verdict = await self.worker.run(
+                self.verifier.verify, state, drafts, sampling, generator, request.steps, request.draft_busy
+            )
         self.metrics.forward_latency.observe(verdict.forward_ms / 1000)
         span = trace.get_current_span()  # the gRPC server span, when tracing is on
         span.set_attribute("specdec.forward_ms", verdict.forward_ms)

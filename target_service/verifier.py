@@ -40,19 +40,21 @@ class Verifier:
     def __init__(self, loaded, threads: int = 0, solo_threads: int = 0):
         self.loaded = loaded
         self.model = loaded.model
-        # Torch threads with drafts to verify, and without (see TargetConfig); 0 = unchanged.
+        # Torch threads while the draft drafts beside us, and while it is idle (see
+        # TargetConfig); 0 = unchanged.
         self.threads = threads
         self.solo_threads = solo_threads or threads
 
     def verify(
         self, state: SessionState, drafts: Sequence[Draft], sampling: Sampling, generator: torch.Generator,
-        steps: int = 1,
+        steps: int = 1, draft_busy: bool = False,
     ) -> Verdict:  # fmt: skip
         """Judge `drafts`; without drafts, decode up to `steps` tokens (plain sampling from p,
-        one generator for the whole call), stopping after an end token."""
+        one generator for the whole call), stopping after an end token. `draft_busy`: the
+        draft keeps drafting during this call (pipelining), so leave it its core."""
         k = len(drafts)
         steps = 1 if k else max(steps, 1)
-        use_threads(self.threads if k else self.solo_threads)
+        use_threads(self.threads if draft_busy else self.solo_threads)
         fed = state.pending + [d.token for d in drafts]
         positions = len(state.held) + len(fed) + steps - 1
         if self.loaded.max_context and positions > self.loaded.max_context:

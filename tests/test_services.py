@@ -88,6 +88,15 @@ def test_pipelining_changes_nothing_in_the_output(client, k):
         assert pipelined > 0
 
 
+def test_by_default_a_draft_seldom_accepted_is_not_pipelined_and_the_output_is_the_same(client):
+    """The server pipelines only cycles whose early drafting is likely kept (α̂^(K+1) >= 0.5):
+    this draft's ~0.3 acceptance never is, so no cycle is pipelined unless the request asks."""
+    auto = client.generate(PROMPT, max_new_tokens=80, ignore_eos=True, num_speculative_tokens=3)
+    forced = client.generate(PROMPT, max_new_tokens=80, ignore_eos=True, num_speculative_tokens=3, pipeline=True)
+    assert auto.token_ids == forced.token_ids
+    assert auto.stats.draft_tokens > 0 and not any(c.pipelined for c in auto.cycles)
+
+
 def test_adaptive_k_keeps_the_greedy_output_and_chooses_k_per_cycle(client):
     fixed = client.generate(PROMPT, max_new_tokens=80, ignore_eos=True, num_speculative_tokens=3)
     adaptive = client.generate(PROMPT, max_new_tokens=80, ignore_eos=True, num_speculative_tokens=6, adaptive_k=True)

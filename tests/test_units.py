@@ -509,9 +509,10 @@ def test_a_new_session_starts_from_what_earlier_sessions_learnt():
 # ---------------------------------------------------------------- target threads
 
 
-def test_the_target_takes_all_its_solo_threads_for_cycles_without_drafts():
-    """A draft on the same machine is idle during a cycle without drafts (adaptive K = 0):
-    the target then decodes with --solo-threads, and with --threads when it verifies drafts."""
+def test_the_target_takes_all_its_solo_threads_unless_the_draft_drafts_beside_it():
+    """A draft on the same machine is idle during a cycle without drafts (adaptive K = 0) and
+    during a Verify whose drafts are all in hand: the target then runs with --solo-threads,
+    and with --threads only while the draft drafts on (pipelining: draft_busy)."""
     from transformers import DynamicCache
 
     from types import SimpleNamespace
@@ -530,6 +531,8 @@ def test_the_target_takes_all_its_solo_threads_for_cycles_without_drafts():
         verifier.verify(state, [], greedy, cycle_generator(1, 0, TARGET))
         assert torch.get_num_threads() == 2
         verifier.verify(state, [Draft(token=4, q=None)], greedy, cycle_generator(1, 1, TARGET))
+        assert torch.get_num_threads() == 2
+        verifier.verify(state, [Draft(token=5, q=None)], greedy, cycle_generator(1, 2, TARGET), draft_busy=True)
         assert torch.get_num_threads() == 1
     finally:
         torch.set_num_threads(before)
@@ -564,3 +567,26 @@ def test_a_call_without_drafts_decodes_several_tokens_like_single_steps_and_stop
     stop_at = next(i for i in range(1, 8) if free[i] not in free[:i])  # a token first seen mid-call
     stopped, _ = run(8, 1, eos=[free[stop_at]], sampling=sampled)
     assert stopped == free[: stop_at + 1]  # the same draws, and nothing after the end token
+
+
+# ---------------------------------------------------------------- pipelining by default
+
+
+def test_a_cycle_pipelines_by_default_only_when_its_early_drafting_is_likely_kept():
+    """α̂^(K+1) >= pipeline_min_keep: a prior of 0.5 does not pipeline K = 4 (0.5^5), a draft
+    accepted 40 times in 40 does, one accepted a third of the time does not; a request that
+    asks for pipelining (min_keep 0) pipelines every cycle, one that turns it off none."""
+    from coordinator.cycles import CycleLoop, Plan
+
+    def loop(min_keep=0.5, pipeline=True, accepted=0, judged=0):
+        plan = Plan(session_id="s", prompt=[1], max_new_tokens=8, sampling=Sampling(0.0, 0, 1.0, 1), k=4,
+                    eos_token_ids=frozenset(), max_context=0, draft_model="", draft_fingerprint="",
+                    pipeline=pipeline, pipeline_min_keep=min_keep)  # fmt: skip
+        cycles = CycleLoop(None, None, None, plan, None)
+        cycles.accepted, cycles.judged = accepted, judged
+        return cycles
+
+    assert loop().acceptance() == 0.5 and not loop().pipelines(4)
+    assert loop(accepted=40, judged=40).pipelines(4)
+    assert not loop(accepted=10, judged=30).pipelines(4)
+    assert loop(min_keep=0.0).pipelines(4) and not loop(pipeline=False, accepted=40, judged=40).pipelines(4)
