@@ -1,19 +1,25 @@
 """`specdec bench`: specdec side by side with `transformers` on the same prompts and models.
 
-In one invocation, on one machine, for the same prompt token ids:
-    target_only   the target alone, `model.generate` (greedy or sampled)
+In one invocation, on one machine, for the same prompt token ids, prompt by prompt in turn
+(so a machine that speeds up or slows down meanwhile moves every system alike):
+    target_only   the target alone, `model.generate` (greedy or sampled), loaded as
+                  transformers loads it
     hf_assisted   transformers' in-process speculative decoding on the same pair
                   (`assistant_model=` for a model draft, `prompt_lookup_num_tokens=` for ngram)
+    hf_assisted_packed  the same on specdec's packed linear layers (specdec.packed), where
+                  packing applies: kernel for kernel with the services
     specdec       the three services as separate processes on loopback, through the SDK
 
 Terms (the seed's performance model, design.md §3):
     α          acceptance rate: accepted draft tokens / drafted tokens (measured by specdec)
     c_q        ms per draft token (one draft step with a KV cache; ~0 for ngram)
     c_p        ms per single-token target step with a KV cache
-    c_verify   ms per target pass over K+1 tokens with a KV cache
+    c_verify   ms per target pass over K+1 tokens with a KV cache (the draft idle; a
+               pipelined cycle's pass, with a model draft drafting beside it, is timed on the
+               target's fewer threads then: c_verify_shared)
     E[tokens]  (1 − α^(K+1)) / (1 − α) tokens per cycle
     sequential analytic tokens/s = E[tokens] / (K·c_q + c_verify)
-    pipelined  analytic tokens/s = E[tokens] / max(K·c_q, c_verify)
+    pipelined  analytic tokens/s = E[tokens] / max(K·c_q, c_verify_shared)
                summed over the run's own cycles (`analytic_rates`): each drafting cycle at the
                K it drafted, each token of a plain cycle (no drafts: adaptive K = 0, back-off)
                at c_p, so an adaptive run is compared with the mix it actually ran
@@ -148,17 +154,13 @@ def hf_generate(model, ids: list[int], args, **extra) -> list[int]:
     return out[0, len(ids) :].tolist()
 
 
-def run_hf(model, prompts_ids, args, **extra) -> Run:
-    run = Run()
-    hf_generate(model, prompts_ids[0][:8], args, **extra)  # warm-up
-    for _ in range(args.repeats):
-        for ids in prompts_ids:
-            start = time.perf_counter()
-            out = hf_generate(model, ids, args, **extra)
-            run.seconds += time.perf_counter() - start
-            run.tokens += len(out)
-            run.outputs.append(out)
-    return run
+def time_hf(run: Run, model, ids: list[int], args, **extra) -> None:
+    """One prompt through transformers `generate`, added to `run`."""
+    start = time.perf_counter()
+    out = hf_generate(model, ids, args, **extra)
+    run.seconds += time.perf_counter() - start
+    run.tokens += len(out)
+    run.outputs.append(out)
 
 
 def assisted_kwargs(args, draft_model) -> dict:
@@ -192,60 +194,99 @@ def ngram_ms(context: list[int], k: int) -> float:
 # ---------------------------------------------------------------- specdec
 
 
-def run_specdec(args, prompts_ids, prompts_text) -> tuple[Run, dict]:
+def new_totals() -> dict:
+    """specdec's counters over a run (see time_specdec)."""
+    return {"drafted": 0, "accepted": 0, "draft_cycles": 0, "cycles": 0, "draft_bytes": 0, "k_sum": 0,
+            "pipelined": 0, "cycle_ms": {"sequential": [], "pipelined": []}, "cycles_by_k": {},
+            "plain_tokens": 0, "cycles_seen": []}  # fmt: skip
+
+
+def specdec_options(args) -> dict:
+    adaptive = args.k == "adaptive"
+    return dict(
+        max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+        adaptive_k=adaptive,
+        num_speculative_tokens=args.max_k if adaptive else args.k,
+        pipeline={"auto": None, "on": True, "off": False}[args.pipeline],
+    )  # fmt: skip
+
+
+def time_specdec(run: Run, totals: dict, client, ids: list[int], seed: int, options: dict) -> None:
+    """One prompt through the services (SDK stream), added to `run` and `totals`."""
+    out, last = [], time.perf_counter()
+    start = last
+    for chunk in client.generate_stream(prompt_token_ids=ids, seed=seed, **options):
+        now = time.perf_counter()
+        if chunk.token_ids:
+            run.token_ms += [(now - last) * 1000 / len(chunk.token_ids)] * len(chunk.token_ids)
+        interval_ms, last = (now - last) * 1000, now
+        out += chunk.token_ids
+        if chunk.cycle is not None:
+            totals["cycles_seen"].append((chunk.cycle, len(chunk.token_ids), interval_ms))
+            totals["draft_bytes"] += chunk.cycle.draft_bytes
+            totals["pipelined"] += chunk.cycle.pipelined
+            totals["k_sum"] += chunk.cycle.k if chunk.cycle.drafted else 0
+            if chunk.cycle.drafted:
+                # the analytic model takes the K actually drafted
+                by_k = totals["cycles_by_k"]
+                by_k[chunk.cycle.drafted] = by_k.get(chunk.cycle.drafted, 0) + 1
+                # a drafting cycle's time, start of drafting to verdict
+                kind = "pipelined" if chunk.cycle.pipelined else "sequential"
+                totals["cycle_ms"][kind].append(chunk.cycle.draft_ms + chunk.cycle.verify_ms)
+            else:
+                totals["plain_tokens"] += len(chunk.token_ids)
+        stats = chunk.stats
+    run.seconds += time.perf_counter() - start
+    run.tokens += len(out)
+    run.outputs.append(out)
+    totals["drafted"] += stats.draft_tokens
+    totals["accepted"] += stats.accepted_tokens
+    totals["draft_cycles"] += stats.draft_cycles
+    totals["cycles"] += stats.cycles
+
+
+def run_interleaved(args, prompts_ids, target, draft, packed_target, packed_draft) -> tuple[dict[str, Run], dict, Costs]:
+    """Every system on every prompt, prompt by prompt: target alone, transformers assisted
+    (stock, then on packed layers when packing applies) and specdec, then the seed's costs
+    after that prompt and its output (the models as the services load them, the services
+    idle); so a machine that speeds up or slows down while the bench runs moves all of them
+    alike, and the costs are medians over the run's own contexts."""
     import specdec
     from specdec.launcher import Stack, StackConfig
     from specdec.redis_server import free_port
 
-    run = Run()
-    totals = {"drafted": 0, "accepted": 0, "draft_cycles": 0, "cycles": 0, "draft_bytes": 0, "k_sum": 0, "pipelined": 0,
-              "cycle_ms": {"sequential": [], "pipelined": []}, "cycles_by_k": {}, "plain_tokens": 0,
-              "cycles_seen": []}  # fmt: skip
+    systems = {
+        "target_only": (target.model, {}),
+        "hf_assisted": (target.model, assisted_kwargs(args, draft and draft.model)),
+    }
+    if packed_target is not None:
+        systems["hf_assisted_packed"] = (packed_target.model, assisted_kwargs(args, packed_draft and packed_draft.model))
+    runs = {name: Run() for name in [*systems, "specdec"]}
+    totals = new_totals()
+    # every K a cycle may draft: adaptive K's range, or 1..K (a draft may propose fewer)
+    ks = range(1, (args.max_k if args.k == "adaptive" else args.k) + 1)
+    cost_target = packed_target or target
+    cost_draft = packed_draft if packed_target is not None else draft
+    samples: list[Costs] = []
+    options = specdec_options(args)
+    progress("specdec: draft, target and coordinator as separate processes on loopback")
     with Stack(StackConfig(port=free_port(), target=args.target, draft=args.draft), quiet=True) as stack:
         with specdec.Client(stack.address) as client:
-            adaptive = args.k == "adaptive"
-            options = dict(
-                max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                adaptive_k=adaptive,
-                num_speculative_tokens=args.max_k if adaptive else args.k,
-                pipeline={"auto": None, "on": True, "off": False}[args.pipeline],
-            )  # fmt: skip
-            client.generate(prompt_token_ids=prompts_ids[0][:8], **{**options, "max_new_tokens": 8})  # warm-up
-            seed = 0
-            for _ in range(args.repeats):
-                for ids in prompts_ids:
-                    seed += 1
-                    out, last = [], time.perf_counter()
-                    start = last
-                    for chunk in client.generate_stream(prompt_token_ids=ids, seed=seed, **options):
-                        now = time.perf_counter()
-                        if chunk.token_ids:
-                            run.token_ms += [(now - last) * 1000 / len(chunk.token_ids)] * len(chunk.token_ids)
-                        interval_ms, last = (now - last) * 1000, now
-                        out += chunk.token_ids
-                        if chunk.cycle is not None:
-                            totals["cycles_seen"].append((chunk.cycle, len(chunk.token_ids), interval_ms))
-                            totals["draft_bytes"] += chunk.cycle.draft_bytes
-                            totals["pipelined"] += chunk.cycle.pipelined
-                            totals["k_sum"] += chunk.cycle.k if chunk.cycle.drafted else 0
-                            if chunk.cycle.drafted:
-                                # the analytic model takes the K actually drafted
-                                by_k = totals["cycles_by_k"]
-                                by_k[chunk.cycle.drafted] = by_k.get(chunk.cycle.drafted, 0) + 1
-                                # a drafting cycle's time, start of drafting to verdict
-                                kind = "pipelined" if chunk.cycle.pipelined else "sequential"
-                                totals["cycle_ms"][kind].append(chunk.cycle.draft_ms + chunk.cycle.verify_ms)
-                            else:
-                                totals["plain_tokens"] += len(chunk.token_ids)
-                        stats = chunk.stats
-                    run.seconds += time.perf_counter() - start
-                    run.tokens += len(out)
-                    run.outputs.append(out)
-                    totals["drafted"] += stats.draft_tokens
-                    totals["accepted"] += stats.accepted_tokens
-                    totals["draft_cycles"] += stats.draft_cycles
-                    totals["cycles"] += stats.cycles
-    return run, totals
+            warm = prompts_ids[0][:8]
+            for model, extra in systems.values():
+                hf_generate(model, warm, args, **extra)
+            client.generate(prompt_token_ids=warm, **{**options, "max_new_tokens": 8})
+            total = args.repeats * len(prompts_ids)
+            names = ", ".join(runs)
+            for number in range(total):
+                ids = prompts_ids[number % len(prompts_ids)]
+                progress(f"prompt {number + 1}/{total}: {names}")
+                for name, (model, extra) in systems.items():
+                    time_hf(runs[name], model, ids, args, **extra)
+                time_specdec(runs["specdec"], totals, client, ids, number + 1, options)
+                context = ids + runs["target_only"].outputs[-1]
+                samples.append(measure_costs(args.draft, cost_target, cost_draft, context, ks, repeats=1))
+    return runs, totals, median_costs(samples)
 
 
 # ---------------------------------------------------------------- the command
@@ -287,15 +328,15 @@ def analytic_rates(alpha: float, cycles_by_k: dict[int, int], plain_tokens: int,
     return tokens / sequential_ms * 1000, tokens / pipelined_ms * 1000
 
 
-def profile_cycles(cycles, c_verify: dict[int, float], c_p: float) -> dict:
+def profile_cycles(cycles, c_verify: dict[int, float], c_p: float, c_verify_shared: dict[int, float] | None = None) -> dict:
     """Where a cycle's time goes: per kind of cycle, the median ms of each part.
 
     cycles: (CycleTrace, tokens it committed, ms since the previous chunk) for every chunk;
     a request's first cycle (it prefills the prompt) is left out. Kinds: `sequential` and
     `pipelined` drafting cycles, and `plain` cycles (no drafts: K = 0, back-off). Parts:
     draft (drafts in hand), verify (the Verify call), forward (the target's forward passes,
-    timed inside the target service), alone (the same work timed alone: c_verify[K], or c_p
-    per token of a plain cycle), forward_vs_alone (median of forward / alone), commit (Redis),
+    timed inside the target service), alone (the same work timed alone: c_verify[K], with the
+    draft's core left to it for a pipelined cycle, or c_p per token of a plain cycle), forward_vs_alone (median of forward / alone), commit (Redis),
     interval (between chunks, as the client sees it: everything a cycle costs).
     """
     groups: dict[str, list] = {"sequential": [], "pipelined": [], "plain": []}
@@ -303,7 +344,8 @@ def profile_cycles(cycles, c_verify: dict[int, float], c_p: float) -> dict:
         if cycle.index == 0 or not tokens:
             continue
         kind = "plain" if not cycle.drafted else "pipelined" if cycle.pipelined else "sequential"
-        alone = c_verify[cycle.drafted] if cycle.drafted else c_p * tokens
+        verify = (c_verify_shared or c_verify) if cycle.pipelined else c_verify
+        alone = verify[cycle.drafted] if cycle.drafted else c_p * tokens
         groups[kind].append((cycle, alone, interval_ms))
     profile = {}
     for kind, rows in groups.items():
@@ -322,47 +364,82 @@ def profile_cycles(cycles, c_verify: dict[int, float], c_p: float) -> dict:
     return profile
 
 
-def measure_costs(draft_name: str, target, draft, context: list[int], ks: Sequence[int]) -> tuple[float, dict[int, float], float]:
-    """(c_p, {K: c_verify over K+1 tokens}, c_q) after `context`, each model on the threads
-    the services give it (launcher.default_threads); the caller's thread count is restored."""
+@dataclass
+class Costs:
+    """What one step of each kind costs here, in ms, each model on the threads the services
+    give it: the target takes every core while the draft is idle (plain steps, and Verify
+    with the drafts in hand) and leaves the draft one while it drafts beside it (pipelining)."""
+
+    c_p: float  # one target step, draft idle
+    c_verify: dict[int, float]  # K -> a target pass over K+1 tokens, draft idle
+    c_verify_shared: dict[int, float]  # the same while a model draft drafts beside it
+    c_q: float  # one draft token
+    threads: dict[str, int]  # torch threads: target (draft idle), target_shared, draft
+
+
+def measure_costs(draft_name: str, target, draft, context: list[int], ks: Sequence[int], repeats: int = 5) -> Costs:
+    """Costs after `context` (launcher.default_threads and solo_threads), each the median of
+    `repeats` timings; the caller's thread count is restored."""
     import torch
 
-    from specdec.kvcache import step_ms
-    from specdec.launcher import default_threads
+    from specdec.kvcache import step_ms, step_ms_by_size
+    from specdec.launcher import default_threads, solo_threads
 
-    target_threads, draft_threads = default_threads(draft_name)
+    shared_threads, draft_threads = default_threads(draft_name)
+    idle_threads = solo_threads()
+    sizes = [1, *(k + 1 for k in ks)]
     threads_before = torch.get_num_threads()
     try:
-        torch.set_num_threads(target_threads)
-        c_p = step_ms(target.model, context, 1)
-        verify = {k: step_ms(target.model, context, k + 1) for k in ks}
+        torch.set_num_threads(idle_threads)
+        idle = step_ms_by_size(target.model, context, sizes, repeats)
+        shared = idle
+        if shared_threads != idle_threads:
+            torch.set_num_threads(shared_threads)
+            shared = step_ms_by_size(target.model, context, sizes, repeats)
         torch.set_num_threads(draft_threads)
-        c_q = ngram_ms(context, max(ks)) if draft is None else step_ms(draft.model, context, 1)
+        c_q = ngram_ms(context, max(ks)) if draft is None else step_ms(draft.model, context, 1, repeats)
     finally:
         torch.set_num_threads(threads_before)
-    return c_p, verify, c_q
+    threads = {"target": idle_threads, "target_shared": shared_threads, "draft": draft_threads}
+    return Costs(idle[1], {k: idle[k + 1] for k in ks}, {k: shared[k + 1] for k in ks}, c_q, threads)
+
+
+def median_costs(samples: Sequence[Costs]) -> Costs:
+    """The median of each cost over several measurements (the bench takes one per prompt)."""
+    ks = samples[0].c_verify
+
+    def median(values):
+        return percentile(list(values), 50)
+
+    return Costs(
+        c_p=median(c.c_p for c in samples),
+        c_verify={k: median(c.c_verify[k] for c in samples) for k in ks},
+        c_verify_shared={k: median(c.c_verify_shared[k] for c in samples) for k in ks},
+        c_q=median(c.c_q for c in samples),
+        threads=samples[0].threads,
+    )
 
 
 def run_costs(args, target, draft, context: list[int]) -> int:
     """`specdec bench --costs`: what each K costs here, and the α it needs to pay."""
-    from specdec.launcher import default_threads
-
-    target_threads, draft_threads = default_threads(args.draft)
     max_k = args.max_k if args.k == "adaptive" else max(args.k, 1)
-    progress(f"measuring a target step and verify passes over 2..{max_k + 1} tokens ({target_threads} threads)")
-    c_p, verify, c_q = measure_costs(args.draft, target, draft, context, range(1, max_k + 1))
+    progress(f"measuring a target step and verify passes over 2..{max_k + 1} tokens")
+    costs = measure_costs(args.draft, target, draft, context, range(1, max_k + 1))
+    c_p, c_q = costs.c_p, costs.c_q
+    verify = {"sequential": costs.c_verify, "pipelined": costs.c_verify_shared}
     required = {
         mode: {
-            f"{speedup:g}": {str(k): required_alpha(speedup, k, c_q, verify[k], c_p, mode == "pipelined") for k in verify}
+            f"{speedup:g}": {str(k): required_alpha(speedup, k, c_q, verify[mode][k], c_p, mode == "pipelined")
+                             for k in verify[mode]}
             for speedup in (1.0, 1.3)
         }
         for mode in ("sequential", "pipelined")
     }  # fmt: skip
     report = {
-        "target": args.target, "draft": args.draft, "context_tokens": len(context),
-        "threads": {"target": target_threads, "draft": draft_threads},
-        "c_p_ms": c_p, "c_q_ms": c_q, "c_verify_ms": {str(k): ms for k, ms in verify.items()},
-        "verify_over_step": {str(k): ms / c_p for k, ms in verify.items()},
+        "target": args.target, "draft": args.draft, "context_tokens": len(context), "threads": costs.threads,
+        "c_p_ms": c_p, "c_q_ms": c_q, "c_verify_ms": {str(k): ms for k, ms in costs.c_verify.items()},
+        "c_verify_shared_ms": {str(k): ms for k, ms in costs.c_verify_shared.items()},
+        "verify_over_step": {str(k): ms / c_p for k, ms in costs.c_verify.items()},
         "required_alpha": required,
     }  # fmt: skip
     print(json.dumps(report) if args.json else format_costs(report))
@@ -373,16 +450,17 @@ def format_costs(r: dict) -> str:
     def alpha(value):
         return "  never" if value is None else f"{value:>7.2f}"
 
+    threads = r["threads"]
     lines = [
-        f"target {r['target']} ({r['threads']['target']} threads), draft {r['draft']} ({r['threads']['draft']}), "
-        f"{r['context_tokens']} tokens of context",
+        f"target {r['target']} ({threads['target']} threads with the draft idle, {threads['target_shared']} while "
+        f"it drafts beside it), draft {r['draft']} ({threads['draft']}), {r['context_tokens']} tokens of context",
         f"c_p {r['c_p_ms']:.1f} ms per target step, c_q {r['c_q_ms']:.2f} ms per draft token",
         "",
-        f"{'K':>3}{'c_verify':>10}{'/ c_p':>7}   α for 1.0x / 1.3x the target alone: sequential, pipelined",
+        f"{'K':>3}{'c_verify':>10}{'/ c_p':>7}{'shared':>9}   α for 1.0x / 1.3x the target alone: sequential, pipelined",
     ]
     seq, pipe = r["required_alpha"]["sequential"], r["required_alpha"]["pipelined"]
     for k, ms in r["c_verify_ms"].items():
-        lines.append(f"{k:>3}{ms:>8.1f}ms{r['verify_over_step'][k]:>7.2f}   "
+        lines.append(f"{k:>3}{ms:>8.1f}ms{r['verify_over_step'][k]:>7.2f}{r['c_verify_shared_ms'][k]:>7.1f}ms   "
                      f"{alpha(seq['1'][k])}{alpha(seq['1.3'][k])}   {alpha(pipe['1'][k])}{alpha(pipe['1.3'][k])}")  # fmt: skip
     return "\n".join(lines)
 
@@ -406,36 +484,24 @@ def run_bench(args) -> int:
         context = [t for ids in prompts_ids for t in ids][:128]
         return run_costs(args, pack_loaded(target), pack_loaded(draft), context)
 
-    progress(f"target alone: {len(prompts)} prompts x {args.repeats}")
-    target_only = run_hf(target.model, prompts_ids, args)
-    assisted = assisted_kwargs(args, draft and draft.model)
-    progress(f"transformers assisted ({'prompt lookup' if draft is None else 'assistant model'}, K={args.k})")
-    hf_assisted = run_hf(target.model, prompts_ids, args, **assisted)
-    pack_loaded(target)
-    pack_loaded(draft)
-    packed = any(isinstance(m, PackedLinear) for m in target.model.modules())
-    hf_assisted_packed = None
-    if packed:
-        progress("transformers assisted again, on specdec's packed linear layers (kernel for kernel)")
-        hf_assisted_packed = run_hf(target.model, prompts_ids, args, **assisted)
-
-    # Costs, with the thread counts the services use (launcher.default_threads).
-    from specdec.launcher import default_threads
-
-    target_threads, draft_threads = default_threads(args.draft)
-    progress("specdec: draft, target and coordinator as separate processes on loopback")
-    spec, totals = run_specdec(args, prompts_ids, prompts)
+    packed_target = pack_loaded(load_model(args.target, pack=False))
+    packed = any(isinstance(m, PackedLinear) for m in packed_target.model.modules())
+    packed_draft = pack_loaded(load_model(args.draft, pack=False)) if packed and draft is not None else None
+    progress(f"{len(prompts)} prompts x {args.repeats}, each through every system in turn")
+    runs, totals, costs = run_interleaved(args, prompts_ids, target, draft, packed_target if packed else None, packed_draft)
+    target_only, hf_assisted, spec = runs["target_only"], runs["hf_assisted"], runs["specdec"]
+    hf_assisted_packed = runs.get("hf_assisted_packed")
     # K of the analytic model: the fixed K, or the mean K adaptive K chose when drafting.
     k = args.k if args.k != "adaptive" else max(1, round(totals["k_sum"] / max(totals["draft_cycles"], 1)))
 
-    context = prompts_ids[0] + target_only.outputs[0]
     threads_before = torch.get_num_threads()
     cycles_by_k = dict(sorted(totals["cycles_by_k"].items()))
-    c_p, verify, c_q = measure_costs(args.draft, target, draft, context, sorted({k, *cycles_by_k}))
+    c_p, verify, c_q = costs.c_p, costs.c_verify, costs.c_q
     c_verify = verify[k]
 
     alpha = totals["accepted"] / totals["drafted"] if totals["drafted"] else 0.0
-    sequential, pipelined = analytic_rates(alpha, cycles_by_k, totals["plain_tokens"], c_q, verify, c_p)
+    sequential, _ = analytic_rates(alpha, cycles_by_k, totals["plain_tokens"], c_q, verify, c_p)
+    _, pipelined = analytic_rates(alpha, cycles_by_k, totals["plain_tokens"], c_q, costs.c_verify_shared, c_p)
     vocab = load_vocab_size(args.target)
     greedy = args.temperature == 0
     runs = [target_only, hf_assisted, spec] + ([hf_assisted_packed] if packed else [])
@@ -482,6 +548,8 @@ def run_bench(args) -> int:
         "cycles_by_k": {str(kk): n for kk, n in cycles_by_k.items()},
         "plain_tokens": totals["plain_tokens"],
         "c_verify_ms_by_k": {str(kk): ms for kk, ms in verify.items()},
+        # the same passes while a model draft drafts beside the target (pipelined cycles)
+        "c_verify_shared_ms_by_k": {str(kk): ms for kk, ms in costs.c_verify_shared.items()},
         "pipelined_cycles": totals["pipelined"],
         # median ms of drafting cycles whose drafts were made while the previous cycle verified
         # (pipelined) and of those that drafted after it (sequential)
@@ -489,10 +557,10 @@ def run_bench(args) -> int:
             kind: {"median": percentile(times, 50), "cycles": len(times)} for kind, times in totals["cycle_ms"].items()
         },
         "cycles": totals["cycles"],
-        "profile": profile_cycles(totals["cycles_seen"], verify, c_p),
+        "profile": profile_cycles(totals["cycles_seen"], verify, c_p, costs.c_verify_shared),
         "greedy_outputs_agree": (sum(agree), len(agree)) if greedy else None,
         "baseline_threads": args.threads or threads_before,
-        "service_threads": {"target": target_threads, "draft": draft_threads},
+        "service_threads": costs.threads,
     }
     if args.json:
         print(json.dumps(report))

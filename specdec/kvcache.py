@@ -378,17 +378,25 @@ def forward(model, cache: DynamicCache | None, tokens: Sequence[int], keep: int 
 def step_ms(model, context: Sequence[int], tokens: int, repeats: int = 5) -> float:
     """Median ms of one forward of `tokens` new tokens after a cached `context`, projecting
     each of them onto the vocabulary as Verify does (tokens = 1: one decode step, c_p or c_q;
-    tokens = K + 1: c_verify). The cache is cropped back to `context` before every repeat,
-    and a first, warm-up forward is not counted. Uses torch's current thread count."""
+    tokens = K + 1: c_verify). See step_ms_by_size."""
+    return step_ms_by_size(model, context, [tokens], repeats)[tokens]
+
+
+def step_ms_by_size(model, context: Sequence[int], sizes: Sequence[int], repeats: int = 5) -> dict[int, float]:
+    """{n: median ms of one forward of n new tokens after a cached `context`} for each n of
+    `sizes`, after one prefill of `context`. The cache is cropped back to `context` before
+    every forward, the sizes take turns in each repeat (so a machine whose speed drifts
+    moves them alike), and a first, warm-up round is not counted. Uses torch's current
+    thread count."""
+    times: dict[int, list[float]] = {n: [] for n in sizes}
     with torch.inference_mode():
         cache = new_cache(model.config)
         forward(model, cache, context)
-        new = list(context[-tokens:])
-        times = []
-        for _ in range(repeats + 1):
-            crop_cache(cache, len(context))
-            start = time.perf_counter()
-            forward(model, cache, new, keep=tokens)
-            times.append((time.perf_counter() - start) * 1000)
-    times = sorted(times[1:])
-    return times[len(times) // 2]
+        for round_ in range(repeats + 1):
+            for n in sizes:
+                crop_cache(cache, len(context))
+                start = time.perf_counter()
+                forward(model, cache, list(context[-n:]), keep=n)
+                if round_:
+                    times[n].append((time.perf_counter() - start) * 1000)
+    return {n: sorted(t)[len(t) // 2] for n, t in times.items()}

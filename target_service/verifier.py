@@ -16,7 +16,7 @@ import torch
 
 from specdec.errors import OutOfRange
 from specdec.kvcache import SessionState, forward
-from specdec.sampling import rejection_sample, sample
+from specdec.sampling import greedy_token, greedy_verdict, rejection_sample, sample
 from specdec.wire import Draft, Sampling, stack_draft_probs
 
 
@@ -61,12 +61,15 @@ class Verifier:
             raise OutOfRange(f"{positions} positions exceed the target's context of {self.loaded.max_context}")
         start = time.perf_counter()
         logits = forward(self.model, state.cache, fed, keep=k + 1)  # [K+1, V]
-        target_probs = sampling.warp(logits)  # [K+1, V]
         forward_done = time.perf_counter()
 
         draft_tokens = torch.tensor([d.token for d in drafts], dtype=torch.long)  # [K]
         draft_probs = stack_draft_probs(drafts)  # [K, V] or None (one-hot)
-        num_accepted, next_token = rejection_sample(draft_tokens, draft_probs, target_probs, generator)
+        if sampling.greedy:  # the same verdict, certain, read off the logits
+            num_accepted, next_token = greedy_verdict(draft_tokens, draft_probs, logits)
+        else:
+            target_probs = sampling.warp(logits)  # [K+1, V]
+            num_accepted, next_token = rejection_sample(draft_tokens, draft_probs, target_probs, generator)
 
         # Keep what the target saw up to the accepted prefix; `next_token` is not fed yet.
         accepted_length = len(state.held) + len(state.pending) + num_accepted
@@ -94,7 +97,7 @@ class Verifier:
         while len(tokens) < steps and state.pending[-1] not in eos:
             logits = forward(self.model, state.cache, state.pending)  # [1, V]
             state.feed(state.pending)
-            token = sample(sampling.warp(logits[-1]), generator)
+            token = greedy_token(logits[-1]) if sampling.greedy else sample(sampling.warp(logits[-1]), generator)
             state.pending = [token]
             tokens.append(token)
         return tokens

@@ -1206,3 +1206,53 @@ def test_sample_rows_refuses_a_row_without_usable_mass(row):
 
     with pytest.raises(ValueError, match="no probability mass"):
         sample_rows(torch.tensor([row]))
+
+
+# --------------------------------------------------------------------------- greedy fast path
+
+
+def test_greedy_verdict_equals_the_rejection_rule_on_one_hot_p_with_ties_and_any_q():
+    """At temperature 0 the target reads its verdict off the logits (greedy_verdict); it must
+    be rejection_sample's on warp(logits, 0) for every input: ties (lowest index wins),
+    n-gram (one-hot) and dense q, all, some or none of the drafts equal to the argmax."""
+    from specdec.sampling import greedy_verdict
+
+    generator = torch.Generator().manual_seed(0)
+    vocab = 7
+    cases = 0
+    for trial in range(400):
+        k = trial % 5
+        logits = torch.randint(0, 3, (k + 1, vocab), generator=generator).float()  # many ties
+        greedy = logits.argmax(-1)
+        # drafts: the argmax for a random prefix, then anything
+        agree = int(torch.randint(0, k + 1, (1,), generator=generator)) if k else 0
+        drafts = torch.randint(0, vocab, (k,), generator=generator)
+        drafts[:agree] = greedy[:agree]
+        if trial % 2:
+            q = torch.rand(k, vocab, generator=generator) + 0.01
+            q = q / q.sum(-1, keepdim=True)
+        else:
+            q = None
+        expected = rejection_sample(drafts, q, warp(logits, 0.0), torch.Generator().manual_seed(trial))
+        assert greedy_verdict(drafts, q, logits) == expected, (logits, drafts, q)
+        cases += expected[0] < k
+    assert 50 < cases < 400  # both rejections and full acceptances were seen
+
+
+def test_greedy_verdict_refuses_what_rejection_sample_refuses():
+    from specdec.sampling import greedy_token, greedy_verdict
+
+    logits = torch.zeros(2, 5)
+    with pytest.raises(ValueError, match="NaN"):
+        greedy_verdict([1], None, torch.tensor([[0.0, float("nan"), 0, 0, 0], [0.0] * 5]))
+    with pytest.raises(ValueError, match="inf"):
+        greedy_verdict([1], None, torch.tensor([[0.0, float("inf"), 0, 0, 0], [0.0] * 5]))
+    with pytest.raises(ValueError, match="-inf everywhere"):
+        greedy_token(torch.full((5,), float("-inf")))
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        greedy_verdict([5], None, logits)
+    with pytest.raises(ValueError, match="q = 0"):
+        greedy_verdict([1], torch.tensor([[1.0, 0, 0, 0, 0]]), logits)
+    with pytest.raises(ValueError, match=r"\[K \+ 1, V\]"):
+        greedy_verdict([1, 2], None, logits)
+    assert greedy_token(torch.tensor([0.0, 3.0, 3.0])) == 1
