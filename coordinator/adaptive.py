@@ -129,6 +129,16 @@ class AdaptiveK:
         best = self.best_k(limit, alpha)
         return self.probe() if best == 0 else best
 
+    def worth_drafting(self, limit: int, match_length: int) -> bool:
+        """Whether drafts of class `match_length` would be verified now (no probe counted):
+        some K in 1..limit beats a plain step, or nothing is measured yet."""
+        limit = min(limit, self.max_k)
+        if limit <= 0:
+            return False
+        if not self.verify or not self.drafted:
+            return True
+        return self.best_k(limit, self.class_alpha(match_length)) > 0
+
     def trim(self, match_length: int, offered: int) -> int:
         """How many of `offered` drafts of class `match_length` to verify: the K ≤ offered
         best for that class's α̂ (0: none, a plain step). A probe is never trimmed."""

@@ -277,14 +277,33 @@ class CycleLoop:
         return max(0, min(self.plan.k, headroom - 1))
 
     def choose_k(self, limit: int, context: Sequence[int]) -> int:
-        """K for a cycle drafting after `context`. With adaptive K and an n-gram draft, the
-        match the draft would copy is looked up here first: no match, no draft call."""
+        """K for a cycle drafting after `context`. With an n-gram draft, the match the draft
+        would copy is looked up here first: no match, no draft call (it would propose
+        nothing); with adaptive K, its match length decides K."""
+        match_length = None
+        if self.plan.ngram is not None and limit > 0:
+            _, match_length = find_continuation(context, 1, self.plan.ngram[1], self.plan.ngram[0])
+            if not match_length:
+                return 0
         if self.adaptive is None:
             return limit
-        if self.plan.ngram is None:
-            return self.adaptive.choose(limit)
-        _, match_length = find_continuation(context, 1, self.plan.ngram[1], self.plan.ngram[0])
-        return self.adaptive.choose(limit, match_length) if match_length else 0
+        return self.adaptive.choose(limit, match_length)
+
+    def ngram_stop(self) -> pb.NgramStop | None:
+        """For a call of plain steps with an n-gram draft: stop where the context gets a
+        match worth drafting (the shortest match length adaptive K would verify, or any for
+        a fixed K), so the next cycle drafts from there. None: no such stop (no n-gram draft,
+        speculation off, drafting paused, or no match length worth it)."""
+        if self.plan.ngram is None or self.plan.k == 0 or self.cycle < self.draft_paused_until:
+            return None
+        min_ngram, max_ngram = self.plan.ngram
+        if self.adaptive is not None:
+            limit = self.limit(len(self.committed)) or 0
+            worth = [n for n in range(min_ngram, max_ngram + 1) if self.adaptive.worth_drafting(limit, n)]
+            if not worth:
+                return None
+            min_ngram = worth[0]
+        return pb.NgramStop(min_ngram=min_ngram, max_ngram=max_ngram)
 
     async def run_cycle(self, limit: int) -> Outcome:
         with self.tracer.start_as_current_span(
@@ -316,7 +335,8 @@ class CycleLoop:
         # away) may match after one token.
         steps = self.solo_steps() if call is None else 1
         try:
-            verdict = await self.verify(drafts, steps, draft_busy=guess is not None)
+            verdict = await self.verify(drafts, steps, draft_busy=guess is not None,
+                                        stop_at_ngram=self.ngram_stop() if steps > 1 else None)  # fmt: skip
         except BaseException:
             if guess is not None:
                 discard(guess)
@@ -503,10 +523,12 @@ class CycleLoop:
 
     # ------------------------------------------------------------ verifying
 
-    async def verify(self, drafts: Sequence[pb.DraftToken], steps: int = 1, draft_busy: bool = False) -> pb.VerifyResponse:
+    async def verify(self, drafts: Sequence[pb.DraftToken], steps: int = 1, draft_busy: bool = False,
+                     stop_at_ngram: pb.NgramStop | None = None) -> pb.VerifyResponse:  # fmt: skip
         """Verify on the target, retrying a retryable failure (the request is idempotent:
         same position, same drafts, same per-cycle random stream) while Redis is up.
-        `draft_busy`: the draft drafts on during this call (pipelining)."""
+        `draft_busy`: the draft drafts on during this call (pipelining); `stop_at_ngram`:
+        plain steps end where an n-gram draft has a match (ngram_stop)."""
         request = pb.VerifyRequest(
             session_id=self.plan.session_id,
             position=self.target_seen,
@@ -518,6 +540,7 @@ class CycleLoop:
             draft_model=self.plan.draft_model,
             steps=steps,
             draft_busy=draft_busy,
+            stop_at_ngram=stop_at_ngram,
         )
         for attempt, pause in enumerate((*TARGET_RETRY_BACKOFF_S, None)):
             try:

@@ -18,6 +18,10 @@ from specdec.wire import draft_from_pb
 from target_service.verifier import Verifier
 
 
+# Longest n-gram a Verify may ask the target to look up after each plain step.
+MAX_STOP_NGRAM = 64
+
+
 @dataclass
 class TargetConfig(ModelServiceConfig):
     # The model whose distribution the output keeps.
@@ -52,12 +56,14 @@ class TargetServicer(ModelService, pb_grpc.TargetServicer):
         if request.steps > self.config.max_k + 1:
             raise InvalidArgument(f"steps {request.steps} exceeds the limit of {self.config.max_k + 1} tokens per call")
         sampling = self.internal_sampling(request.sampling)
+        stop_at_ngram = ngram_stop_from_pb(request)
         drafts = [draft_from_pb(d, self.info.vocab_size) for d in request.drafts]
         async with self.session(request) as state:
             generator = cycle_generator(sampling.seed, request.cycle, TARGET)
             verdict = await self.worker.run(
-                self.verifier.verify, state, drafts, sampling, generator, request.steps, request.draft_busy
-            )
+                self.verifier.verify, state, drafts, sampling, generator, request.steps, request.draft_busy,
+                stop_at_ngram,
+            )  # fmt: skip
         self.metrics.forward_latency.observe(verdict.forward_ms / 1000)
         span = trace.get_current_span()  # the gRPC server span, when tracing is on
         span.set_attribute("specdec.forward_ms", verdict.forward_ms)
@@ -85,6 +91,20 @@ class TargetServicer(ModelService, pb_grpc.TargetServicer):
             )
         except VocabMismatchError as exc:
             raise FailedPrecondition(str(exc)) from exc
+
+
+def ngram_stop_from_pb(request: pb.VerifyRequest) -> tuple[int, int] | None:
+    """(min_ngram, max_ngram) of the request's stop_at_ngram, None when unset; InvalidArgument
+    outside 1 <= min <= max <= MAX_STOP_NGRAM (a longer lookup costs more than it is worth)."""
+    if not request.HasField("stop_at_ngram"):
+        return None
+    stop = request.stop_at_ngram
+    if not 1 <= stop.min_ngram <= stop.max_ngram <= MAX_STOP_NGRAM:
+        raise InvalidArgument(
+            f"stop_at_ngram needs 1 <= min_ngram <= max_ngram <= {MAX_STOP_NGRAM}, "
+            f"got {stop.min_ngram}..{stop.max_ngram}"
+        )
+    return stop.min_ngram, stop.max_ngram
 
 
 async def serve(config: TargetConfig) -> None:

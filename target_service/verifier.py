@@ -16,6 +16,7 @@ import torch
 
 from specdec.errors import OutOfRange
 from specdec.kvcache import SessionState, forward
+from specdec.ngram import find_continuation
 from specdec.sampling import greedy_token, greedy_verdict, rejection_sample, sample
 from specdec.wire import Draft, Sampling, stack_draft_probs
 
@@ -47,11 +48,12 @@ class Verifier:
 
     def verify(
         self, state: SessionState, drafts: Sequence[Draft], sampling: Sampling, generator: torch.Generator,
-        steps: int = 1, draft_busy: bool = False,
+        steps: int = 1, draft_busy: bool = False, stop_at_ngram: tuple[int, int] | None = None,
     ) -> Verdict:  # fmt: skip
         """Judge `drafts`; without drafts, decode up to `steps` tokens (plain sampling from p,
-        one generator for the whole call), stopping after an end token. `draft_busy`: the
-        draft keeps drafting during this call (pipelining), so leave it its core."""
+        one generator for the whole call), stopping after an end token, and after a token at
+        which the context has an n-gram match of `stop_at_ngram` = (min, max) tokens. `draft_busy`:
+        the draft keeps drafting during this call (pipelining), so leave it its core."""
         k = len(drafts)
         steps = 1 if k else max(steps, 1)
         use_threads(self.threads if draft_busy else self.solo_threads)
@@ -77,7 +79,7 @@ class Verifier:
         state.crop(accepted_length)
         state.pending = [next_token]
         accepted_at = time.perf_counter()
-        more_tokens = self.decode_more(state, steps - 1, sampling, generator)
+        more_tokens = self.decode_more(state, steps - 1, sampling, generator, stop_at_ngram)
         done = time.perf_counter()
         return Verdict(
             num_accepted=num_accepted,
@@ -88,13 +90,19 @@ class Verifier:
             more_tokens=more_tokens,
         )
 
-    def decode_more(self, state: SessionState, steps: int, sampling: Sampling, generator: torch.Generator) -> list[int]:
-        """Plain decoding after state.pending: up to `steps` tokens, none after an end token."""
+    def decode_more(
+        self, state: SessionState, steps: int, sampling: Sampling, generator: torch.Generator,
+        stop_at_ngram: tuple[int, int] | None = None,
+    ) -> list[int]:  # fmt: skip
+        """Plain decoding after state.pending: up to `steps` tokens, none after an end token,
+        none once the context ends in an n-gram match of stop_at_ngram = (min, max) tokens."""
         tokens: list[int] = []
         if steps <= 0:
             return tokens
         eos = set(self.loaded.eos_token_ids or [])
         while len(tokens) < steps and state.pending[-1] not in eos:
+            if stop_at_ngram is not None and find_continuation(state.tokens(), 1, stop_at_ngram[1], stop_at_ngram[0])[0]:
+                break  # the n-gram draft has something to propose from here
             logits = forward(self.model, state.cache, state.pending)  # [1, V]
             state.feed(state.pending)
             token = greedy_token(logits[-1]) if sampling.greedy else sample(sampling.warp(logits[-1]), generator)

@@ -261,6 +261,12 @@ def verify_requests(draw, committed):
     msg = pb.VerifyRequest(**draw(internal_fields(committed)), drafts=draw(st.lists(draft_tokens(), max_size=5)))
     msg.draft_fingerprint = draw(mostly(st.just(""), st.sampled_from(["0" * 64, "not-a-fingerprint"])))
     msg.draft_model = draw(st.text(max_size=20))
+    msg.steps = draw(mostly(st.integers(0, 5), st.integers(0, 2**32 - 1)))
+    msg.draft_busy = draw(st.booleans())
+    if draw(st.booleans()):  # plain steps that stop at an n-gram match: mostly sane bounds
+        uint32 = st.integers(0, 2**32 - 1)
+        msg.stop_at_ngram.min_ngram = draw(mostly(st.integers(1, 3), uint32))
+        msg.stop_at_ngram.max_ngram = draw(mostly(st.integers(3, 5), uint32))
     return msg
 
 
@@ -329,6 +335,15 @@ def test_fuzzed_propose_requests_get_a_clear_status_and_disturb_nobody(stubs, st
 def test_fuzzed_verify_requests_get_a_clear_status_and_disturb_nobody(stubs, storm, committed, data):
     request = data.draw(verify_requests(committed))
     record(storm, lambda: stubs["target"].Verify(request, timeout=30))
+
+
+def test_an_ngram_stop_outside_its_bounds_is_an_invalid_argument_that_says_them(stubs, committed):
+    request = pb.VerifyRequest(session_id=BYSTANDER, position=len(committed) - 1, new_tokens=committed[-1:],
+                               sampling=pb.SamplingParams(temperature=0.0, seed=1), steps=3,
+                               stop_at_ngram=pb.NgramStop(min_ngram=3, max_ngram=2))  # fmt: skip
+    with pytest.raises(grpc.RpcError) as info:
+        stubs["target"].Verify(request, timeout=30)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "min_ngram <= max_ngram" in info.value.details()
 
 
 RPCS = [

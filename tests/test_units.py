@@ -9,7 +9,7 @@ import torch
 from coordinator.text import TextStream, first_stop
 from specdec.ngram import find_continuation
 from specdec.errors import FailedPrecondition, InvalidArgument, NotFound, OutOfRange, ResourceExhausted
-from specdec.kvcache import SessionPool, SessionState, cache_bytes
+from specdec.kvcache import SessionPool, SessionState, cache_bytes, new_cache
 from specdec.rng import DRAFT, TARGET, cycle_generator
 from specdec.v1 import specdec_pb2 as pb
 from specdec import wire
@@ -567,6 +567,40 @@ def test_a_call_without_drafts_decodes_several_tokens_like_single_steps_and_stop
     stop_at = next(i for i in range(1, 8) if free[i] not in free[:i])  # a token first seen mid-call
     stopped, _ = run(8, 1, eos=[free[stop_at]], sampling=sampled)
     assert stopped == free[: stop_at + 1]  # the same draws, and nothing after the end token
+
+
+def test_plain_steps_stop_where_the_context_gets_an_ngram_match_and_match_single_steps():
+    """With stop_at_ngram, a call of plain steps ends after the first token at which the
+    context ends in an n-gram seen before (where an n-gram draft has something to propose);
+    the tokens are those of single steps."""
+    from types import SimpleNamespace
+
+    from specdec.models import build_tiny_model, build_tiny_tokenizer
+    from specdec.ngram import find_continuation
+    from target_service.verifier import Verifier
+
+    model = build_tiny_model(build_tiny_tokenizer(), hidden_size=32, num_layers=1, seed=0)
+    greedy = Sampling(0.0, 0, 1.0, 1)
+    prompt = [1, 2, 3, 4, 5, 6, 7, 8]  # no repeated token: no match of any length yet
+
+    def call(steps, stop):
+        state = SessionState("s", pending=list(prompt), cache=new_cache(model.config))
+        verdict = Verifier(SimpleNamespace(model=model, max_context=512, eos_token_ids=[])).verify(
+            state, [], greedy, cycle_generator(1, 0, TARGET), steps, stop_at_ngram=stop
+        )
+        return [verdict.next_token, *verdict.more_tokens]
+
+    free = call(12, None)
+    context = list(prompt)
+    first_match = None
+    for i, token in enumerate(free):
+        context.append(token)
+        if find_continuation(context, 1, 2, 2)[0]:  # a bigram seen before
+            first_match = i
+            break
+    assert first_match is not None and first_match < 11, free  # greedy tiny text repeats itself
+    assert call(12, (2, 2)) == free[: first_match + 1]
+    assert call(12, None) == free
 
 
 # ---------------------------------------------------------------- pipelining by default

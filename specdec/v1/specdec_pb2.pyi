@@ -255,7 +255,7 @@ class DraftToken(_message.Message):
     def __init__(self, token_id: _Optional[int] = ..., sparse: _Optional[_Union[SparseProbs, _Mapping]] = ..., dense: _Optional[_Union[DenseProbs, _Mapping]] = ..., one_hot: _Optional[_Union[OneHot, _Mapping]] = ..., fixed: _Optional[_Union[FixedProbs, _Mapping]] = ..., fixed_deflated: _Optional[bytes] = ..., index: _Optional[int] = ..., match_length: _Optional[int] = ...) -> None: ...
 
 class VerifyRequest(_message.Message):
-    __slots__ = ("session_id", "position", "new_tokens", "drafts", "sampling", "cycle", "draft_fingerprint", "draft_model", "steps", "draft_busy")
+    __slots__ = ("session_id", "position", "new_tokens", "drafts", "sampling", "cycle", "draft_fingerprint", "draft_model", "steps", "draft_busy", "stop_at_ngram")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     POSITION_FIELD_NUMBER: _ClassVar[int]
     NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -266,6 +266,7 @@ class VerifyRequest(_message.Message):
     DRAFT_MODEL_FIELD_NUMBER: _ClassVar[int]
     STEPS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_BUSY_FIELD_NUMBER: _ClassVar[int]
+    STOP_AT_NGRAM_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     position: int
     new_tokens: _containers.RepeatedScalarFieldContainer[int]
@@ -276,7 +277,16 @@ class VerifyRequest(_message.Message):
     draft_model: str
     steps: int
     draft_busy: bool
-    def __init__(self, session_id: _Optional[str] = ..., position: _Optional[int] = ..., new_tokens: _Optional[_Iterable[int]] = ..., drafts: _Optional[_Iterable[_Union[DraftToken, _Mapping]]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., cycle: _Optional[int] = ..., draft_fingerprint: _Optional[str] = ..., draft_model: _Optional[str] = ..., steps: _Optional[int] = ..., draft_busy: _Optional[bool] = ...) -> None: ...
+    stop_at_ngram: NgramStop
+    def __init__(self, session_id: _Optional[str] = ..., position: _Optional[int] = ..., new_tokens: _Optional[_Iterable[int]] = ..., drafts: _Optional[_Iterable[_Union[DraftToken, _Mapping]]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., cycle: _Optional[int] = ..., draft_fingerprint: _Optional[str] = ..., draft_model: _Optional[str] = ..., steps: _Optional[int] = ..., draft_busy: _Optional[bool] = ..., stop_at_ngram: _Optional[_Union[NgramStop, _Mapping]] = ...) -> None: ...
+
+class NgramStop(_message.Message):
+    __slots__ = ("min_ngram", "max_ngram")
+    MIN_NGRAM_FIELD_NUMBER: _ClassVar[int]
+    MAX_NGRAM_FIELD_NUMBER: _ClassVar[int]
+    min_ngram: int
+    max_ngram: int
+    def __init__(self, min_ngram: _Optional[int] = ..., max_ngram: _Optional[int] = ...) -> None: ...
 
 class VerifyResponse(_message.Message):
     __slots__ = ("num_accepted", "next_token", "bonus", "forward_ms", "accept_ms", "more_tokens")
