@@ -3,7 +3,8 @@
 A drafter's `propose(state, k, sampling, generator)` is a generator of
 (token, q, match_length) triples, at most k of them, computed one at a time so the
 service can stream each the moment it exists. q is the exact warped distribution [V]
-the token was sampled from, or None for a one-hot q (a drafter with no distribution).
+the token was sampled from, or None for a one-hot q (a drafter with no distribution, or a
+model drafting greedily, whose q is the one-hot of its token).
 match_length is the proposal's confidence class for adaptive K: the n-gram length an
 n-gram drafter matched, 0 for a model.
 
@@ -20,7 +21,7 @@ import torch
 
 from specdec.kvcache import SessionState, forward
 from specdec.ngram import DEFAULT_MAX_NGRAM, DEFAULT_MIN_NGRAM, find_continuation
-from specdec.sampling import sample
+from specdec.sampling import greedy_token, sample
 from specdec.wire import Sampling, wire_q
 
 
@@ -39,8 +40,13 @@ class ModelDrafter:
         for _ in range(k):
             logits = forward(self.model, state.cache, state.pending)  # [1, V]: the last position
             state.feed(state.pending)
-            draft_probs = wire_q(sampling.warp(logits[-1]))  # [V], exactly as it will travel
-            token = sample(draft_probs, generator)
+            if sampling.greedy:
+                # Temperature 0: q is the one-hot of the argmax, which is the token; sent as
+                # one-hot, it needs no [V] tensor here, on the wire or at the target.
+                token, draft_probs = greedy_token(logits[-1]), None
+            else:
+                draft_probs = wire_q(sampling.warp(logits[-1]))  # [V], exactly as it will travel
+                token = sample(draft_probs, generator)
             state.pending = [token]
             yield token, draft_probs, 0
 

@@ -110,3 +110,28 @@ def test_load_model_packs_a_float32_cpu_model_unless_switched_off(tmp_path, monk
     monkeypatch.setenv(ENV_SWITCH, "0")
     loaded = load_model(str(tmp_path / "m"))
     assert not any(isinstance(m, PackedLinear) for m in loaded.model.modules())
+
+
+def test_a_greedy_model_draft_sends_one_hot_q_and_the_argmax_and_a_sampled_one_its_q(model):
+    """At temperature 0 the draft's q is the one-hot of its argmax: it is sent as one-hot
+    (None) with no [V] tensor made; sampled, the q sent is the warped one it drew from."""
+    from types import SimpleNamespace
+
+    from draft_service.drafters import ModelDrafter
+    from specdec.kvcache import SessionState
+    from specdec.rng import DRAFT, cycle_generator
+    from specdec.wire import Sampling
+
+    drafter = ModelDrafter(SimpleNamespace(model=model))
+    prompt = [3, 9, 14, 2]
+    state = SessionState("s", pending=list(prompt), cache=new_cache(model.config))
+    greedy = list(drafter.propose(state, 6, Sampling(0.0, 0, 1.0, 1), cycle_generator(1, 0, DRAFT)))
+    expected, ids = [], list(prompt)
+    with torch.inference_mode():  # greedy by full recomputation, no cache
+        for _ in range(6):
+            expected.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
+            ids.append(expected[-1])
+    assert [token for token, _, _ in greedy] == expected and all(q is None for _, q, _ in greedy)
+    state = SessionState("s", pending=list(prompt), cache=new_cache(model.config))
+    sampled = list(drafter.propose(state, 3, Sampling(1.0, 5, 1.0, 1), cycle_generator(1, 0, DRAFT)))
+    assert all(q is not None and q[token] > 0 and int((q > 0).sum()) <= 5 for token, q, _ in sampled)
