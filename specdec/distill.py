@@ -299,7 +299,7 @@ def generate_data(config: DistillConfig, target, train_prompts: list, eval_promp
         order.extend(block)
     bar = tqdm(total=config.data_tokens, initial=min(have, config.data_tokens), desc="distill: sampling target",
                unit="tok", disable=not config.progress, file=sys.stderr, dynamic_ncols=True)  # fmt: skip
-    started = time.monotonic()
+    started, had = time.monotonic(), have
     try:
         # the first batch is made whatever the deadline, so there is always something to train on
         while have < config.data_tokens and (time.monotonic() < deadline or not train):
@@ -313,7 +313,7 @@ def generate_data(config: DistillConfig, target, train_prompts: list, eval_promp
             have += made
             shard += 1
             bar.update(min(made, config.data_tokens - bar.n))
-            bar.set_postfix_str(f"{have / max(time.monotonic() - started, 1e-9):.0f} tok/s, {_left(deadline)} left")
+            bar.set_postfix_str(f"{(have - had) / max(time.monotonic() - started, 1e-9):.0f} tok/s, {_left(deadline)} left")
     finally:
         bar.close()
     if not train:
