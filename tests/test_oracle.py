@@ -135,3 +135,30 @@ def test_the_catalog_draft_builds_from_its_shipped_weights_and_agrees_with_the_t
         q_top = draft.model(full).logits[0, start:-1].argmax(-1)  # [40]
     agreement = (p_top == q_top).float().mean().item()
     assert agreement >= 0.1, agreement  # a random draft of this vocabulary agrees ~0 times in 40
+
+
+def test_greedy_output_through_the_services_with_the_distilled_draft_equals_transformers_generate(
+    redis_url, smollm2_dir, oracle
+):
+    """`specdec up`'s stack with the shipped distilled draft: lossless, and the draft is
+    actually used (some of its tokens are accepted), at fixed K and with pipelining on."""
+    from conftest import start_stack
+
+    from specdec.models import ensure_catalog_model
+
+    draft_dir = str(ensure_catalog_model("smollm2-135m-instruct-draft", progress=False))
+    stack = start_stack(redis_url, smollm2_dir, draft_dir)
+    drafted = accepted = 0
+    try:
+        with specdec.Client(stack.address) as client:
+            for k in (2, 4):
+                for ids, expected in oracle.items():
+                    result = client.generate(prompt_token_ids=list(ids), max_new_tokens=NEW_TOKENS,
+                                             num_speculative_tokens=k, pipeline=True)  # fmt: skip
+                    assert result.token_ids == expected, f"distilled draft, K={k}, prompt {ids[:6]}..."
+                    drafted += result.stats.draft_tokens
+                    accepted += result.stats.accepted_tokens
+    finally:
+        stack.stop()
+    print(f"\ndistilled draft: drafted {drafted}, accepted {accepted}, acceptance {accepted / max(drafted, 1):.3f}")
+    assert drafted > 0 and accepted > 0, (drafted, accepted)
