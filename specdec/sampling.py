@@ -425,13 +425,8 @@ def greedy_verdict(
     if target_logits.dim() != 2 or target_logits.shape[0] != num_drafts + 1 or target_logits.shape[1] == 0:
         raise ValueError(f"target_logits must have shape [K + 1, V] = [{num_drafts + 1}, V], "
                          f"got {tuple(target_logits.shape)}")  # fmt: skip
-    row_max, greedy_ids = target_logits.max(dim=-1)  # [K + 1] each; NaN propagates into row_max
-    if torch.isnan(row_max).any() or torch.isposinf(row_max).any():
-        raise ValueError("logits contain NaN or +inf")
-    if torch.isneginf(row_max).any():
-        raise ValueError("a logits row is -inf everywhere: no token can be sampled")
+    greedy = greedy_ids(target_logits)  # [K + 1]
     check_draft_against(draft_tokens, draft_probs, target_logits.shape[1], target_logits.device)
-    greedy = greedy_ids.tolist()  # [K + 1]
     drafts = draft_tokens.tolist()  # [K]
     num_accepted = 0
     while num_accepted < num_drafts and drafts[num_accepted] == greedy[num_accepted]:
@@ -439,9 +434,22 @@ def greedy_verdict(
     return num_accepted, greedy[num_accepted]
 
 
+def greedy_ids(logits: torch.Tensor) -> list[int]:
+    """The tokens temperature 0 samples from each row of logits [R, V]: the argmax, ties to
+    the lowest index (as `warp`). Refuses what `warp` would: NaN, +inf, a row all -inf."""
+    row_max, ids = logits.max(dim=-1)  # [R] each; NaN propagates into row_max
+    if torch.isnan(row_max).any() or torch.isposinf(row_max).any():
+        raise ValueError("logits contain NaN or +inf")
+    if torch.isneginf(row_max).any():
+        raise ValueError("a logits row is -inf everywhere: no token can be sampled")
+    return ids.tolist()
+
+
 def greedy_token(logits: torch.Tensor) -> int:
     """The token temperature 0 samples from logits [V]: argmax, ties to the lowest index."""
-    return greedy_verdict([], None, logits.unsqueeze(0))[1]
+    if not isinstance(logits, torch.Tensor) or not logits.is_floating_point() or logits.dim() != 1 or not len(logits):
+        raise ValueError("logits must be a non-empty floating point tensor of shape [V]")
+    return greedy_ids(logits.unsqueeze(0))[0]
 
 
 def rejection_sample_batch(
