@@ -110,6 +110,11 @@ class AdaptiveK:
         alpha = self.best_alpha() if alpha is None else alpha
         return expected_tokens_per_cycle(alpha, k) / (k * self.c_q() + verify)
 
+    def measured(self) -> bool:
+        """Whether verify costs and some drafted cycle are known (before that, K is not chosen
+        by the formula)."""
+        return bool(self.verify and self.drafted)
+
     def best_alpha(self) -> float:
         return max((self.class_alpha(c) for c in self.classes), default=self.class_alpha(0))
 
@@ -123,7 +128,7 @@ class AdaptiveK:
         limit = min(limit, self.max_k)
         if limit <= 0:
             return 0
-        if not self.verify or not self.drafted:
+        if not self.measured():
             return min(limit, max(1, self.max_k // 2))  # nothing measured yet: start in the middle
         alpha = None if match_length is None else self.class_alpha(match_length)
         best = self.best_k(limit, alpha)
@@ -135,14 +140,14 @@ class AdaptiveK:
         limit = min(limit, self.max_k)
         if limit <= 0:
             return False
-        if not self.verify or not self.drafted:
+        if not self.measured():
             return True
         return self.best_k(limit, self.class_alpha(match_length)) > 0
 
     def trim(self, match_length: int, offered: int) -> int:
         """How many of `offered` drafts of class `match_length` to verify: the K ≤ offered
         best for that class's α̂ (0: none, a plain step). A probe is never trimmed."""
-        if self.probing or not self.verify or not self.drafted:
+        if self.probing or not self.measured():
             return offered
         best = self.best_k(offered, self.class_alpha(match_length))
         return self.probe() if best == 0 else best
