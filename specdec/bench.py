@@ -469,7 +469,7 @@ def run_bench(args) -> int:
     import torch
 
     from specdec.models import load_model
-    from specdec.packed import PackedLinear
+    from specdec.packed import should_pack
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -484,11 +484,12 @@ def run_bench(args) -> int:
         context = [t for ids in prompts_ids for t in ids][:128]
         return run_costs(args, pack_loaded(target), pack_loaded(draft), context)
 
-    packed_target = pack_loaded(load_model(args.target, pack=False))
-    packed = any(isinstance(m, PackedLinear) for m in packed_target.model.modules())
-    packed_draft = pack_loaded(load_model(args.draft, pack=False)) if packed and draft is not None else None
+    # A second copy, loaded as the services load it, only where that packs its layers.
+    packed = should_pack(target.model)
+    packed_target = load_model(args.target) if packed else None
+    packed_draft = load_model(args.draft) if packed and draft is not None else None
     progress(f"{len(prompts)} prompts x {args.repeats}, each through every system in turn")
-    runs, totals, costs = run_interleaved(args, prompts_ids, target, draft, packed_target if packed else None, packed_draft)
+    runs, totals, costs = run_interleaved(args, prompts_ids, target, draft, packed_target, packed_draft)
     target_only, hf_assisted, spec = runs["target_only"], runs["hf_assisted"], runs["specdec"]
     hf_assisted_packed = runs.get("hf_assisted_packed")
     # K of the analytic model: the fixed K, or the mean K adaptive K chose when drafting.
