@@ -37,6 +37,10 @@ GRPC_OPTIONS = [
 CLIENT_OPTIONS = GRPC_OPTIONS + [
     ("grpc.keepalive_time_ms", 30_000),
     ("grpc.enable_retries", 1),
+    # A replaced service is picked up within a second of serving: gRPC's default backoff
+    # grows to minutes, and while it waits every call fails fast with UNAVAILABLE.
+    ("grpc.initial_reconnect_backoff_ms", 200),
+    ("grpc.max_reconnect_backoff_ms", 1_000),
 ]
 DEFAULT_GRACE_S = 5.0
 
