@@ -3,15 +3,23 @@
 Terms (the seed's formulas):
     α̂            running estimate of the acceptance rate: accepted drafts / drafts the
                  target judged (a rejected draft ends its cycle's judging)
+    α̂_i          α̂ of draft position i given drafts 0..i-1 were accepted (α̂_0 is the
+                 chance a cycle's first draft is accepted). Acceptances are not
+                 independent: an n-gram draft that copies the right passage stays right,
+                 so on copy-heavy text α̂_3 ≈ 0.8 while α̂_0 ≈ 0.4, and a single α̂ would
+                 undervalue long K. A position not yet judged often leans on the one
+                 before it (PRIOR_WEIGHT pseudo-counts of α̂_{i-1}), so with independent
+                 acceptances every α̂_i is α̂
     class        the draft's confidence class of a proposal (DraftToken.match_length):
                  an n-gram draft's match length 1..max_ngram, 0 for a model draft. One
-                 α̂ per class: a 3-gram match of an n-gram draft is accepted far more
-                 often than a 1-gram one, so the two deserve different K
+                 set of α̂_i per class: a 3-gram match of an n-gram draft is accepted far
+                 more often than a 1-gram one, so the two deserve different K
     c_q          ms per draft token, as the coordinator sees it (network included)
     c_verify(k)  ms per target pass over k drafts (+ the new tokens); c_verify(0) is a plain step
-    rate(k)      E[tokens per cycle] / cycle time
-                 = (1 − α̂^(k+1)) / (1 − α̂) / (k·c_q + c_verify(k))   for k ≥ 1
-                 = 1 / c_verify(0)                                   for k = 0 (target only)
+    E(k)         expected tokens per cycle = 1 + Σ_{j=1..k} Π_{i<j} α̂_i, the seed's
+                 (1 − α̂^(k+1)) / (1 − α̂) when every α̂_i is α̂
+    rate(k)      E(k) / (k·c_q + c_verify(k))   for k ≥ 1
+                 = 1 / c_verify(0)              for k = 0 (target only)
 
 K is chosen before drafting (`choose`): for an n-gram draft the coordinator looks the
 match up itself (specdec.ngram, microseconds), so K is the best for that match's class,
@@ -33,13 +41,15 @@ the machine cost, and its own estimate then follows its own text.
 from __future__ import annotations
 
 import copy
+import math
 from dataclasses import dataclass, field
 
-from specdec.sampling import expected_tokens_per_cycle
+from specdec.sampling import expected_tokens_by_position
 
 DECAY = 0.95
-PRIOR_ACCEPTED = 1.0  # a Beta(1, 1) prior on α
+PRIOR_ACCEPTED = 1.0  # a Beta(1, 1) prior on α̂_0 ...
 PRIOR_JUDGED = 2.0
+PRIOR_WEIGHT = 2.0  # ... and α̂_i leans on α̂_{i-1} with this many pseudo-counts
 # Verifying k more tokens costs this fraction of a plain step per token until measured
 # (design.md §5: 5 tokens ≈ 1.6 plain steps on a CPU).
 PRIOR_VERIFY_SLOPE = 0.15
@@ -50,8 +60,8 @@ MAX_PROBE_EVERY = 128
 @dataclass
 class AdaptiveK:
     max_k: int
-    # class -> [decayed accepted drafts, decayed judged drafts]
-    classes: dict[int, list[float]] = field(default_factory=dict)
+    # class -> per draft position i: [decayed accepted, decayed judged]
+    classes: dict[int, list[list[float]]] = field(default_factory=dict)
     draft_ms: float = 0.0  # decayed sum of draft time ...
     drafted: float = 0.0  # ... and of drafted tokens
     # k -> (decayed sum of verify ms, decayed count)
@@ -70,15 +80,34 @@ class AdaptiveK:
 
     @property
     def alpha(self) -> float:
-        """α̂ over every class together."""
-        if not self.classes:
-            return PRIOR_ACCEPTED / PRIOR_JUDGED
-        return sum(a for a, _ in self.classes.values()) / sum(j for _, j in self.classes.values())
+        """α̂ over every class and position together."""
+        counts = [c for positions in self.classes.values() for c in positions]
+        return (sum(a for a, _ in counts) + PRIOR_ACCEPTED) / (sum(j for _, j in counts) + PRIOR_JUDGED)
 
     def class_alpha(self, match_length: int) -> float:
-        """α̂ of one class (the prior's 0.5 until it is seen; the prior decays like any count)."""
-        accepted, judged = self.classes.get(match_length, (PRIOR_ACCEPTED, PRIOR_JUDGED))
-        return accepted / judged
+        """α̂ of one class over its positions (the prior's 0.5 until it is seen)."""
+        counts = self.classes.get(match_length, [])
+        return (sum(a for a, _ in counts) + PRIOR_ACCEPTED) / (sum(j for _, j in counts) + PRIOR_JUDGED)
+
+    def position_alphas(self, match_length: int, k: int) -> list[float]:
+        """α̂_0 .. α̂_{k-1} of one class (module doc)."""
+        counts = self.classes.get(match_length, [])
+        alphas, prior, weight = [], PRIOR_ACCEPTED / PRIOR_JUDGED, PRIOR_JUDGED
+        for i in range(k):
+            accepted, judged = counts[i] if i < len(counts) else (0.0, 0.0)
+            prior = (accepted + weight * prior) / (judged + weight)
+            alphas.append(prior)
+            weight = PRIOR_WEIGHT
+        return alphas
+
+    def best_class(self) -> int:
+        """The class whose first draft is accepted most often (0 before any is seen)."""
+        return max(self.classes, key=lambda c: self.position_alphas(c, 1)[0], default=0)
+
+    def keep_probability(self, k: int) -> float:
+        """The chance that K drafts of the best class and the guess after them are all
+        accepted: Π α̂_i over K + 1 positions (whether pipelining's next cycle is kept)."""
+        return math.prod(self.position_alphas(self.best_class(), k + 1))
 
     def c_q(self) -> float:
         return self.draft_ms / self.drafted if self.drafted else 0.0
@@ -99,27 +128,24 @@ class AdaptiveK:
         slope = max(slope, 0.0)
         return max(mean_y + slope * (k - mean_x), 1e-3)
 
-    def rate(self, k: int, alpha: float | None = None) -> float:
-        """Expected tokens per ms with lookahead k at acceptance `alpha` (default: α̂ of the
-        best class), 0 when costs are still unknown."""
+    def rate(self, k: int, match_length: int | None = None) -> float:
+        """Expected tokens per ms with lookahead k for drafts of class `match_length`
+        (default: the best class), 0 when costs are still unknown."""
         verify = self.c_verify(k)
         if verify is None:
             return 0.0
         if k == 0:
             return 1.0 / verify
-        alpha = self.best_alpha() if alpha is None else alpha
-        return expected_tokens_per_cycle(alpha, k) / (k * self.c_q() + verify)
+        match_length = self.best_class() if match_length is None else match_length
+        return expected_tokens_by_position(self.position_alphas(match_length, k)) / (k * self.c_q() + verify)
 
     def measured(self) -> bool:
         """Whether verify costs and some drafted cycle are known (before that, K is not chosen
         by the formula)."""
         return bool(self.verify and self.drafted)
 
-    def best_alpha(self) -> float:
-        return max((self.class_alpha(c) for c in self.classes), default=self.class_alpha(0))
-
-    def best_k(self, limit: int, alpha: float | None = None) -> int:
-        return max(range(limit + 1), key=lambda k: self.rate(k, alpha))
+    def best_k(self, limit: int, match_length: int | None = None) -> int:
+        return max(range(limit + 1), key=lambda k: self.rate(k, match_length))
 
     def choose(self, limit: int, match_length: int | None = None) -> int:
         """K for the next cycle, at most `limit` (what max_new_tokens and the context allow),
@@ -130,8 +156,7 @@ class AdaptiveK:
             return 0
         if not self.measured():
             return min(limit, max(1, self.max_k // 2))  # nothing measured yet: start in the middle
-        alpha = None if match_length is None else self.class_alpha(match_length)
-        best = self.best_k(limit, alpha)
+        best = self.best_k(limit, match_length)
         return self.probe() if best == 0 else best
 
     def worth_drafting(self, limit: int, match_length: int) -> bool:
@@ -142,14 +167,14 @@ class AdaptiveK:
             return False
         if not self.measured():
             return True
-        return self.best_k(limit, self.class_alpha(match_length)) > 0
+        return self.best_k(limit, match_length) > 0
 
     def trim(self, match_length: int, offered: int) -> int:
         """How many of `offered` drafts of class `match_length` to verify: the K ≤ offered
         best for that class's α̂ (0: none, a plain step). A probe is never trimmed."""
         if self.probing or not self.measured():
             return offered
-        best = self.best_k(offered, self.class_alpha(match_length))
+        best = self.best_k(offered, match_length)
         return self.probe() if best == 0 else best
 
     def probe(self) -> int:
@@ -182,9 +207,15 @@ class AdaptiveK:
             total[0] += verify_ms
             total[1] += 1
         if drafted:
-            counts = self.classes.setdefault(match_length, [PRIOR_ACCEPTED, PRIOR_JUDGED])
-            counts[0] = counts[0] * DECAY + accepted
-            counts[1] = counts[1] * DECAY + accepted + (1 if accepted < drafted else 0)
+            positions = self.classes.setdefault(match_length, [])
+            for counts in positions:
+                counts[0] *= DECAY
+                counts[1] *= DECAY
+            for i in range(min(accepted + 1, drafted)):  # judged: the accepted ones and the first rejected
+                if i == len(positions):
+                    positions.append([0.0, 0.0])
+                positions[i][0] += i < accepted
+                positions[i][1] += 1
         if proposed and draft_ms is not None:
             self.draft_ms = self.draft_ms * DECAY + draft_ms
             self.drafted = self.drafted * DECAY + proposed

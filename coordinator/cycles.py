@@ -22,7 +22,8 @@ never depends on the timing, only on the committed prefix and the per-cycle rand
 streams, so the output is the same with pipelining on or off.
 
 Whether a cycle pipelines: the plan allows it, and the chance that its early drafting
-is kept, α̂^(K+1) (all K accepted and the guess right, each about α̂), is at least
+is kept (all K accepted and the guess right: α̂^(K+1), or with adaptive K the product of
+its per-position estimates α̂_0 .. α̂_K) is at least
 `plan.pipeline_min_keep`. The Verify of a pipelined cycle says `draft_busy`: a target
 sharing the draft's cores verifies on fewer threads then, so a guess that is seldom
 kept costs more than it saves; with the draft idle the target takes every core.
@@ -429,18 +430,19 @@ class CycleLoop:
         want = k + 1 if self.pipelines(k) else k
         return self.start_propose(self.draft_seen, self.committed[self.draft_seen :], want, self.cycle), k, False
 
-    def acceptance(self) -> float:
-        """α̂ of this session: adaptive K's estimate of its best class, else accepted / judged
-        drafts so far under a Beta(1, 1) prior (0.5 before any draft was judged)."""
+    def keep_probability(self, k: int) -> float:
+        """The chance a pipelined cycle of K drafts is kept (all K and the guess accepted):
+        adaptive K's per-position estimate, else α̂^(K+1) with α̂ = accepted / judged drafts
+        so far under a Beta(1, 1) prior (0.5 before any draft was judged)."""
         if self.adaptive is not None:
-            return self.adaptive.best_alpha()
-        return (self.accepted + 1) / (self.judged + 2)
+            return self.adaptive.keep_probability(k)
+        return ((self.accepted + 1) / (self.judged + 2)) ** (k + 1)
 
     def pipelines(self, k: int) -> bool:
         """Whether a cycle of K drafts asks for the guess and drafts the next cycle early (module doc)."""
         if not self.plan.pipeline:
             return False
-        return self.plan.pipeline_min_keep <= 0 or self.acceptance() ** (k + 1) >= self.plan.pipeline_min_keep
+        return self.plan.pipeline_min_keep <= 0 or self.keep_probability(k) >= self.plan.pipeline_min_keep
 
     def start_propose(self, position: int, new_tokens: Sequence[int], k: int, cycle: int) -> DraftCall:
         request = pb.ProposeRequest(

@@ -75,7 +75,7 @@ class CoordinatorConfig:
     # Draft the next cycle while the target verifies (requests may override).
     pipeline: bool = True
     # ... but, unless a request asks for pipelining, only in cycles whose speculative drafting
-    # is likely kept: the session's acceptance estimate α̂ gives α̂^(K+1) >= this (0 = every
+    # is likely kept: the session's estimate of that chance, α̂^(K+1) (adaptive K: Π α̂_i), >= this (0 = every
     # cycle). A pipelined cycle keeps the draft busy while the target verifies, and a
     # target sharing the draft's cores then verifies on fewer threads (coordinator.cycles).
     pipeline_min_keep: float = 0.5

@@ -190,7 +190,8 @@ def add_coordinator_flags(p: argparse.ArgumentParser) -> None:
              help="do not draft the next cycle while the target verifies (requests may still ask for it)")  # fmt: skip
     env_flag(p, "--pipeline-min-keep", "SPECDEC_PIPELINE_MIN_KEEP", default=0.5, type=float,
              help="for requests that do not ask for pipelining: pipeline a cycle only when the session's "
-                  "acceptance estimate a gives a^(K+1) >= this, the chance its early drafting is kept "
+                  "estimate of the chance its early drafting is kept (all K drafts and the guess accepted: a^(K+1), "
+                  "or adaptive K's per-position estimate) is >= this "
                   "(default: %(default)s; 0 = every cycle, for a draft and a target on separate devices)")  # fmt: skip
     env_flag(p, "--max-prompt-tokens", "SPECDEC_MAX_PROMPT_TOKENS", default=8192, type=int,
              help="longest prompt accepted, in tokens")  # fmt: skip

@@ -597,6 +597,23 @@ def expected_tokens_per_cycle(alpha: float, k: int) -> float:
     return sum(alpha**i for i in range(k + 1))
 
 
+def expected_tokens_by_position(alphas: list[float]) -> float:
+    """Expected tokens one cycle of K = len(alphas) drafts emits, where alphas[i] is the
+    chance draft i is accepted given drafts 0..i-1 were: 1 + Σ_k Π_{i<k} alphas[i].
+
+    With every alphas[i] = α this is expected_tokens_per_cycle(α, K). Acceptances are rarely
+    independent: an n-gram draft that copies the right passage tends to stay right, so a
+    draft's later positions, once reached, are accepted more often than its first.
+    """
+    tokens, reached = 1.0, 1.0
+    for alpha in alphas:
+        if math.isnan(alpha) or not 0.0 <= alpha <= 1.0:
+            raise ValueError(f"alpha must be in [0, 1], got {alpha}")
+        reached *= alpha
+        tokens += reached
+    return tokens
+
+
 def expected_speedup(alpha: float, k: int, cost_ratio: float) -> float:
     """Expected speedup over plain target decoding, for cost_ratio = c_q / c_p.
 
