@@ -32,6 +32,8 @@ Terms (the seed's performance model, design.md §3):
                passes inside it (timed by the target service), the same work timed alone
                (c_verify[K], or c_p per plain token), the Redis commit, and the interval between
                chunks as the client sees it
+    --compare-k   specdec alone, adaptive K against fixed K and the target alone, all in one
+                  stack and interleaved (`run_compare_k`): adaptive_vs_best_fixed_k
     required α (`--costs`) the smallest α at which K drafts per cycle reach 1.0× / 1.3× the
                target's own tokens/s (1 / c_p), sequential and pipelined
 """
@@ -94,10 +96,25 @@ def add_bench_parser(commands) -> None:
                    help="torch threads of the in-process baselines (0 = torch's default, all cores)")  # fmt: skip
     p.add_argument("--no-chat-template", action="store_true", help="use prompts as raw text")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    p.add_argument("--compare-k", type=k_list, default=None, metavar="K,K,...",
+                   help="instead of the side-by-side: specdec alone, adaptive K (up to --max-k) against each of "
+                        "these fixed K and the target alone (K = 0), all in one stack, interleaved prompt by "
+                        "prompt; prints each one's tokens/s and adaptive / best fixed K")  # fmt: skip
     p.add_argument("--costs", action="store_true",
                    help="only measure this machine's costs (c_p, c_q, a verify pass over 2..max-k+1 tokens) "
                         "and print the acceptance rate α each K needs to match, or beat by 1.3x, the target "
                         "alone; no generation runs (seconds, not minutes)")  # fmt: skip
+
+
+def k_list(text: str) -> list[int]:
+    """`2,4` -> [2, 4]: the fixed K of --compare-k (each 1..32)."""
+    try:
+        ks = sorted({int(part) for part in text.split(",") if part.strip()})
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected K values separated by commas, such as 2,4; got {text!r}") from None
+    if not ks or ks[0] < 1 or ks[-1] > 32:
+        raise argparse.ArgumentTypeError(f"each K must be 1..32, got {text!r}")
+    return ks
 
 
 def k_value(text: str):
@@ -465,6 +482,81 @@ def format_costs(r: dict) -> str:
     return "\n".join(lines)
 
 
+def compare_k_options(args) -> dict[str, dict]:
+    """SDK options of each system --compare-k runs: adaptive, each fixed K, the target alone."""
+    base = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                top_p=args.top_p, pipeline={"auto": None, "on": True, "off": False}[args.pipeline])  # fmt: skip
+    systems = {"adaptive": {**base, "adaptive_k": True, "num_speculative_tokens": args.max_k}}
+    systems.update({f"k{k}": {**base, "num_speculative_tokens": k} for k in args.compare_k})
+    systems["target_only"] = {**base, "speculate": False}
+    return systems
+
+
+def run_compare_k(args, prompts_ids: list[list[int]]) -> int:
+    """`specdec bench --compare-k`: adaptive K against fixed K, kernel for kernel.
+
+    Every system is specdec through the same stack, so the comparison is of the K policy
+    alone; each prompt runs through all of them in turn, the order reversed every other
+    prompt, so drift of the machine and what the shared adaptive estimate has learnt by
+    then fall on all alike. One seed per prompt: sampled runs are comparable too.
+    """
+    import specdec
+    from specdec.launcher import Stack, StackConfig
+    from specdec.redis_server import free_port
+
+    systems = compare_k_options(args)
+    runs = {name: Run() for name in systems}
+    chosen: dict[int, int] = {}  # K adaptive drafted -> cycles
+    progress("specdec: draft, target and coordinator as separate processes on loopback")
+    with Stack(StackConfig(port=free_port(), target=args.target, draft=args.draft), quiet=True) as stack:
+        with specdec.Client(stack.address) as client:
+            client.generate(prompt_token_ids=prompts_ids[0][:8], max_new_tokens=8)
+            total = args.repeats * len(prompts_ids)
+            for number in range(total):
+                ids = prompts_ids[number % len(prompts_ids)]
+                order = list(systems) if number % 2 == 0 else list(systems)[::-1]
+                progress(f"prompt {number + 1}/{total}: {', '.join(order)}")
+                for name in order:
+                    run, out = runs[name], []
+                    start = time.perf_counter()
+                    for chunk in client.generate_stream(prompt_token_ids=ids, seed=number + 1, **systems[name]):
+                        out += chunk.token_ids
+                        if name == "adaptive" and chunk.cycle is not None and chunk.cycle.drafted:
+                            chosen[chunk.cycle.drafted] = chosen.get(chunk.cycle.drafted, 0) + 1
+                    run.seconds += time.perf_counter() - start
+                    run.tokens += len(out)
+                    run.outputs.append(out)
+    rates = {name: run.tokens_per_s for name, run in runs.items()}
+    fixed = {name: rate for name, rate in rates.items() if name.startswith("k")}
+    best = max(fixed, key=fixed.get)
+    agree = [len(set(map(tuple, outputs))) == 1 for outputs in zip(*(run.outputs for run in runs.values()))]
+    report = {
+        "target": args.target, "draft": args.draft, "max_k": args.max_k, "prompts": len(prompts_ids),
+        "kind": args.kind, "repeats": args.repeats, "temperature": args.temperature, "pipeline": args.pipeline,
+        "tokens_per_s": rates, "new_tokens": {name: run.tokens for name, run in runs.items()},
+        "best_fixed_k": best, "adaptive_vs_best_fixed_k": rates["adaptive"] / fixed[best],
+        "adaptive_vs_target_only": rates["adaptive"] / rates["target_only"],
+        "adaptive_cycles_by_k": dict(sorted(chosen.items())),
+        "outputs_agree": [sum(agree), len(agree)] if args.temperature == 0 else None,
+    }  # fmt: skip
+    print(json.dumps(report) if args.json else format_compare_k(report))
+    return 0
+
+
+def format_compare_k(r: dict) -> str:
+    lines = [f"target {r['target']}, draft {r['draft']}, {r['prompts']} prompts x {r['repeats']}, "
+             f"one stack, interleaved", "", f"{'system':<14}{'tokens/s':>10}{'tokens':>8}"]  # fmt: skip
+    for name, rate in r["tokens_per_s"].items():
+        lines.append(f"{name:<14}{rate:>10.2f}{r['new_tokens'][name]:>8}")
+    drafted = ", ".join(f"K={k}: {n}" for k, n in r["adaptive_cycles_by_k"].items()) or "none"
+    lines += ["", f"adaptive K drafted {drafted} cycles",
+              f"adaptive / best fixed K ({r['best_fixed_k']}): {r['adaptive_vs_best_fixed_k']:.3f}; "
+              f"adaptive / target alone: {r['adaptive_vs_target_only']:.3f}"]  # fmt: skip
+    if r["outputs_agree"] is not None:
+        lines.append(f"greedy outputs agree across all systems on {r['outputs_agree'][0]}/{r['outputs_agree'][1]} prompts")
+    return "\n".join(lines)
+
+
 def run_bench(args) -> int:
     import torch
 
@@ -477,6 +569,11 @@ def run_bench(args) -> int:
     progress(f"loading target {args.target}" + ("" if args.draft == NGRAM else f" and draft {args.draft}"))
     # The baselines run the models exactly as transformers loads them; the costs, like the
     # services, use specdec's loading (packed linear layers on a CPU, specdec.packed).
+    if args.compare_k:  # specdec only: the services load the models themselves
+        from specdec.models import load_tokenizer
+
+        tokenizer = load_tokenizer(args.target)
+        return run_compare_k(args, [encode(tokenizer, p, not args.no_chat_template) for p in prompts])
     target = load_model(args.target, pack=False)
     draft = None if args.draft == NGRAM else load_model(args.draft, pack=False)
     prompts_ids = [encode(target.tokenizer, p, not args.no_chat_template) for p in prompts]

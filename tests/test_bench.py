@@ -141,3 +141,30 @@ def test_required_alpha_is_where_the_seeds_rate_reaches_the_speedup():
     assert abs(rate - 1.3 / c_p) < 1e-6 / c_p
     assert required_alpha(1.0, 1, 0.0, 250.0, c_p) is None  # 2 tokens per 2.5 steps: never pays
     assert required_alpha(1.0, 4, 40.0, 180.0, c_p, pipelined=True) < required_alpha(1.0, 4, 40.0, 180.0, c_p)
+
+
+def test_bench_compare_k_runs_adaptive_against_each_fixed_k_in_one_stack(tiny_models, tmp_path):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt": "hello world, hello world"}\n{"prompt": "the cat sat on the mat"}\n')
+    out = subprocess.run(
+        [sys.executable, "-m", "specdec.cli", "bench", "--target", tiny_models.target, "--draft", tiny_models.draft,
+         "--prompts", str(prompts), "--max-new-tokens", "12", "--compare-k", "1,3", "--max-k", "4", "--json"],
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    report = json.loads(out.stdout)
+    assert set(report["tokens_per_s"]) == {"adaptive", "k1", "k3", "target_only"}
+    assert all(rate > 0 for rate in report["tokens_per_s"].values())
+    assert len(set(report["new_tokens"].values())) == 1 and report["new_tokens"]["adaptive"] > 0
+    assert report["outputs_agree"] == [2, 2]  # greedy: the K policy never changes the output
+    best = report["best_fixed_k"]
+    assert best in ("k1", "k3")
+    ratio = report["tokens_per_s"]["adaptive"] / report["tokens_per_s"][best]
+    assert abs(report["adaptive_vs_best_fixed_k"] - ratio) < 1e-9
+    assert set(report["adaptive_cycles_by_k"]) <= {"1", "2", "3", "4"}
+
+
+def test_bench_compare_k_refuses_a_k_list_it_cannot_use():
+    out = subprocess.run([sys.executable, "-m", "specdec.cli", "bench", "--compare-k", "2,x"],
+                         capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert out.returncode == 2 and "expected K values separated by commas" in out.stderr
