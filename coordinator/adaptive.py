@@ -16,6 +16,7 @@ Terms (the seed's formulas):
                  more often than a 1-gram one, so the two deserve different K
     c_q          ms per draft token, as the coordinator sees it (network included)
     c_verify(k)  ms per target pass over k drafts (+ the new tokens); c_verify(0) is a plain step
+                 (measured apart from the others: see `c_verify`)
     E(k)         expected tokens per cycle = 1 + Σ_{j=1..k} Π_{i<j} α̂_i, the seed's
                  (1 − α̂^(k+1)) / (1 − α̂) when every α̂_i is α̂
     rate(k)      E(k) / (k·c_q + c_verify(k))   for k ≥ 1
@@ -27,11 +28,12 @@ and a miss or a weak match costs no draft call and runs plain steps; for a model
 K is the best for its one class. Once drafts arrive, `trim` keeps only as many as their
 own class makes worth verifying (a guard for when the class was not known beforehand).
 
-Estimates decay (DECAY per cycle) so K follows the text as it changes. c_verify(k)
+Estimates decay (DECAY per cycle) so K follows the text as it changes. c_verify(k ≥ 1)
 is a line fitted to the passes seen so far, with a prior slope until two sizes have
-been seen. When k = 0 wins, a one-token probe keeps α̂ current: after PROBE_EVERY
-cycles, and after twice as many each time a probe is rejected (up to MAX_PROBE_EVERY),
-so a useless draft costs less and less; a probe that is accepted resets the interval.
+been seen; a plain step's cost is measured on its own. When k = 0 wins, a one-token
+probe keeps α̂ current: after PROBE_EVERY cycles, and after twice as many each time a
+probe is rejected (up to MAX_PROBE_EVERY), so a useless draft costs less and less; a
+probe that is accepted resets the interval.
 
 Each session starts from `session()` of the coordinator's shared estimate, which every
 session also feeds: a new request does not pay to learn again what the model pair and
@@ -113,14 +115,22 @@ class AdaptiveK:
         return self.draft_ms / self.drafted if self.drafted else 0.0
 
     def c_verify(self, k: int) -> float | None:
-        """Fitted ms of a verify pass over k drafts; None before any pass was seen."""
-        points = [(size, total / count) for size, (total, count) in self.verify.items() if count > 0]
+        """Estimated ms of a verify pass over k drafts; None before any pass was seen.
+
+        c_verify(0), a plain step, is its own mean: on a CPU one row takes a different
+        kernel from a pass over several (specdec.packed), which can cost less than a single
+        row, so a plain step is not on the line through the others. For k ≥ 1, a line
+        fitted to the passes seen, with the prior slope until two sizes have been seen."""
+        plain = self.verify.get(0)
+        plain_ms = plain[0] / plain[1] if plain and plain[1] > 0 else None
+        points = [(size, total / count) for size, (total, count) in self.verify.items() if size > 0 and count > 0]
+        if k == 0 and plain_ms is not None:
+            return plain_ms
         if not points:
-            return None
-        if len({size for size, _ in points}) == 1:
+            return None if plain_ms is None else plain_ms * (1 + PRIOR_VERIFY_SLOPE * k)
+        if len(points) == 1:
             size, ms = points[0]
-            base = ms / (1 + PRIOR_VERIFY_SLOPE * size)
-            return base * (1 + PRIOR_VERIFY_SLOPE * k)
+            return ms * (1 + PRIOR_VERIFY_SLOPE * k) / (1 + PRIOR_VERIFY_SLOPE * size)
         n = len(points)
         mean_x = sum(x for x, _ in points) / n
         mean_y = sum(y for _, y in points) / n

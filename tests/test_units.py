@@ -506,6 +506,22 @@ def test_expected_tokens_by_position_is_the_seeds_formula_at_one_alpha():
         expected_tokens_by_position([1.5])
 
 
+def test_adaptive_k_drafts_where_a_verify_pass_costs_less_than_a_plain_step():
+    """Packed kernels on a CPU: a pass over 3-5 rows cost 0.71-0.74 of a single-row step
+    here. A plain step's cost is its own estimate, not a point on the verify line, so a
+    modest draft (α 0.3) is still used; a line through all sizes (slope clamped at 0, as
+    verify costs cannot fall with k) priced K ≥ 1 at the mean and a plain step below it."""
+    controller = AdaptiveK(max_k=8)
+    verify = lambda k: 60.0 if k == 0 else 42.0 + 0.5 * k
+    for cycle in range(60):  # plain steps (drafting paused) and cycles of 2 and 4 drafts
+        k = (0, 2, 4)[cycle % 3]
+        accepted = 1 if k and cycle % 10 < 3 else 0
+        controller.observe(k, accepted, 3.5 * k if k else None, verify(k))
+    assert controller.c_verify(0) == pytest.approx(60.0)
+    assert controller.c_verify(3) == pytest.approx(43.5)
+    assert controller.choose(8) > 0
+
+
 def test_adaptive_k_respects_the_limit():
     controller = AdaptiveK(max_k=8)
     feed(controller, 30, bernoulli(1.0), draft_ms_per_token=0.5, verify_ms=lambda k: 50 + k)
