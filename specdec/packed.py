@@ -11,9 +11,11 @@ over a single row. torch's `nn.Linear` on a CPU calls MKL's sgemm, and on this p
 2-core AMD machine a SmolLM2-135M pass over 5 rows took about twice a single-row step:
 the K + 1 rows do not share one read of the weights. oneDNN's multiply from a prepacked
 weight takes 5 rows in 1.3-1.4× a single-row step (`specdec bench --costs` prints the ratio
-on your machine). Single rows (decode steps, the draft's every step) keep `nn.Linear`'s
-own path, which is as fast or faster there; so a packed model decodes exactly as before
-and verifies with the packed copy.
+on your machine). A single row (a decode step, the draft's every step) takes the packed copy
+too on two or more threads: MKL's single-row path did not get faster with a second thread
+here (a SmolLM2 step with 200 tokens of context: 62-68 ms on 2 threads, 58-63 on 1) and
+oneDNN's did (43-55 ms). On one thread the two were as fast, and a single row keeps
+`nn.Linear`'s path, bit for bit what an unpacked model computes.
 
 The packed copy costs one more copy of every linear weight in memory (SmolLM2-135M: 0.54
 GB more). Only float32 CPU models are packed, and only where oneDNN is available; anything
@@ -32,7 +34,7 @@ import torch.nn.functional as F
 # oneDNN picks its blocked layout for an expected number of rows: a verify pass of K + 1
 # with K up to ~8. (Measured here: a layout for 5 rows served 2-9 rows as well as any.)
 PACK_FOR_ROWS = 8
-MIN_PACKED_ROWS = 2  # a single row keeps nn.Linear's path (as fast here, and bit-identical)
+MIN_PACKED_ROWS = 2  # on one thread a single row keeps nn.Linear's path (module doc)
 # Environment switch: "0" loads every model unpacked (plain nn.Linear everywhere).
 ENV_SWITCH = "SPECDEC_PACKED_LINEAR"
 
@@ -44,7 +46,8 @@ def packing_available() -> bool:
 
 class PackedLinear(torch.nn.Module):
     """An `nn.Linear` (same weight and bias objects, so tied weights stay tied) plus a
-    prepacked copy of its weight used for inputs of two or more rows."""
+    prepacked copy of its weight, used for inputs of two or more rows, and of one row on
+    two or more threads (module doc)."""
 
     def __init__(self, linear: torch.nn.Linear):
         super().__init__()
@@ -57,7 +60,7 @@ class PackedLinear(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out]
         rows = x.numel() // self.in_features
-        if rows < MIN_PACKED_ROWS or (torch.is_grad_enabled() and self.weight.requires_grad) or x.dtype != torch.float32:
+        if (rows < MIN_PACKED_ROWS and torch.get_num_threads() < 2) or (torch.is_grad_enabled() and self.weight.requires_grad) or x.dtype != torch.float32:
             return F.linear(x, self.weight, self.bias)
         flat = x.reshape(rows, self.in_features)  # [rows, in]
         bias = None if self.bias is None else self.bias.detach()

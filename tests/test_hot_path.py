@@ -3,7 +3,7 @@
 Both must change nothing a model computes beyond the last bits of rounding: the in-place
 cache gives the same logits as transformers' DynamicCache through appends, crops (a
 rejected draft) and growth; a packed model gives the same greedy tokens and logits within
-float32 tolerance, on the single-row path bit for bit."""
+float32 tolerance, on the single-row path of one thread bit for bit."""
 
 import pytest
 import torch
@@ -72,7 +72,14 @@ def test_a_packed_linear_matches_nn_linear_for_one_and_several_rows():
     assert packed.weight is linear.weight and packed.bias is linear.bias
     with torch.inference_mode():
         one = torch.randn(1, 1, 48)
-        assert torch.equal(packed(one), linear(one))  # one row: the same path, bit for bit
+        threads = torch.get_num_threads()
+        try:
+            torch.set_num_threads(1)
+            assert torch.equal(packed(one), linear(one))  # one row, one thread: the same path, bit for bit
+            torch.set_num_threads(2)  # one row, two threads: the packed copy
+            torch.testing.assert_close(packed(one), linear(one), rtol=1e-5, atol=1e-5)
+        finally:
+            torch.set_num_threads(threads)
         for shape in [(1, 5, 48), (3, 7, 48), (9, 48)]:
             x = torch.randn(shape)
             torch.testing.assert_close(packed(x), linear(x), rtol=1e-5, atol=1e-5)
