@@ -14,12 +14,13 @@ Terms (the seed's formulas):
                  an n-gram draft's match length 1..max_ngram, 0 for a model draft. One
                  set of α̂_i per class: a 3-gram match of an n-gram draft is accepted far
                  more often than a 1-gram one, so the two deserve different K
-    c_q          ms per draft token, as the coordinator sees it (network included)
+    c_draft(k)   ms to get k drafts as the coordinator sees it, the Propose call included
+                 (k·c_q plus the call's own cost)
     c_verify(k)  ms per target pass over k drafts (+ the new tokens); c_verify(0) is a plain step
                  (measured apart from the others: see `c_verify`)
     E(k)         expected tokens per cycle = 1 + Σ_{j=1..k} Π_{i<j} α̂_i, the seed's
                  (1 − α̂^(k+1)) / (1 − α̂) when every α̂_i is α̂
-    rate(k)      E(k) / (k·c_q + c_verify(k))   for k ≥ 1
+    rate(k)      E(k) / (c_draft(k) + c_verify(k))   for k ≥ 1
                  = 1 / c_verify(0)              for k = 0 (target only)
 
 K is chosen before drafting (`choose`): for an n-gram draft the coordinator looks the
@@ -64,8 +65,8 @@ class AdaptiveK:
     max_k: int
     # class -> per draft position i: [decayed accepted, decayed judged]
     classes: dict[int, list[list[float]]] = field(default_factory=dict)
-    draft_ms: float = 0.0  # decayed sum of draft time ...
-    drafted: float = 0.0  # ... and of drafted tokens
+    # tokens proposed -> [decayed sum of drafting ms, decayed count]
+    draft: dict[int, list[float]] = field(default_factory=dict)
     # k -> (decayed sum of verify ms, decayed count)
     verify: dict[int, list[float]] = field(default_factory=dict)
     cycles_since_probe: int = 0
@@ -111,8 +112,17 @@ class AdaptiveK:
         accepted: Π α̂_i over K + 1 positions (whether pipelining's next cycle is kept)."""
         return math.prod(self.position_alphas(self.best_class(), k + 1))
 
-    def c_q(self) -> float:
-        return self.draft_ms / self.drafted if self.drafted else 0.0
+    def c_draft(self, k: int) -> float:
+        """Estimated ms to get k drafts, the Propose call included: a line fitted to the
+        calls seen (one size seen: k times its cost per token). An n-gram draft's cost is
+        mostly the call, the same for 1 token or 8; a model draft's grows by c_q a token."""
+        points = [(size, total / count) for size, (total, count) in self.draft.items() if count > 0]
+        if not points or k == 0:
+            return 0.0
+        if len(points) == 1:
+            size, ms = points[0]
+            return ms * k / size
+        return max(line_at(points, k), 0.0)
 
     def c_verify(self, k: int) -> float | None:
         """Estimated ms of a verify pass over k drafts; None before any pass was seen.
@@ -131,12 +141,7 @@ class AdaptiveK:
         if len(points) == 1:
             size, ms = points[0]
             return ms * (1 + PRIOR_VERIFY_SLOPE * k) / (1 + PRIOR_VERIFY_SLOPE * size)
-        n = len(points)
-        mean_x = sum(x for x, _ in points) / n
-        mean_y = sum(y for _, y in points) / n
-        slope = sum((x - mean_x) * (y - mean_y) for x, y in points) / sum((x - mean_x) ** 2 for x, _ in points)
-        slope = max(slope, 0.0)
-        return max(mean_y + slope * (k - mean_x), 1e-3)
+        return max(line_at(points, k), 1e-3)
 
     def rate(self, k: int, match_length: int | None = None) -> float:
         """Expected tokens per ms with lookahead k for drafts of class `match_length`
@@ -147,12 +152,12 @@ class AdaptiveK:
         if k == 0:
             return 1.0 / verify
         match_length = self.best_class() if match_length is None else match_length
-        return expected_tokens_by_position(self.position_alphas(match_length, k)) / (k * self.c_q() + verify)
+        return expected_tokens_by_position(self.position_alphas(match_length, k)) / (self.c_draft(k) + verify)
 
     def measured(self) -> bool:
         """Whether verify costs and some drafted cycle are known (before that, K is not chosen
         by the formula)."""
-        return bool(self.verify and self.drafted)
+        return bool(self.verify and self.draft)
 
     def best_k(self, limit: int, match_length: int | None = None) -> int:
         return max(range(limit + 1), key=lambda k: self.rate(k, match_length))
@@ -227,5 +232,19 @@ class AdaptiveK:
                 positions[i][0] += i < accepted
                 positions[i][1] += 1
         if proposed and draft_ms is not None:
-            self.draft_ms = self.draft_ms * DECAY + draft_ms
-            self.drafted = self.drafted * DECAY + proposed
+            for stats in self.draft.values():
+                stats[0] *= DECAY
+                stats[1] *= DECAY
+            total = self.draft.setdefault(proposed, [0.0, 0.0])
+            total[0] += draft_ms
+            total[1] += 1
+
+
+def line_at(points: list[tuple[int, float]], k: int) -> float:
+    """The least-squares line through (size, ms) points of two or more sizes, at k, its
+    slope clamped at 0 (a longer pass or call does not cost less)."""
+    n = len(points)
+    mean_x = sum(x for x, _ in points) / n
+    mean_y = sum(y for _, y in points) / n
+    slope = sum((x - mean_x) * (y - mean_y) for x, y in points) / sum((x - mean_x) ** 2 for x, _ in points)
+    return mean_y + max(slope, 0.0) * (k - mean_x)

@@ -522,6 +522,21 @@ def test_adaptive_k_drafts_where_a_verify_pass_costs_less_than_a_plain_step():
     assert controller.choose(8) > 0
 
 
+def test_a_draft_calls_fixed_cost_is_not_charged_per_token():
+    """An n-gram draft costs about one Propose round trip (2.5 ms) for 2 tokens or 6: c_draft
+    is a line through the calls seen, not k times a mean cost per token, so 8 drafts are
+    priced at a call, not 4x one."""
+    controller = AdaptiveK(max_k=8)
+    for cycle in range(40):
+        k = (2, 6)[cycle % 2]
+        controller.observe(k, 1, 2.5 + 0.01 * k, 55.0 + k)
+    assert controller.c_draft(8) == pytest.approx(2.58, abs=0.01)
+    assert controller.c_draft(0) == 0.0
+    controller = AdaptiveK(max_k=8)  # one size seen: per token, as a model draft's cost grows
+    controller.observe(2, 1, 8.0, 60.0)
+    assert controller.c_draft(4) == pytest.approx(16.0)
+
+
 def test_adaptive_k_respects_the_limit():
     controller = AdaptiveK(max_k=8)
     feed(controller, 30, bernoulli(1.0), draft_ms_per_token=0.5, verify_ms=lambda k: 50 + k)
