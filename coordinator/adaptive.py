@@ -116,7 +116,7 @@ class AdaptiveK:
         """Estimated ms to get k drafts, the Propose call included: a line fitted to the
         calls seen (one size seen: k times its cost per token). An n-gram draft's cost is
         mostly the call, the same for 1 token or 8; a model draft's grows by c_q a token."""
-        points = [(size, total / count) for size, (total, count) in self.draft.items() if count > 0]
+        points = mean_points(self.draft)
         if not points or k == 0:
             return 0.0
         if len(points) == 1:
@@ -131,9 +131,9 @@ class AdaptiveK:
         kernel from a pass over several (specdec.packed), which can cost less than a single
         row, so a plain step is not on the line through the others. For k ≥ 1, a line
         fitted to the passes seen, with the prior slope until two sizes have been seen."""
-        plain = self.verify.get(0)
-        plain_ms = plain[0] / plain[1] if plain and plain[1] > 0 else None
-        points = [(size, total / count) for size, (total, count) in self.verify.items() if size > 0 and count > 0]
+        means = dict(mean_points(self.verify))
+        plain_ms = means.pop(0, None)
+        points = list(means.items())
         if k == 0 and plain_ms is not None:
             return plain_ms
         if not points:
@@ -215,12 +215,7 @@ class AdaptiveK:
             self.probing = False
             self.probe_every = PROBE_EVERY if accepted else min(2 * self.probe_every, MAX_PROBE_EVERY)
         if verify_ms is not None:
-            for stats in self.verify.values():
-                stats[0] *= DECAY
-                stats[1] *= DECAY
-            total = self.verify.setdefault(drafted, [0.0, 0.0])
-            total[0] += verify_ms
-            total[1] += 1
+            add_decayed(self.verify, drafted, verify_ms)
         if drafted:
             positions = self.classes.setdefault(match_length, [])
             for counts in positions:
@@ -232,12 +227,22 @@ class AdaptiveK:
                 positions[i][0] += i < accepted
                 positions[i][1] += 1
         if proposed and draft_ms is not None:
-            for stats in self.draft.values():
-                stats[0] *= DECAY
-                stats[1] *= DECAY
-            total = self.draft.setdefault(proposed, [0.0, 0.0])
-            total[0] += draft_ms
-            total[1] += 1
+            add_decayed(self.draft, proposed, draft_ms)
+
+
+def add_decayed(costs: dict[int, list[float]], size: int, ms: float) -> None:
+    """Fold one observation into {size: [decayed sum of ms, decayed count]}, every size decaying."""
+    for stats in costs.values():
+        stats[0] *= DECAY
+        stats[1] *= DECAY
+    total = costs.setdefault(size, [0.0, 0.0])
+    total[0] += ms
+    total[1] += 1
+
+
+def mean_points(costs: dict[int, list[float]]) -> list[tuple[int, float]]:
+    """(size, mean ms) of every size seen in {size: [decayed sum of ms, decayed count]}."""
+    return [(size, total / count) for size, (total, count) in costs.items() if count > 0]
 
 
 def line_at(points: list[tuple[int, float]], k: int) -> float:

@@ -594,7 +594,7 @@ def expected_tokens_per_cycle(alpha: float, k: int) -> float:
         raise ValueError(f"alpha must be in [0, 1], got {alpha}")
     if k < 0:
         raise ValueError(f"k must be >= 0, got {k}")
-    return sum(alpha**i for i in range(k + 1))
+    return expected_tokens_by_position([alpha] * k)
 
 
 def expected_tokens_by_position(alphas: list[float]) -> float:
