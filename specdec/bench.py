@@ -218,14 +218,15 @@ def new_totals() -> dict:
             "plain_tokens": 0, "cycles_seen": []}  # fmt: skip
 
 
+def request_options(args) -> dict:
+    """SDK options every specdec request of a bench takes: length, sampling, pipelining."""
+    return dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                top_p=args.top_p, pipeline={"auto": None, "on": True, "off": False}[args.pipeline])  # fmt: skip
+
+
 def specdec_options(args) -> dict:
     adaptive = args.k == "adaptive"
-    return dict(
-        max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-        adaptive_k=adaptive,
-        num_speculative_tokens=args.max_k if adaptive else args.k,
-        pipeline={"auto": None, "on": True, "off": False}[args.pipeline],
-    )  # fmt: skip
+    return dict(request_options(args), adaptive_k=adaptive, num_speculative_tokens=args.max_k if adaptive else args.k)
 
 
 def time_specdec(run: Run, totals: dict, client, ids: list[int], seed: int, options: dict) -> None:
@@ -484,8 +485,7 @@ def format_costs(r: dict) -> str:
 
 def compare_k_options(args) -> dict[str, dict]:
     """SDK options of each system --compare-k runs: adaptive, each fixed K, the target alone."""
-    base = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-                top_p=args.top_p, pipeline={"auto": None, "on": True, "off": False}[args.pipeline])  # fmt: skip
+    base = request_options(args)
     systems = {"adaptive": {**base, "adaptive_k": True, "num_speculative_tokens": args.max_k}}
     systems.update({f"k{k}": {**base, "num_speculative_tokens": k} for k in args.compare_k})
     systems["target_only"] = {**base, "speculate": False}
@@ -506,7 +506,7 @@ def run_compare_k(args, prompts_ids: list[list[int]]) -> int:
 
     systems = compare_k_options(args)
     runs = {name: Run() for name in systems}
-    chosen: dict[int, int] = {}  # K adaptive drafted -> cycles
+    totals = {name: new_totals() for name in systems}
     progress("specdec: draft, target and coordinator as separate processes on loopback")
     with Stack(StackConfig(port=free_port(), target=args.target, draft=args.draft), quiet=True) as stack:
         with specdec.Client(stack.address) as client:
@@ -517,15 +517,7 @@ def run_compare_k(args, prompts_ids: list[list[int]]) -> int:
                 order = list(systems) if number % 2 == 0 else list(systems)[::-1]
                 progress(f"prompt {number + 1}/{total}: {', '.join(order)}")
                 for name in order:
-                    run, out = runs[name], []
-                    start = time.perf_counter()
-                    for chunk in client.generate_stream(prompt_token_ids=ids, seed=number + 1, **systems[name]):
-                        out += chunk.token_ids
-                        if name == "adaptive" and chunk.cycle is not None and chunk.cycle.drafted:
-                            chosen[chunk.cycle.drafted] = chosen.get(chunk.cycle.drafted, 0) + 1
-                    run.seconds += time.perf_counter() - start
-                    run.tokens += len(out)
-                    run.outputs.append(out)
+                    time_specdec(runs[name], totals[name], client, ids, number + 1, systems[name])
     rates = {name: run.tokens_per_s for name, run in runs.items()}
     fixed = {name: rate for name, rate in rates.items() if name.startswith("k")}
     best = max(fixed, key=fixed.get)
@@ -536,7 +528,7 @@ def run_compare_k(args, prompts_ids: list[list[int]]) -> int:
         "tokens_per_s": rates, "new_tokens": {name: run.tokens for name, run in runs.items()},
         "best_fixed_k": best, "adaptive_vs_best_fixed_k": rates["adaptive"] / fixed[best],
         "adaptive_vs_target_only": rates["adaptive"] / rates["target_only"],
-        "adaptive_cycles_by_k": dict(sorted(chosen.items())),
+        "adaptive_cycles_by_k": dict(sorted(totals["adaptive"]["cycles_by_k"].items())),
         "outputs_agree": [sum(agree), len(agree)] if args.temperature == 0 else None,
     }  # fmt: skip
     print(json.dumps(report) if args.json else format_compare_k(report))
