@@ -21,6 +21,10 @@ and the next cycle drafts from the corrected prefix. Which drafts the target see
 never depends on the timing, only on the committed prefix and the per-cycle random
 streams, so the output is the same with pipelining on or off.
 
+Prefetch: a cycle that did not keep a speculative call starts the next cycle's Propose
+as soon as its verdict is applied, before its Redis commit and its reply to the client,
+so the draft drafts meanwhile: the same request the next cycle would send, only sooner.
+
 Whether a cycle pipelines: the plan allows it, and the chance that its early drafting
 is kept (all K accepted and the guess right: α̂^(K+1), or with adaptive K the product of
 its per-position estimates α̂_0 .. α̂_K) is at least
@@ -208,6 +212,9 @@ class Speculation:
     assumed: list[int]
     # The K it drafts for.
     k: int
+    # Started from the committed prefix once the verdict was in (prefetch_draft), not from
+    # a guess: the cycle that takes it is not a pipelined one.
+    prefetched: bool = False
 
 
 class CycleLoop:
@@ -359,13 +366,8 @@ class CycleLoop:
         remaining = self.plan.max_new_tokens - (len(self.committed) - len(self.plan.prompt))
         new = new[:remaining]
 
-        increments = {"cycles": 1, "draft_tokens": len(drafts), "accepted_tokens": n}
-        increments.update({f"accepted_pos_{i}": 1 for i in range(n)})
-        await self.store.commit(self.plan.session_id, self.cycle, new, increments)
-        committed_at = time.perf_counter()
-
         before = len(self.committed)
-        self.committed.extend(new)
+        self.committed.extend(new)  # the Redis commit follows below; a failed one ends the request
         # The target holds everything up to the accepted prefix. The draft fed every token
         # it streamed but its last; of those, the accepted ones are still valid.
         # (after a call of several steps it also fed all of them but the last)
@@ -385,6 +387,14 @@ class CycleLoop:
             draft_ms = (drafted_at - start) * 1000 if self.cycle else None
             match_length = drafts[0].match_length if drafts else 0
             self.adaptive.observe(len(drafts), n, draft_ms, verify_ms, match_length, proposed)
+        generated = len(self.committed) - len(self.plan.prompt)
+        if self.speculation is None and not eos and generated < self.plan.max_new_tokens:
+            self.speculation = self.prefetch_draft()  # drafts while Redis commits and the client reads
+
+        increments = {"cycles": 1, "draft_tokens": len(drafts), "accepted_tokens": n}
+        increments.update({f"accepted_pos_{i}": 1 for i in range(n)})
+        await self.store.commit(self.plan.session_id, self.cycle, new, increments)
+        committed_at = time.perf_counter()
         info = pb.CycleInfo(
             index=self.cycle,
             drafted=len(drafts),
@@ -399,7 +409,6 @@ class CycleLoop:
             commit_ms=(committed_at - verified_at) * 1000,
         )
         self.cycle += 1
-        generated = len(self.committed) - len(self.plan.prompt)
         return Outcome(new, info, eos, generated >= self.plan.max_new_tokens)
 
     def solo_steps(self) -> int:
@@ -421,14 +430,29 @@ class CycleLoop:
         speculation, self.speculation = self.speculation, None
         if speculation is not None:
             if speculation.assumed == self.committed and speculation.k <= limit:
-                return speculation.call, speculation.k, True
+                return speculation.call, speculation.k, not speculation.prefetched
             speculation.call.cancel()
+        call, k = self.new_draft_call(limit, self.cycle)
+        return call, k, False
+
+    def new_draft_call(self, limit: int, cycle: int) -> tuple[DraftCall | None, int]:
+        """(Propose call, K) for `cycle` drafting after everything committed; no call when K
+        is 0 or the draft is in back-off then."""
         k = self.choose_k(limit, self.committed)
-        if k == 0 or self.cycle < self.draft_paused_until:
-            return None, k, False
+        if k == 0 or cycle < self.draft_paused_until:
+            return None, k
         # With pipelining, one token more than K: the guess of the bonus token.
         want = k + 1 if self.pipelines(k) else k
-        return self.start_propose(self.draft_seen, self.committed[self.draft_seen :], want, self.cycle), k, False
+        return self.start_propose(self.draft_seen, self.committed[self.draft_seen :], want, cycle), k
+
+    def prefetch_draft(self) -> Speculation | None:
+        """Start the next cycle's Propose now that its prefix is known (self.committed, the
+        verdict applied), before this cycle's Redis commit and its reply to the client: the
+        draft drafts meanwhile. The same call the next cycle would make, so nothing changes
+        but when it starts."""
+        limit = self.limit(len(self.committed))
+        call, k = self.new_draft_call(limit, self.cycle + 1) if limit else (None, 0)
+        return None if call is None else Speculation(call, list(self.committed), k, prefetched=True)
 
     def keep_probability(self, k: int) -> float:
         """The chance a pipelined cycle of K drafts is kept (all K and the guess accepted):

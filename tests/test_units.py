@@ -1,6 +1,7 @@
 """Unit tests of the small pieces the services are built from."""
 
 import asyncio
+import contextlib
 import zlib
 
 import pytest
@@ -702,3 +703,86 @@ def test_a_cycle_pipelines_by_default_only_when_its_early_drafting_is_likely_kep
     assert loop(accepted=40, judged=40).pipelines(4)
     assert not loop(accepted=10, judged=30).pipelines(4)
     assert loop(min_keep=0.0).pipelines(4) and not loop(pipeline=False, accepted=40, judged=40).pipelines(4)
+
+
+# ---------------------------------------------------------------- prefetching the next draft
+
+
+class RecordingDraftStub:
+    """A draft whose Propose streams `k` copies of token 7 and records each request."""
+
+    def __init__(self):
+        self.requests: list = []
+        self.started = asyncio.Event()
+
+    def Propose(self, request, timeout=None):
+        self.requests.append(request)
+        self.started.set()
+        return FakeDraftStream([pb.DraftToken(index=i, token_id=7) for i in range(request.k)])
+
+
+class FakeDraftStream:
+    def __init__(self, tokens):
+        self.tokens = tokens
+
+    def __aiter__(self):
+        return self.stream()
+
+    async def stream(self):
+        for token in self.tokens:
+            yield token
+
+    def cancel(self):
+        pass
+
+
+class AcceptingTargetStub:
+    """A target that accepts every draft and answers 7 as its next token."""
+
+    async def Verify(self, request, timeout=None, wait_for_ready=None):
+        return pb.VerifyResponse(num_accepted=len(request.drafts), next_token=7, bonus=bool(request.drafts))
+
+
+class CommitWatchingStore:
+    """A session store whose commit of cycle n notes whether the draft had already been asked
+    for cycle n + 1 (waiting a moment for it, as a Redis round trip would)."""
+
+    def __init__(self, draft: RecordingDraftStub):
+        self.draft = draft
+        self.asked_before_commit: list[bool] = []
+
+    async def commit(self, session_id, cycle, tokens, increments):
+        self.draft.started.clear()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self.draft.started.wait(), 0.5)
+        self.asked_before_commit.append(any(r.cycle == cycle + 1 for r in self.draft.requests))
+        return cycle + 1, 0
+
+
+def test_the_next_cycle_drafts_while_this_cycle_commits_and_nothing_else_changes():
+    """Once a verdict is in, the next cycle's Propose starts before the Redis commit (the
+    draft drafts while Redis writes and the client reads), asks exactly what the next cycle
+    would ask (its position, tokens, K and cycle number), and the cycle that takes it is not
+    counted as pipelined. The last cycle starts nothing."""
+    from coordinator.cycles import CycleLoop, Plan
+
+    async def run():
+        draft = RecordingDraftStub()
+        store = CommitWatchingStore(draft)
+        plan = Plan(session_id="s", prompt=[1, 2, 3], max_new_tokens=9, sampling=Sampling(0.0, 0, 1.0, 1), k=2,
+                    eos_token_ids=frozenset(), max_context=0, draft_model="", draft_fingerprint="",
+                    pipeline=False)  # fmt: skip
+        loop = CycleLoop(draft, AcceptingTargetStub(), store, plan, None)
+        outcomes = [outcome async for outcome in loop.run()]
+        return draft.requests, store.asked_before_commit, outcomes
+
+    requests, asked_before_commit, outcomes = asyncio.run(run())
+    assert [len(o.tokens) for o in outcomes] == [3, 3, 3]  # K = 2, all accepted, + next token
+    assert asked_before_commit == [True, True, False]  # the last cycle has no next one
+    assert [r.cycle for r in requests] == [0, 1, 2]
+    assert [(r.position, list(r.new_tokens), r.k) for r in requests] == [
+        (0, [1, 2, 3], 2),  # the prompt
+        (4, [7, 7], 2),  # the draft fed its drafts but the last: it lacks that one and the next token
+        (7, [7, 7], 2),
+    ]
+    assert not any(o.info.pipelined for o in outcomes)
