@@ -464,6 +464,7 @@ def run_costs(args, target, draft, context: list[int]) -> int:
         "c_verify_shared_ms": {str(k): ms for k, ms in costs.c_verify_shared.items()},
         "verify_over_step": {str(k): ms / c_p for k, ms in costs.c_verify.items()},
         "required_alpha": required,
+        "kernels": {"target": target.kernels, "draft": draft.kernels if draft is not None else {}},
     }  # fmt: skip
     print(json.dumps(report) if args.json else format_costs(report))
     return 0
@@ -478,6 +479,8 @@ def format_costs(r: dict) -> str:
         f"target {r['target']} ({threads['target']} threads with the draft idle, {threads['target_shared']} while "
         f"it drafts beside it), draft {r['draft']} ({threads['draft']}), {r['context_tokens']} tokens of context",
         f"c_p {r['c_p_ms']:.1f} ms per target step, c_q {r['c_q_ms']:.2f} ms per draft token",
+        f"linear kernels timed at load: target {format_kernels(r['kernels']['target'])}; "
+        f"draft {format_kernels(r['kernels']['draft'])}",
         "",
         f"{'K':>3}{'c_verify':>10}{'/ c_p':>7}{'shared':>9}   α for 1.0x / 1.3x the target alone: sequential, pipelined",
     ]
@@ -486,6 +489,11 @@ def format_costs(r: dict) -> str:
         lines.append(f"{k:>3}{ms:>8.1f}ms{r['verify_over_step'][k]:>7.2f}{r['c_verify_shared_ms'][k]:>7.1f}ms   "
                      f"{alpha(seq['1'][k])}{alpha(seq['1.3'][k])}   {alpha(pipe['1'][k])}{alpha(pipe['1.3'][k])}")  # fmt: skip
     return "\n".join(lines)
+
+
+def format_kernels(kernels: dict[str, str]) -> str:
+    """{"one row, 1 thread": "stock", ...} -> "stock for one row, 1 thread; ..." ("not packed" when empty)."""
+    return ", ".join(f"{kernel} for {passes}" for passes, kernel in kernels.items()) or "not packed"
 
 
 def compare_k_options(args) -> dict[str, dict]:
@@ -656,6 +664,9 @@ def run_bench(args) -> int:
         "greedy_outputs_agree": (sum(agree), len(agree)) if greedy else None,
         "baseline_threads": args.threads or threads_before,
         "service_threads": costs.threads,
+        # which linear kernel each pass of the services' models takes, as timed at load (specdec.packed)
+        "kernels": {"target": packed_target.kernels if packed else {},
+                    "draft": packed_draft.kernels if packed_draft is not None else {}},
     }
     if args.json:
         print(json.dumps(report))
@@ -667,11 +678,10 @@ def run_bench(args) -> int:
 def pack_loaded(loaded):
     """Pack a loaded model's linear layers in place, as specdec's loading does where it pays
     (specdec.packed); returns it (None stays None)."""
-    from specdec.packed import PackedLinear, pack_linears, should_pack
+    from specdec.packed import pack_model
 
-    if loaded is not None and should_pack(loaded.model):
-        if not any(isinstance(m, PackedLinear) for m in loaded.model.modules()):
-            pack_linears(loaded.model)
+    if loaded is not None:
+        loaded.kernels = pack_model(loaded.model)
     return loaded
 
 

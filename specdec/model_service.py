@@ -82,6 +82,8 @@ class ModelService:
         from specdec.models import load_model
 
         loaded = load_model(self.config.model, dtype=self.config.dtype, device=self.config.device)
+        if loaded.kernels:
+            logging.getLogger("specdec").info("the %s model's linear kernels, timed here: %s", self.role, loaded.kernels)
         self.info.MergeFrom(model_info_to_pb(loaded))
         self.pool = self.make_pool(lambda: new_cache(loaded.model.config))
         return loaded

@@ -42,7 +42,7 @@ from tqdm.auto import tqdm
 import transformers
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 
-from specdec.packed import pack_linears, should_pack
+from specdec.packed import pack_model
 
 CACHE_ENV = "SPECDEC_CACHE"  # overrides the cache folder (tests point it at a temp dir)
 CACHE_MARKER = "specdec-model.json"  # written last inside a converted dir; its presence means "complete"
@@ -397,6 +397,7 @@ class LoadedModel:
     eos_token_ids: list[int] = field(default_factory=list)  # generation_config's eos ids, then the tokenizer's
     device: str = "cpu"  # where the weights are: "cpu", "cuda:0", ...
     dtype: str = "float32"  # the weights' dtype as a name: "float32", "bfloat16", ...
+    kernels: dict[str, str] = field(default_factory=dict)  # packed models: which linear kernel each pass takes (specdec.packed)
 
 
 def load_model(name_or_path: str, *, dtype: str = "float32", device: str = "cpu", pack: bool = True) -> LoadedModel:
@@ -404,9 +405,11 @@ def load_model(name_or_path: str, *, dtype: str = "float32", device: str = "cpu"
 
     dtype: "float32", "float16", "bfloat16", or "auto" (the checkpoint's own dtype).
     device: "cpu", "cuda", "cuda:N", or "auto" (cuda when available, else cpu).
-    pack: replace the linear layers by PackedLinear (specdec.packed) where that pays: a
-    float32 model on the CPU with oneDNN, unless SPECDEC_PACKED_LINEAR=0. False loads the
-    model exactly as transformers does (the bench's baselines).
+    pack: replace the linear layers by PackedLinear (specdec.packed) where that applies: a
+    float32 model on the CPU with oneDNN, unless SPECDEC_PACKED_LINEAR=0; each pass then
+    takes whichever of the packed copy and nn.Linear's kernel timed faster at load (the
+    result is LoadedModel.kernels). False loads the model exactly as transformers does
+    (the bench's baselines).
     An existing path wins over a catalog name of the same spelling. Never contacts the hub.
     """
     torch_dtype = _parse_dtype(dtype)
@@ -423,8 +426,7 @@ def load_model(name_or_path: str, *, dtype: str = "float32", device: str = "cpu"
         restrict_output_vocab(model, read_output_vocab(path / OUTPUT_VOCAB_FILE, _embedding_rows(model)))
     model.to(device)
     model.eval()
-    if pack and should_pack(model):  # verify K + 1 rows from prepacked weights
-        pack_linears(model)
+    kernels = pack_model(model) if pack else {}  # verify K + 1 rows from prepacked weights, where faster here
     parameter = next(model.parameters())
     return LoadedModel(
         model=model,
@@ -437,6 +439,7 @@ def load_model(name_or_path: str, *, dtype: str = "float32", device: str = "cpu"
         eos_token_ids=eos_token_ids(model, tokenizer),
         device=str(parameter.device),
         dtype=str(parameter.dtype).removeprefix("torch."),
+        kernels=kernels,
     )
 
 

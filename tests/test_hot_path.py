@@ -11,7 +11,10 @@ from transformers import DynamicCache
 
 from specdec.kvcache import GrowingLayer, cache_bytes, crop_cache, forward, new_cache
 from specdec.models import build_tiny_model, build_tiny_tokenizer, load_model, save_model
-from specdec.packed import ENV_SWITCH, PackedLinear, pack_linears, packing_available
+from specdec import packed as packed_module
+from specdec.packed import (
+    ENV_SWITCH, ONE_ROW, SEVERAL_ROWS, PackedLinear, choose_kernels, kernel_choice, pack_linears, packing_available,
+)  # fmt: skip
 
 needs_onednn = pytest.mark.skipif(not packing_available(), reason="this torch build has no oneDNN")
 
@@ -117,6 +120,71 @@ def test_load_model_packs_a_float32_cpu_model_unless_switched_off(tmp_path, monk
     monkeypatch.setenv(ENV_SWITCH, "0")
     loaded = load_model(str(tmp_path / "m"))
     assert not any(isinstance(m, PackedLinear) for m in loaded.model.modules())
+
+
+@needs_onednn
+def test_choose_kernels_keeps_the_faster_kernel_for_each_pass_and_thread_count(monkeypatch):
+    """The timing decides per (rows, threads): here the packed copy is made to time slower on
+    one row and faster on several, so a single row takes nn.Linear's kernel (bit for bit) and
+    a verify pass the packed copy, on one thread and on two."""
+    packed = build_tiny_model(build_tiny_tokenizer(), hidden_size=32, num_layers=2, seed=3, initializer_range=0.2)
+    pack_linears(packed)
+
+    def fake_time_pass(layers, inputs, use_packed):  # seconds: packed loses on 1 row, wins on 4
+        rows = next(iter(inputs.values())).shape[0]
+        return {(1, True): 2.0, (1, False): 1.0, (4, True): 1.0, (4, False): 2.0}[(rows, use_packed)]
+
+    monkeypatch.setattr(packed_module, "time_pass", fake_time_pass)
+    choice = choose_kernels(packed, [1, 2, 2])
+    assert choice is kernel_choice(packed)
+    assert choice.packed == {(ONE_ROW, 1): False, (SEVERAL_ROWS, 1): True, (ONE_ROW, 2): False, (SEVERAL_ROWS, 2): True}
+    assert choice.describe() == {"one row, 1 thread": "stock", "several rows, 1 thread": "packed",
+                                 "one row, 2 threads": "stock", "several rows, 2 threads": "packed"}  # fmt: skip
+    calls = []
+    real_packed_forward = PackedLinear.packed_forward
+    monkeypatch.setattr(PackedLinear, "packed_forward", lambda self, x: calls.append(x.shape) or real_packed_forward(self, x))
+    layer = packed.lm_head
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        with torch.inference_mode():
+            one = torch.randn(1, 1, layer.in_features)
+            assert torch.equal(layer(one), torch.nn.functional.linear(one, layer.weight, layer.bias))
+            assert calls == []
+            layer(torch.randn(1, 4, layer.in_features))
+            assert calls == [(1, 4, layer.in_features)]
+    finally:
+        torch.set_num_threads(threads)
+
+
+@needs_onednn
+def test_a_kernel_timed_only_a_little_faster_does_not_replace_the_fixed_rules(monkeypatch):
+    """Within SWITCH_BELOW (10%) the fixed rule stands: startup timings are noisy."""
+    packed = build_tiny_model(build_tiny_tokenizer(), hidden_size=32, num_layers=1, seed=3, initializer_range=0.2)
+    pack_linears(packed)
+    # nn.Linear's kernel times 5% faster everywhere; 1 thread, 1 row is stock by the rule anyway
+    monkeypatch.setattr(packed_module, "time_pass", lambda layers, inputs, use_packed: 1.0 if use_packed else 0.95)
+    assert choose_kernels(packed, [1, 2]).describe() == {
+        "one row, 1 thread": "stock", "several rows, 1 thread": "packed",
+        "one row, 2 threads": "packed", "several rows, 2 threads": "packed",
+    }  # fmt: skip
+    monkeypatch.setattr(packed_module, "time_pass", lambda layers, inputs, use_packed: 1.0 if use_packed else 0.85)
+    assert set(choose_kernels(packed, [1, 2]).describe().values()) == {"stock"}
+
+
+@needs_onednn
+def test_load_model_times_the_kernels_for_one_thread_the_current_count_and_every_core(tmp_path, monkeypatch, model):
+    import os
+
+    save_model(model, build_tiny_tokenizer(), tmp_path / "m")
+    loaded = load_model(str(tmp_path / "m"))
+    counts = {1, torch.get_num_threads(), os.cpu_count() or 1}
+    assert set(kernel_choice(loaded.model).packed) == {(rows, t) for rows in (ONE_ROW, SEVERAL_ROWS) for t in counts}
+    assert set(loaded.kernels.values()) <= {"packed", "stock"} and len(loaded.kernels) == 2 * len(counts)
+    monkeypatch.setenv(ENV_SWITCH, "fixed")  # packed, nothing timed: the fixed rule
+    loaded = load_model(str(tmp_path / "m"))
+    assert loaded.kernels == {} and kernel_choice(loaded.model).packed == {}
+    assert kernel_choice(loaded.model).use_packed(4, 1) and not kernel_choice(loaded.model).use_packed(1, 1)
 
 
 def test_a_greedy_model_draft_sends_one_hot_q_and_the_argmax_and_a_sampled_one_its_q(model):
