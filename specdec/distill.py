@@ -22,7 +22,8 @@ target itself sampled. Four steps, each resumable from files in `--out`:
    on the tokens that matter and still pushes q's tail mass down to p's, which a
    renormalised top-k KL would leave free (and α is measured on the full softmax).
 3. **Evaluate** (`evaluate`): on held-out prompts, α = mean over positions of
-   Σ_x min(p(x), q(x)) with both full softmaxes at temperature 1, greedy agreement, the
+   Σ_x min(p(x), q(x)) with both full softmaxes at temperature 1, greedy agreement (both
+   also on the target's own greedy continuations of those prompts), the
    cost of one single-token step with a KV cache (1 thread) for draft and target, and the
    seed's expected speedup at the best K.
 4. **Write** (`export_draft`): a compact fp16 weights file (`draft-weights.safetensors`,
@@ -60,6 +61,7 @@ CARD_NAME = "specdec-draft.json"
 WEIGHTS_NAME = "draft-weights.safetensors"
 WEIGHTS_FORMAT = "specdec-draft-v2"  # v1 (before the output vocabulary) is refused: re-run distill
 DATA_DIR = "distill-data"
+EVAL_FILES = ("eval-00000.pt", "eval-greedy-00000.pt")  # in DATA_DIR: the held-out sets (HeldOut.sampled, .greedy)
 CHECKPOINT_NAME = "distill-checkpoint.pt"
 
 
@@ -82,8 +84,8 @@ class DistillConfig:
     learn_projections: bool = True  # train the [H, D] input embedding projection (False: keep its PCA init)
     draft_vocab: int = 8192  # the draft predicts only the tokens holding most of p's mass in the data (0: all)
     top_k: int = DEFAULT_TOP_K  # how many target log-probs to store per position
-    data_tokens: int = 60_000  # target-sampled training positions to generate
-    data_share: float = 0.4  # at most this share of --minutes goes to generating data
+    data_tokens: int = 400_000  # target-sampled training positions to generate (at most)
+    data_share: float = 0.55  # at most this share of --minutes goes to generating data (the shipped draft's setting)
     max_new_tokens: int = 160  # length of each sampled continuation
     gen_batch_size: int = 64  # sequences the target samples at once (2 CPU cores: 64 rows run ~2.5x the tokens/s of 16)
     batch_size: int = 6  # sequences per training step (~700 positions: more, cheaper steps beat fewer big ones)
@@ -91,7 +93,9 @@ class DistillConfig:
     seed: int = 0  # seeds sampling, the draft's init and batch order
     eval_every_s: float = 90.0  # held-out α on the progress bar this often
     checkpoint_every_s: float = 120.0  # write the checkpoint this often
-    threads: int = 1  # torch threads (the machine is shared; 1 is the measured configuration)
+    threads: int = 0  # torch threads; 0 = one per core (sampling and training both use them all)
+    temperatures: tuple[float, ...] = (1.0,)  # sampling temperature of each batch in turn (p is stored at 1 always)
+    precision: str = "auto"  # compute dtype of target sampling and draft training: float32, bfloat16, auto (compute_precision)
     resume: bool = False  # continue from the data and checkpoint in --out
     progress: bool = True  # tqdm bars on stderr
 
@@ -108,11 +112,32 @@ class DistillConfig:
             "--data-share", f"{self.data_share:g}", "--max-new-tokens", str(self.max_new_tokens),
             "--gen-batch-size", str(self.gen_batch_size), "--batch-size", str(self.batch_size),
             "--lr", f"{self.lr:g}", "--seed", str(self.seed), "--threads", str(self.threads),
+            "--precision", self.precision, "--temperatures", ",".join(f"{t:g}" for t in self.temperatures),
         ]  # fmt: skip
         parts.append("--learn-projections" if self.learn_projections else "--no-learn-projections")
         if self.resume:
             parts.append("--resume")
         return shlex.join(parts)
+
+
+def compute_precision(precision: str) -> torch.dtype:
+    """The dtype distillation computes in on the CPU: "float32", "bfloat16", or "auto" = bfloat16
+    where oneDNN multiplies it natively (AVX-512 BF16 or AMX), else float32.
+
+    Why: on this project's 2-core AMD machine (AVX-512 BF16) the target sampled 232 positions/s
+    in bfloat16 against 147 in float32, and a draft training step ran 1.6x as fast under
+    bfloat16 autocast; without native support bfloat16 is emulated and slower. Only the compute
+    changes: the draft's weights, optimizer and every evaluation stay float32, and the stored
+    log-probs are p's as the bfloat16 target computes them (training data, not the figures).
+    """
+    if precision == "float32":
+        return torch.float32
+    if precision == "bfloat16":
+        return torch.bfloat16
+    if precision != "auto":
+        raise DistillError(f"--precision must be float32, bfloat16 or auto, not {precision!r}")
+    native = torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    return torch.bfloat16 if native else torch.float32
 
 
 class DistillError(RuntimeError):
@@ -181,8 +206,11 @@ def encode_prompt(tokenizer, prompt) -> list[int]:
 
 @torch.no_grad()
 def sample_batch(model, prompts: list[list[int]], *, max_new_tokens: int, top_k: int, eos_ids: list[int],
-                 pad_id: int, generator: torch.Generator) -> list[dict]:  # fmt: skip
-    """Sample one continuation per prompt at temperature 1; keep p's top-k log-probs per step.
+                 pad_id: int, generator: torch.Generator, temperature: float = 1.0) -> list[dict]:  # fmt: skip
+    """Sample one continuation per prompt; keep p's top-k log-probs per step.
+
+    Tokens are drawn at `temperature` (0: the argmax), but the stored log-probs are always
+    p's own, at temperature 1: the temperature only chooses which contexts the data visits.
 
     Returns one record per prompt: ids [n_prompt + n_gen] (long), n_prompt, topk_ids [n_gen, k]
     (int32) and topk_logp [n_gen, k] (float16), row i being p at the position that produced
@@ -199,8 +227,6 @@ def sample_batch(model, prompts: list[list[int]], *, max_new_tokens: int, top_k:
     positions = (attention.cumsum(-1) - 1).clamp_min(0)  # [B, L]
     from transformers import DynamicCache
 
-    from specdec.sampling import sample_rows
-
     cache = DynamicCache(config=model.config)  # filled in place by every forward
     out = model(input_ids=input_ids, attention_mask=attention, position_ids=positions, cache=cache, use_cache=True)
     logits = out.logits[:, -1].float()  # [b, V], b = sequences still running
@@ -210,7 +236,7 @@ def sample_batch(model, prompts: list[list[int]], *, max_new_tokens: int, top_k:
     steps = []  # per step: (rows [b], token [b], top ids [b, k], top log-probs [b, k])
     for _ in range(max_new_tokens):
         logp = torch.log_softmax(logits, dim=-1)  # [b, V]
-        token = sample_rows(logp.exp(), generator)  # [b]
+        token = draw_tokens(logp, temperature, generator)  # [b]
         values, indices = logp.topk(top_k, dim=-1)  # [b, k]
         steps.append((rows, token, indices.to(torch.int32), values.to(torch.float16)))
         running = ~torch.isin(token, eos)  # [b]
@@ -240,6 +266,25 @@ def sample_batch(model, prompts: list[list[int]], *, max_new_tokens: int, top_k:
     return records
 
 
+def draw_tokens(logp: torch.Tensor, temperature: float, generator: torch.Generator) -> torch.Tensor:
+    """One token per row of log-probs [b, V], drawn at `temperature` (0: the argmax) -> [b]."""
+    from specdec.sampling import sample_rows
+
+    if temperature <= 0:
+        return logp.argmax(-1)
+    return sample_rows(torch.softmax(logp / temperature, dim=-1) if temperature != 1 else logp.exp(), generator)
+
+
+def sampling_model(config: DistillConfig, target) -> torch.nn.Module:
+    """The model that samples the data: the target itself, or, where --precision gives
+    bfloat16 and the target is float32, a bfloat16 copy of it loaded beside it."""
+    from specdec.models import load_model
+
+    if compute_precision(config.precision) == torch.bfloat16 and target.dtype == "float32":
+        return load_model(config.target, dtype="bfloat16", pack=False).model
+    return target.model
+
+
 def _data_dir(config: DistillConfig) -> Path:
     return Path(config.out) / DATA_DIR
 
@@ -255,12 +300,23 @@ def _positions(records: list[dict]) -> int:
     return sum(int(r["topk_ids"].shape[0]) for r in records)
 
 
+@dataclass
+class HeldOut:
+    """The held-out prompts' records: `sampled`, one continuation of each at temperature 1 (by
+    the sampling model, as the training data), and `greedy`, the float32 target's own greedy
+    continuation of each (the contexts greedy decoding through the services visits)."""
+
+    sampled: list[dict]
+    greedy: list[dict]
+
+
 def generate_data(config: DistillConfig, target, train_prompts: list, eval_prompts: list,
-                  deadline: float) -> tuple[list[dict], list[dict], dict]:  # fmt: skip
-    """Sample (or load) the held-out set, then training data until data_tokens or `deadline`.
+                  deadline: float) -> tuple[list[dict], HeldOut, dict]:  # fmt: skip
+    """Sample (or load) the held-out sets, then training data until data_tokens or `deadline`.
 
     Shards are written as they are made (`distill-data/train-NNNNN.pt`), so an interrupted
-    run and `--resume` keep everything already generated. Returns (train, eval, stats).
+    run and `--resume` keep everything already generated (a held-out set a run lacks is
+    made on resume). Returns (train, held-out, stats).
     """
     directory = _data_dir(config)
     directory.mkdir(parents=True, exist_ok=True)
@@ -270,19 +326,32 @@ def generate_data(config: DistillConfig, target, train_prompts: list, eval_promp
     encoded_train = [encode_prompt(tokenizer, p) for p in train_prompts]
     encoded_eval = [encode_prompt(tokenizer, p) for p in eval_prompts]
 
-    def run(prompt_ids: list[list[int]], seed: int):
-        generator = torch.Generator().manual_seed(seed)
-        return sample_batch(target.model, prompt_ids, max_new_tokens=config.max_new_tokens, top_k=top_k,
-                            eos_ids=target.eos_token_ids, pad_id=pad_id, generator=generator)  # fmt: skip
+    sampler = []  # the sampling model, loaded on first use (a resumed run may sample nothing)
 
-    # the held-out set: every eval prompt once (made first: it is small and needed for the bar)
-    eval_file = directory / "eval-00000.pt"
-    if not eval_file.exists():
-        held_out = []
-        for start in range(0, len(encoded_eval), config.gen_batch_size):
-            held_out.extend(run(encoded_eval[start : start + config.gen_batch_size], config.seed + 10_000 + start))
-        _atomic_save(held_out, eval_file)
-    held_out = torch.load(eval_file, weights_only=True)
+    def run(prompt_ids: list[list[int]], seed: int, temperature: float = 1.0):
+        if not sampler:
+            sampler.append(sampling_model(config, target))
+        generator = torch.Generator().manual_seed(seed)
+        return sample_batch(sampler[0], prompt_ids, max_new_tokens=config.max_new_tokens, top_k=top_k,
+                            eos_ids=target.eos_token_ids, pad_id=pad_id, generator=generator,
+                            temperature=temperature)  # fmt: skip
+
+    def greedy(prompt_ids: list[list[int]], seed: int):  # the float32 target's own path, as the services decode it
+        return sample_batch(target.model, prompt_ids, max_new_tokens=config.max_new_tokens, top_k=top_k,
+                            eos_ids=target.eos_token_ids, pad_id=pad_id, generator=torch.Generator(),
+                            temperature=0.0)  # fmt: skip
+
+    def held_out_set(path: Path, sample) -> list[dict]:
+        if not path.exists():
+            records = []
+            for start in range(0, len(encoded_eval), config.gen_batch_size):
+                records.extend(sample(encoded_eval[start : start + config.gen_batch_size], config.seed + 10_000 + start))
+            _atomic_save(records, path)
+        return torch.load(path, weights_only=True)
+
+    # the held-out sets, made first (small, and the progress bar needs one): every eval prompt
+    # once, sampled as the training data is, and the target's greedy continuation of each
+    held_out = HeldOut(held_out_set(directory / EVAL_FILES[0], run), held_out_set(directory / EVAL_FILES[1], greedy))
 
     train = _load_shards(directory, "train")
     have = _positions(train)
@@ -306,7 +375,8 @@ def generate_data(config: DistillConfig, target, train_prompts: list, eval_promp
             picks = order[shard * config.gen_batch_size : (shard + 1) * config.gen_batch_size]
             if not picks:
                 break
-            records = run([encoded_train[i] for i in picks], config.seed + shard)
+            temperature = config.temperatures[shard % len(config.temperatures)]
+            records = run([encoded_train[i] for i in picks], config.seed + shard, temperature)
             _atomic_save(records, directory / f"train-{shard:05d}.pt")
             train.extend(records)
             made = _positions(records)
@@ -318,10 +388,10 @@ def generate_data(config: DistillConfig, target, train_prompts: list, eval_promp
         bar.close()
     if not train:
         raise DistillError("no training data: the budget ended before the first batch was sampled")
-    mass = torch.cat([r["topk_logp"].float().exp().sum(-1) for r in train + held_out])
+    mass = torch.cat([r["topk_logp"].float().exp().sum(-1) for r in train + held_out.sampled])
     stats = {
-        "train_positions": have, "train_sequences": len(train), "eval_positions": _positions(held_out),
-        "eval_sequences": len(held_out), "top_k": top_k, "top_k_mass": float(mass.mean()),
+        "train_positions": have, "train_sequences": len(train), "eval_positions": _positions(held_out.sampled),
+        "eval_sequences": len(held_out.sampled), "top_k": top_k, "top_k_mass": float(mass.mean()),
         "top_k_mass_p10": float(mass.quantile(0.1)),
     }  # fmt: skip
     stats_path.write_text(json.dumps(stats, indent=2) + "\n")
@@ -529,6 +599,7 @@ def train(config: DistillConfig, draft: DraftModel, train_records: list[dict], h
     `state` holds step, train_seconds, history and the best held-out weights so far (by the
     top-k α); the draft ends with the best weights loaded.
     """
+    compute_dtype = compute_precision(config.precision)
     params = [p for p in draft.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=config.lr, betas=(0.9, 0.95), weight_decay=0.0)
     if state.get("optimizer"):
@@ -554,8 +625,10 @@ def train(config: DistillConfig, draft: DraftModel, train_records: list[dict], h
                 group["lr"] = _lr_at(state["step"] - start_step, fraction, config.lr)
             chunk = rng.sample(train_records, min(config.batch_size, len(train_records)))
             rows, cols, top_ids, top_logp = _gather_targets(chunk)
-            hidden = draft.hidden_states(_pad([r["ids"] for r in chunk], pad_id))[rows, cols]  # [N, H]
-            loss = kl_top_k(draft.logits(hidden), draft.columns[top_ids], top_logp)
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=compute_dtype == torch.bfloat16):
+                hidden = draft.hidden_states(_pad([r["ids"] for r in chunk], pad_id))[rows, cols]  # [N, H]
+                logits = draft.logits(hidden)  # [N, M]
+            loss = kl_top_k(logits, draft.columns[top_ids], top_logp)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(params, 1.0)
@@ -608,18 +681,15 @@ def _arch(config: DistillConfig) -> dict:
 
 
 @torch.no_grad()
-def evaluate(target, draft, held_out: list[dict], *, max_k: int = 12, batch: int = 4) -> dict[str, Any]:
-    """Exact held-out figures: α and greedy agreement on full softmaxes, c_q, c_p, best K.
-
-    `target` and `draft` are specdec.models.LoadedModel (the draft as written to disk).
-    """
-    from specdec.kvcache import step_ms
-    from specdec.sampling import acceptance_rate, expected_speedup, expected_tokens_per_cycle
+def agreement(target, draft, records: list[dict], batch: int = 4) -> dict[str, float]:
+    """α (mean Σ min(p, q), full softmaxes at temperature 1) and greedy agreement (argmax q =
+    argmax p) over the generated positions of `records`; "positions" counts them."""
+    from specdec.sampling import acceptance_rate
 
     pad_id = 0
     alpha_sum = agree_sum = count = 0.0
-    for start in range(0, len(held_out), batch):
-        chunk = held_out[start : start + batch]
+    for start in range(0, len(records), batch):
+        chunk = records[start : start + batch]
         rows, cols, _, _ = _gather_targets(chunk)
         ids = _pad([r["ids"] for r in chunk], pad_id)
         target_logits = target.model(input_ids=ids, use_cache=False).logits[rows, cols].float()  # [N, V]
@@ -630,8 +700,22 @@ def evaluate(target, draft, held_out: list[dict], *, max_k: int = 12, batch: int
         alpha_sum += float(acceptance_rate(q, p).sum())
         agree_sum += float((q.argmax(-1) == p.argmax(-1)).sum())
         count += len(rows)
-    alpha = alpha_sum / count
-    prompt = held_out[0]["ids"][: held_out[0]["n_prompt"]].tolist()
+    return {"alpha": round(alpha_sum / count, 4), "greedy_agreement": round(agree_sum / count, 4), "positions": int(count)}
+
+
+@torch.no_grad()
+def evaluate(target, draft, held_out: HeldOut, *, max_k: int = 12) -> dict[str, Any]:
+    """Exact held-out figures: α and greedy agreement on the sampled held-out set (and, under
+    "greedy_path", on the target's greedy continuations), c_q, c_p, best K.
+
+    `target` and `draft` are specdec.models.LoadedModel (the draft as written to disk).
+    """
+    from specdec.kvcache import step_ms
+    from specdec.sampling import expected_speedup, expected_tokens_per_cycle
+
+    sampled = agreement(target, draft, held_out.sampled)
+    alpha = sampled["alpha"]
+    prompt = held_out.sampled[0]["ids"][: held_out.sampled[0]["n_prompt"]].tolist()
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -643,12 +727,32 @@ def evaluate(target, draft, held_out: list[dict], *, max_k: int = 12, batch: int
     speedups = {k: expected_speedup(min(alpha, 1.0), k, ratio) for k in range(1, max_k + 1)}
     best_k = max(speedups, key=speedups.get)
     return {
-        "alpha": round(alpha, 4), "greedy_agreement": round(agree_sum / count, 4),
+        "alpha": alpha, "greedy_agreement": sampled["greedy_agreement"],
         "c_q_ms": round(c_q, 2), "c_p_ms": round(c_p, 2), "cost_ratio": round(ratio, 4),
         "best_k": best_k, "expected_tokens_per_cycle": round(expected_tokens_per_cycle(min(alpha, 1.0), best_k), 3),
-        "expected_speedup": round(speedups[best_k], 3), "eval_positions": int(count),
-        "eval_sequences": len(held_out), "timing": "median single-token step with KV cache, 1 torch thread, fp32",
+        "expected_speedup": round(speedups[best_k], 3), "eval_positions": sampled["positions"],
+        "eval_sequences": len(held_out.sampled), "timing": "median single-token step with KV cache, 1 torch thread, fp32",
+        # the same held-out prompts, on the target's greedy continuations: what greedy decoding sees
+        "greedy_path": agreement(target, draft, held_out.greedy),
     }  # fmt: skip
+
+
+def evaluate_draft(config: DistillConfig, draft_name: str) -> dict[str, Any]:
+    """`--evaluate DRAFT`: the figures of `evaluate` for an existing draft (a directory or a
+    catalog name) on the held-out sets of the run in --out, so drafts compare on one set."""
+    from specdec.models import load_model
+
+    files = [_data_dir(config) / name for name in EVAL_FILES]
+    missing = [path.name for path in files if not path.exists()]
+    if missing:
+        raise DistillError(f"{_data_dir(config)} lacks {', '.join(missing)}: run `specdec distill` into "
+                           f"{config.out} first (--resume makes a held-out set an older run lacks)")  # fmt: skip
+    torch.set_num_threads(config.threads if config.threads > 0 else os.cpu_count() or 1)
+    target, draft = load_model(config.target), load_model(draft_name)
+    if draft.vocab_fingerprint != target.vocab_fingerprint:
+        raise DistillError(f"{draft_name} does not share {config.target}'s vocabulary")
+    held_out = HeldOut(*(torch.load(path, weights_only=True) for path in files))
+    return {"draft": draft_name, "target": config.target, "held_out": str(_data_dir(config)), **evaluate(target, draft, held_out)}
 
 
 # ---------------------------------------------------------------------------------------
@@ -810,7 +914,10 @@ def distill(config: DistillConfig) -> dict:
     """Run data -> train -> evaluate -> write; return the card (also written to --out)."""
     from specdec.models import load_model
 
-    torch.set_num_threads(max(1, config.threads))
+    torch.set_num_threads(config.threads if config.threads > 0 else os.cpu_count() or 1)
+    compute_precision(config.precision)  # a bad --precision fails here, before anything runs
+    if not config.temperatures or any(not math.isfinite(t) or t < 0 for t in config.temperatures):
+        raise DistillError(f"--temperatures must be numbers >= 0 (0: greedy), got {config.temperatures}")
     began = time.monotonic()
     deadline = began + config.minutes * 60
     out = Path(config.out)
@@ -845,7 +952,7 @@ def distill(config: DistillConfig) -> dict:
                            "--layers/--hidden/--heads/--draft-vocab/--learn-projections")  # fmt: skip
     # a resumed run keeps the output vocabulary it started with (the token ids are in the checkpoint)
     vocab_ids = saved["draft"]["vocab_ids"] if saved else choose_output_vocab(train_records, config.draft_vocab, target.vocab_size)
-    coverage = vocab_coverage(held_out, vocab_ids, target.vocab_size)
+    coverage = vocab_coverage(held_out.sampled, vocab_ids, target.vocab_size)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(config.seed)
         draft = DraftModel(embedding, llama_config, vocab_ids)
@@ -859,7 +966,7 @@ def distill(config: DistillConfig) -> dict:
     if not config.learn_projections:
         draft.freeze_input_projection()
     pad_id = target.tokenizer.pad_token_id if target.tokenizer.pad_token_id is not None else 0
-    state = train(config, draft, train_records, held_out, pad_id, deadline, state)
+    state = train(config, draft, train_records, held_out.sampled, pad_id, deadline, state)
 
     # 4. write (before 3, so the figures are measured on exactly what was written)
     weights = export_draft(config, draft, target)
@@ -940,7 +1047,15 @@ def add_distill_parser(subparsers) -> argparse.ArgumentParser:
     parser.add_argument("--batch-size", type=int, default=defaults.batch_size, help="sequences per training step (default: %(default)s)")
     parser.add_argument("--lr", type=float, default=defaults.lr, help="peak learning rate (default: %(default)s)")
     parser.add_argument("--seed", type=int, default=defaults.seed, help="random seed (default: %(default)s)")
-    parser.add_argument("--threads", type=int, default=defaults.threads, help="torch threads (default: %(default)s)")
+    parser.add_argument("--threads", type=int, default=defaults.threads, help="torch threads (default: 0 = one per core)")
+    parser.add_argument("--precision", choices=["auto", "float32", "bfloat16"], default=defaults.precision,
+                        help="compute dtype of the target's sampling and of the draft's training steps; the draft's "
+                        "weights and every evaluation stay float32 (auto: bfloat16 where the CPU multiplies it "
+                        "natively, AVX-512 BF16 or AMX, else float32; default: %(default)s)")
+    parser.add_argument("--temperatures", type=parse_temperatures, default=defaults.temperatures, metavar="T[,T...]",
+                        help="sampling temperature of each batch of sequences in turn, e.g. 1,0.6 (0: greedy); the "
+                        "stored distributions are the target's at temperature 1 whatever the sampling temperature "
+                        "(default: 1)")
     parser.add_argument("--eval-every", type=float, default=defaults.eval_every_s, help="seconds between held-out evaluations (default: %(default)s)")
     parser.add_argument("--draft-vocab", type=int, default=defaults.draft_vocab,
                         help="tokens the draft can predict: the ones holding most of the target's probability mass "
@@ -949,8 +1064,22 @@ def add_distill_parser(subparsers) -> argparse.ArgumentParser:
                         help="train the projection of the target's embedding that feeds the draft "
                         "(--no-learn-projections keeps its PCA init; default: %(default)s)")
     parser.add_argument("--resume", action="store_true", help="continue the run in --out (its data and checkpoint)")
+    parser.add_argument("--evaluate", metavar="DRAFT", default="",
+                        help="instead of distilling, print the held-out figures (JSON) of DRAFT, a model directory "
+                        "or catalog name, on the held-out sets of the run in --out: compares drafts on one set")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
     return parser
+
+
+def parse_temperatures(text: str) -> tuple[float, ...]:
+    """"1,0.6" -> (1.0, 0.6), for --temperatures."""
+    try:
+        values = tuple(float(part) for part in text.split(",") if part.strip())
+    except ValueError:
+        values = ()
+    if not values or any(not math.isfinite(t) or t < 0 for t in values):
+        raise argparse.ArgumentTypeError(f"{text!r}: expected comma-separated temperatures >= 0, e.g. 1,0.6 (0: greedy)")
+    return values
 
 
 def config_from_args(args: argparse.Namespace) -> DistillConfig:
@@ -958,7 +1087,8 @@ def config_from_args(args: argparse.Namespace) -> DistillConfig:
         target=args.target, out=args.out, minutes=args.minutes, prompts=args.prompts, eval_prompts=args.eval_prompts,
         layers=args.layers, hidden=args.hidden, heads=args.heads, top_k=args.top_k, data_tokens=args.data_tokens, data_share=args.data_share,
         max_new_tokens=args.max_new_tokens, gen_batch_size=args.gen_batch_size, batch_size=args.batch_size,
-        lr=args.lr, seed=args.seed, threads=args.threads, learn_projections=args.learn_projections, draft_vocab=args.draft_vocab, eval_every_s=args.eval_every, resume=args.resume,
+        lr=args.lr, seed=args.seed, threads=args.threads, precision=args.precision, temperatures=args.temperatures,
+        learn_projections=args.learn_projections, draft_vocab=args.draft_vocab, eval_every_s=args.eval_every, resume=args.resume,
         progress=not args.no_progress,
     )  # fmt: skip
 
@@ -966,6 +1096,9 @@ def config_from_args(args: argparse.Namespace) -> DistillConfig:
 def run_distill(args: argparse.Namespace) -> int:
     """Handler of `specdec distill`: run it, print the figures; 0 on success, 1 on a usage error."""
     try:
+        if args.evaluate:
+            print(json.dumps(evaluate_draft(config_from_args(args), args.evaluate)))
+            return 0
         card = distill(config_from_args(args))
     except DistillError as exc:
         print(f"specdec distill: {exc}", file=sys.stderr)
@@ -975,6 +1108,8 @@ def run_distill(args: argparse.Namespace) -> int:
         f"draft written to {args.out}\n"
         f"held-out: alpha {figures['alpha']:.3f}, greedy agreement {figures['greedy_agreement']:.3f}, "
         f"c_q {figures['c_q_ms']:.1f} ms, c_p {figures['c_p_ms']:.1f} ms (c_q/c_p {figures['cost_ratio']:.3f}), "
+        f"on the target's greedy continuations: alpha {figures['greedy_path']['alpha']:.3f}, "
+        f"greedy agreement {figures['greedy_path']['greedy_agreement']:.3f}, "
         f"expected speedup {figures['expected_speedup']:.2f}x at K={figures['best_k']}\n"
         f"serve it: specdec serve draft --model {args.out}"
     )

@@ -87,6 +87,9 @@ def test_card_records_fingerprint_figures_and_command(distilled, tiny):
         assert key in figures
     assert 0 <= figures["alpha"] <= 1 and 0 <= figures["greedy_agreement"] <= 1
     assert figures["c_q_ms"] > 0 and figures["c_p_ms"] > 0 and figures["best_k"] >= 1
+    # the same figures on the target's own greedy continuations of the held-out prompts
+    greedy_path = figures["greedy_path"]
+    assert 0 <= greedy_path["alpha"] <= 1 and 0 <= greedy_path["greedy_agreement"] <= 1 and greedy_path["positions"] > 0
     assert first["command"].startswith("specdec distill --target ")
     assert f"--out {out}" in first["command"] and "--hidden 32" in first["command"]
     assert first["target_vocab_fingerprint"] == load_model(tiny[1]).vocab_fingerprint
@@ -100,6 +103,32 @@ def test_written_directory_loads_with_the_targets_vocabulary(distilled, tiny):
     assert draft.vocab_size == target.vocab_size
     assert draft.model.config.num_hidden_layers == 1 and draft.model.config.hidden_size == 32
     assert (out / WEIGHTS_NAME).stat().st_size < 200_000  # no vocabulary-sized matrix inside
+
+
+def test_the_greedy_held_out_set_is_the_targets_own_greedy_continuation(distilled, tiny):
+    out, _, _, _ = distilled
+    target = load_model(tiny[1])
+    records = torch.load(out / DATA_DIR / "eval-greedy-00000.pt", weights_only=True)
+    _, held_out = load_prompts(tiny[2])
+    assert len(records) == len(held_out)
+    for record in records:
+        prompt = record["ids"][: record["n_prompt"]]
+        with torch.no_grad():
+            greedy = target.model.generate(prompt.unsqueeze(0), do_sample=False, max_new_tokens=len(record["ids"]) - len(prompt),
+                                           pad_token_id=target.tokenizer.pad_token_id)[0]  # fmt: skip
+        assert record["ids"].tolist() == greedy.tolist()
+
+
+def test_evaluate_prints_a_drafts_figures_on_the_runs_held_out_sets(distilled, tiny, capsys, tmp_path):
+    out, _, second, _ = distilled
+    capsys.readouterr()
+    assert run_distill(parse(["--target", tiny[1], "--out", str(out), "--evaluate", str(out)])) == 0
+    figures = json.loads(capsys.readouterr().out)
+    # the draft the last run wrote, on the same sets: the card's figures again
+    assert figures["alpha"] == second["figures"]["alpha"]
+    assert figures["greedy_path"] == second["figures"]["greedy_path"]
+    assert run_distill(parse(["--target", tiny[1], "--out", str(tmp_path / "empty"), "--evaluate", str(out)])) == 1
+    assert "run `specdec distill`" in capsys.readouterr().err
 
 
 def test_resume_continues_training_without_regenerating_data(distilled):
@@ -255,3 +284,50 @@ def test_a_catalog_draft_is_built_on_first_use_and_cached(distilled, tiny, tmp_p
     assert not is_cached("tiny-draft")
     assert distill_module.ensure_distilled_draft("tiny-draft", progress=False) == built and is_cached("tiny-draft")
     assert (built / "model.safetensors").stat().st_mtime_ns != stamp
+
+
+def test_sampling_at_temperature_zero_follows_the_greedy_path_and_still_stores_p_at_temperature_one(tiny):
+    """The sampling temperature only picks the contexts: the stored log-probs are p's own."""
+    target = load_model(tiny[1])
+    tokenizer = target.tokenizer
+    prompts = [tokenizer.encode(p) for p in ("hello there", "tell me a story")]
+    records = distill_module.sample_batch(
+        target.model, prompts, max_new_tokens=12, top_k=8, eos_ids=[], pad_id=tokenizer.pad_token_id,
+        generator=torch.Generator().manual_seed(0), temperature=0.0,
+    )  # fmt: skip
+    for prompt, record in zip(prompts, records):
+        greedy = list(prompt)
+        with torch.no_grad():
+            for _ in range(12):  # greedy by full recomputation, no cache, end tokens included
+                greedy.append(int(target.model(torch.tensor([greedy])).logits[0, -1].argmax()))
+            logp = torch.log_softmax(target.model(torch.tensor([greedy])).logits[0, len(prompt) - 1 : -1].float(), -1)
+        assert record["ids"].tolist() == greedy
+        top_logp, top_ids = logp.topk(8, -1)  # [n, 8]: p at temperature 1 on the greedy path
+        assert torch.equal(record["topk_ids"].long(), top_ids)
+        torch.testing.assert_close(record["topk_logp"].float(), top_logp, atol=2e-3, rtol=0)
+
+
+def test_draw_tokens_samples_from_p_sharpened_by_the_temperature():
+    logp = torch.tensor([[0.6, 0.4, 0.0]]).log().expand(4000, 3)  # 4000 rows of the same p
+    generator = torch.Generator().manual_seed(0)
+    assert distill_module.draw_tokens(logp, 0.0, generator).eq(0).all()
+    for temperature, share in [(1.0, 0.6), (0.5, 0.36 / 0.52)]:  # p^(1/T), renormalised
+        tokens = distill_module.draw_tokens(logp, temperature, generator)
+        assert not tokens.eq(2).any()
+        sigma = (share * (1 - share) / 4000) ** 0.5
+        assert abs(float(tokens.eq(0).float().mean()) - share) < 4 * sigma
+
+
+def test_precision_flag_picks_bfloat16_only_where_the_cpu_multiplies_it(capsys):
+    native = torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    assert distill_module.compute_precision("auto") == (torch.bfloat16 if native else torch.float32)
+    assert distill_module.compute_precision("float32") == torch.float32
+    with pytest.raises(distill_module.DistillError, match="--precision"):
+        distill_module.compute_precision("float8")
+    args = parse(["--target", "t", "--out", "o", "--precision", "float32", "--temperatures", "1,0.6,0"])
+    config = distill_module.config_from_args(args)
+    assert config.temperatures == (1.0, 0.6, 0.0) and config.precision == "float32"
+    assert "--precision float32 --temperatures 1,0.6,0" in config.command()
+    with pytest.raises(SystemExit):
+        parse(["--target", "t", "--out", "o", "--temperatures", "1,-0.5"])
+    assert "expected comma-separated temperatures >= 0" in capsys.readouterr().err
