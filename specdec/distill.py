@@ -747,7 +747,7 @@ def evaluate_draft(config: DistillConfig, draft_name: str) -> dict[str, Any]:
     if missing:
         raise DistillError(f"{_data_dir(config)} lacks {', '.join(missing)}: run `specdec distill` into "
                            f"{config.out} first (--resume makes a held-out set an older run lacks)")  # fmt: skip
-    torch.set_num_threads(config.threads if config.threads > 0 else os.cpu_count() or 1)
+    use_threads(config)
     target, draft = load_model(config.target), load_model(draft_name)
     if draft.vocab_fingerprint != target.vocab_fingerprint:
         raise DistillError(f"{draft_name} does not share {config.target}'s vocabulary")
@@ -914,7 +914,7 @@ def distill(config: DistillConfig) -> dict:
     """Run data -> train -> evaluate -> write; return the card (also written to --out)."""
     from specdec.models import load_model
 
-    torch.set_num_threads(config.threads if config.threads > 0 else os.cpu_count() or 1)
+    use_threads(config)
     compute_precision(config.precision)  # a bad --precision fails here, before anything runs
     if not config.temperatures or any(not math.isfinite(t) or t < 0 for t in config.temperatures):
         raise DistillError(f"--temperatures must be numbers >= 0 (0: greedy), got {config.temperatures}")
@@ -1002,6 +1002,11 @@ def distill(config: DistillConfig) -> dict:
 
 # ---------------------------------------------------------------------------------------
 # helpers
+
+
+def use_threads(config: DistillConfig) -> None:
+    """torch threads for the run: --threads, or one per core when it is 0."""
+    torch.set_num_threads(config.threads if config.threads > 0 else os.cpu_count() or 1)
 
 
 def _atomic_save(obj, path: Path) -> None:
