@@ -86,7 +86,8 @@ def add_bench_parser(commands) -> None:
     p.add_argument("--max-k", type=int, default=8, help="largest K with --k adaptive (default: %(default)s)")
     p.add_argument("--prompts", default=None, help='JSONL file, one {"prompt": ...} per line (default: the shipped set)')
     p.add_argument("--kind", default=None,
-                   help='only the prompts whose "kind" is this (the shipped set has extractive, code, chat)')
+                   help='only the prompts whose "kind" is this, or one of these, comma-separated: code,chat '
+                   '(the shipped set has extractive, code, chat)')
     p.add_argument("--max-new-tokens", type=int, default=64, help="tokens per prompt (default: %(default)s)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default: %(default)s)")
     p.add_argument("--top-k", type=int, default=0, help="top-k warping when sampling (0 = off)")
@@ -130,7 +131,9 @@ def k_value(text: str):
 
 def load_prompts(path: str | None, kind: str | None = None) -> list[str]:
     """The prompts of a JSONL file (default: the shipped set), only those whose "kind" is
-    `kind` when given (the shipped set's kinds: extractive, code, chat)."""
+    one of `kind`'s comma-separated names when given (the shipped set's kinds: extractive,
+    code, chat)."""
+    kinds = None if kind is None else {name.strip() for name in kind.split(",") if name.strip()}
     if path is None:
         text = resources.files("specdec.data").joinpath(DEFAULT_PROMPTS).read_text()
     else:
@@ -142,7 +145,7 @@ def load_prompts(path: str | None, kind: str | None = None) -> list[str]:
             item = json.loads(line)
             if not isinstance(item, dict) or not isinstance(item.get("prompt"), str):
                 raise SystemExit(f"{path or DEFAULT_PROMPTS}:{number}: expected an object with a string 'prompt'")
-            if kind is None or item.get("kind") == kind:
+            if kinds is None or item.get("kind") in kinds:
                 prompts.append(item["prompt"])
     if not prompts:
         raise SystemExit(f"no prompts{f' of kind {kind!r}' if kind else ''} in {path or DEFAULT_PROMPTS}")

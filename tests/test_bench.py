@@ -111,6 +111,8 @@ def test_bench_kind_keeps_only_the_prompts_of_that_kind():
     assert len(extractive) == 4 and all(p in load_prompts(None) for p in extractive)
     with pytest.raises(SystemExit, match="no prompts of kind 'poetry'"):
         load_prompts(None, "poetry")
+    code, chat = load_prompts(None, "code"), load_prompts(None, "chat")
+    assert load_prompts(None, "code,chat") == [p for p in load_prompts(None) if p in code + chat] and len(code) == len(chat) == 2
 
 
 def test_bench_costs_prints_each_ks_cost_and_the_alpha_it_needs(tiny_models, tmp_path):
