@@ -916,7 +916,7 @@ def distill(config: DistillConfig) -> dict:
 
     use_threads(config)
     compute_precision(config.precision)  # a bad --precision fails here, before anything runs
-    if not config.temperatures or any(not math.isfinite(t) or t < 0 for t in config.temperatures):
+    if not valid_temperatures(config.temperatures):
         raise DistillError(f"--temperatures must be numbers >= 0 (0: greedy), got {config.temperatures}")
     began = time.monotonic()
     deadline = began + config.minutes * 60
@@ -1076,13 +1076,18 @@ def add_distill_parser(subparsers) -> argparse.ArgumentParser:
     return parser
 
 
+def valid_temperatures(values: tuple[float, ...]) -> bool:
+    """At least one sampling temperature, each finite and >= 0 (0: greedy)."""
+    return bool(values) and all(math.isfinite(t) and t >= 0 for t in values)
+
+
 def parse_temperatures(text: str) -> tuple[float, ...]:
     """"1,0.6" -> (1.0, 0.6), for --temperatures."""
     try:
         values = tuple(float(part) for part in text.split(",") if part.strip())
     except ValueError:
         values = ()
-    if not values or any(not math.isfinite(t) or t < 0 for t in values):
+    if not valid_temperatures(values):
         raise argparse.ArgumentTypeError(f"{text!r}: expected comma-separated temperatures >= 0, e.g. 1,0.6 (0: greedy)")
     return values
 

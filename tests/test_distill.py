@@ -331,3 +331,24 @@ def test_precision_flag_picks_bfloat16_only_where_the_cpu_multiplies_it(capsys):
     with pytest.raises(SystemExit):
         parse(["--target", "t", "--out", "o", "--temperatures", "1,-0.5"])
     assert "expected comma-separated temperatures >= 0" in capsys.readouterr().err
+
+
+def test_the_packaged_prompts_are_the_scripts_output_and_no_added_prompt_names_a_held_out_topic():
+    import importlib.util
+
+    script = Path(__file__).resolve().parent.parent / "scripts" / "make_distill_prompts.py"
+    spec = importlib.util.spec_from_file_location("make_distill_prompts", script)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    rows = [json.loads(line) for line in DEFAULT_PROMPTS.read_text().splitlines() if line.strip()]
+    train = {row["prompt"] for row in rows if row.get("split") != "eval"}
+    held_out = {row["prompt"] for row in rows if row.get("split") == "eval"}
+    assert module.new_prompts(train | held_out) == []  # the packaged file is up to date
+    added = module.new_prompts(set())  # every prompt the script adds (it refuses held-out topics)
+    assert set(added) <= train and len(train) >= 1200 and len(held_out) == 30
+    with pytest.raises(SystemExit, match="held-out topic"):
+        module.HELD_OUT_TOPICS.append("bees")
+        try:
+            module.new_prompts(set())
+        finally:
+            module.HELD_OUT_TOPICS.pop()
