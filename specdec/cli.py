@@ -512,7 +512,13 @@ def main(argv: list[str] | None = None) -> int:
         "up": run_up, "serve": run_serve, "generate": run_generate, "trace": run_trace, "models": run_models,
         "bench": run_bench, "distill": run_distill, "soak": run_soak,
     }  # fmt: skip
-    return handlers[args.command](args)
+    from specdec.launcher import StackStartError
+
+    try:
+        return handlers[args.command](args)
+    except StackStartError as exc:  # a service's own error is in the message (or above, on stderr)
+        print(f"specdec {args.command}: could not start the services: {exc}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

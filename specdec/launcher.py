@@ -18,6 +18,7 @@ import secrets
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 
@@ -32,6 +33,11 @@ from specdec.serving import COORDINATOR_SERVICE, DRAFT_SERVICE, TARGET_SERVICE
 DEFAULT_TARGET = "smollm2-135m-instruct"
 DEFAULT_DRAFT = "ngram"
 STOP_TIMEOUT_S = 10.0
+LOG_TAIL_LINES = 20  # of a quiet service's output, in the error when it dies while starting
+
+
+class StackStartError(RuntimeError):
+    """A service of the stack died or never reported SERVING while the stack started."""
 
 
 @dataclass
@@ -93,6 +99,7 @@ class Stack:
         self.processes: dict[str, subprocess.Popen] = {}
         self.envs: dict[str, dict[str, str]] = {}
         self.ports: dict[str, int] = {}
+        self.logs: dict[str, tempfile._TemporaryFileWrapper] = {}  # a quiet service's output
         # The secret the coordinator sends to the draft and target services.
         self.internal_token = secrets.token_urlsafe(32)
 
@@ -138,7 +145,9 @@ class Stack:
             if not cfg.redis_url:
                 self.redis = EmbeddedRedis().start()
             target_threads, draft_threads = default_threads(cfg.draft)
-            self.ports = {"draft": free_port(), "target": free_port(), "coordinator": cfg.port}
+            self.ports = {"coordinator": cfg.port}
+            self.ports["draft"] = free_port_except(self.ports.values())
+            self.ports["target"] = free_port_except(self.ports.values())
             self.spawn("target", "target", "--model", cfg.target,
                        "--threads", str(cfg.target_threads or target_threads),
                        "--solo-threads", str(cfg.target_threads or solo_threads()), *cfg.target_args)  # fmt: skip
@@ -170,20 +179,31 @@ class Stack:
         # Each process gets its own service name in traces: specdec-draft, or <yours>-draft.
         env["OTEL_SERVICE_NAME"] = f"{env.get('OTEL_SERVICE_NAME') or 'specdec'}-{name}"
         self.envs[name] = env
-        self.processes[name] = subprocess.Popen(command, env=env, **self.output())
+        self.processes[name] = subprocess.Popen(command, env=env, **self.output(name))
 
     def restart(self, name: str, *, kill: bool = False) -> None:
         """Stop one service (SIGKILL when kill) and start it again with the same command."""
         process = self.processes[name]
         (process.kill if kill else process.terminate)()
         process.wait(timeout=STOP_TIMEOUT_S)
-        self.processes[name] = subprocess.Popen(process.args, env=self.envs[name], **self.output())
+        self.processes[name] = subprocess.Popen(process.args, env=self.envs[name], **self.output(name))
 
-    def output(self) -> dict:
-        """Children log to our stderr (stdout stays for `ready ADDRESS`), or nowhere when quiet."""
+    def output(self, name: str) -> dict:
+        """Children log to our stderr (stdout stays for `ready ADDRESS`), or, when quiet, to a
+        temporary file whose tail goes into the error if the service dies while starting."""
         if self.quiet:
-            return {"stdout": subprocess.DEVNULL, "stderr": subprocess.DEVNULL}
+            log = self.logs.get(name) or self.logs.setdefault(name, tempfile.TemporaryFile(prefix=f"specdec-{name}-"))
+            return {"stdout": log, "stderr": log}
         return {"stdout": 2, "stderr": 2}
+
+    def log_tail(self, name: str) -> str:
+        """The last lines a quiet service wrote ("" when it logs to our stderr)."""
+        log = self.logs.get(name)
+        if log is None:
+            return ""
+        log.seek(0)
+        lines = log.read().decode(errors="replace").splitlines()[-LOG_TAIL_LINES:]
+        return "".join(f"\n  {line}" for line in lines)
 
     def wait_ready(self, names: tuple[str, ...] = ("target", "draft", "coordinator")) -> None:
         services = {"target": TARGET_SERVICE, "draft": DRAFT_SERVICE, "coordinator": COORDINATOR_SERVICE}
@@ -194,9 +214,10 @@ class Stack:
             while not is_serving(address, services[name], credentials=credentials):
                 process = self.processes[name]
                 if process.poll() is not None:
-                    raise RuntimeError(f"the {name} service exited with code {process.returncode} while starting")
+                    raise StackStartError(f"the {name} service exited with code {process.returncode} while starting"
+                                       + (f"; its last output:{tail}" if (tail := self.log_tail(name)) else ""))
                 if time.monotonic() > deadline:
-                    raise TimeoutError(f"the {name} service did not report SERVING in {self.config.ready_timeout_s}s")
+                    raise StackStartError(f"the {name} service did not report SERVING in {self.config.ready_timeout_s}s")
                 time.sleep(0.2)
 
     def stop(self) -> None:
@@ -217,12 +238,23 @@ class Stack:
         if self.redis is not None:
             self.redis.stop()
             self.redis = None
+        for log in self.logs.values():
+            log.close()
+        self.logs.clear()
 
     def __enter__(self) -> "Stack":
         return self.start()
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def free_port_except(taken) -> int:
+    """A free loopback port that is none of `taken` (ports picked but not yet bound)."""
+    taken = set(taken)
+    while (port := free_port()) in taken:
+        pass
+    return port
 
 
 def is_serving(

@@ -164,7 +164,9 @@ async def run(
     stop_task = asyncio.create_task(stop.wait())
     done, _ = await asyncio.wait({load_task, stop_task}, return_when=asyncio.FIRST_COMPLETED)
     if load_task in done:
-        load_task.result()  # a failed load ends the process with its error
+        if load_task.exception() is not None:  # a failed load ends the process, its error logged
+            await server.stop(0)
+            raise SystemExit(load_failed(name, load_task.exception()))
         await set_health(health_servicer, service_names, health_pb2.HealthCheckResponse.SERVING)
         log.info("%s serving on %s", name, address)
         print(f"{name} serving on {address}", flush=True)
@@ -178,6 +180,15 @@ async def run(
     if close is not None:
         await close()
     telemetry.shutdown_tracing()
+
+
+def load_failed(name: str, exc: BaseException) -> str:
+    """The process's last line when `load()` failed. A user's error (a model path that is
+    not there, a draft for another vocabulary: a FileNotFoundError or ValueError) is that
+    one line; anything else logs its traceback first."""
+    if not isinstance(exc, (FileNotFoundError, ValueError)):
+        log.error("%s could not load", name, exc_info=exc)
+    return f"{name}: could not load: {exc}"
 
 
 def describe(security: ServerSecurity) -> str:

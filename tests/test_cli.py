@@ -127,3 +127,24 @@ def test_generate_brings_a_local_stack_up_when_nothing_serves(tiny_models, tmp_p
     assert "starting a local stack" in out.stderr
     assert len(json.loads(out.stdout)["token_ids"]) >= 1
     assert not is_serving("127.0.0.1:50051")
+
+
+def test_up_with_a_missing_model_says_which_service_failed_and_why_without_a_traceback(tmp_path):
+    missing = str(tmp_path / "no-model")
+    out = run_cli("up", "--port", str(free_port()), "--target", missing, timeout=300)
+    assert out.returncode == 1
+    assert "specdec up: could not start the services: the target service exited" in out.stderr
+    assert f"target: could not load: model '{missing}' not found" in out.stderr
+    assert "Traceback" not in out.stderr
+
+
+def test_a_quiet_stack_that_cannot_start_puts_the_service_output_in_its_error(tiny_models, tmp_path):
+    from specdec.launcher import Stack, StackConfig, StackStartError
+
+    missing = str(tmp_path / "no-draft")
+    config = StackConfig(port=free_port(), target=tiny_models.target, draft=missing)
+    with pytest.raises(StackStartError) as error:
+        Stack(config, quiet=True).start()
+    message = str(error.value)
+    assert message.startswith("the draft service exited with code 1 while starting; its last output:")
+    assert f"draft: could not load: model '{missing}' not found" in message
