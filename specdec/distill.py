@@ -328,18 +328,18 @@ def generate_data(config: DistillConfig, target, train_prompts: list, eval_promp
 
     sampler = []  # the sampling model, loaded on first use (a resumed run may sample nothing)
 
+    def draw(model, prompt_ids: list[list[int]], seed: int, temperature: float):
+        return sample_batch(model, prompt_ids, max_new_tokens=config.max_new_tokens, top_k=top_k,
+                            eos_ids=target.eos_token_ids, pad_id=pad_id, generator=torch.Generator().manual_seed(seed),
+                            temperature=temperature)  # fmt: skip
+
     def run(prompt_ids: list[list[int]], seed: int, temperature: float = 1.0):
         if not sampler:
             sampler.append(sampling_model(config, target))
-        generator = torch.Generator().manual_seed(seed)
-        return sample_batch(sampler[0], prompt_ids, max_new_tokens=config.max_new_tokens, top_k=top_k,
-                            eos_ids=target.eos_token_ids, pad_id=pad_id, generator=generator,
-                            temperature=temperature)  # fmt: skip
+        return draw(sampler[0], prompt_ids, seed, temperature)
 
     def greedy(prompt_ids: list[list[int]], seed: int):  # the float32 target's own path, as the services decode it
-        return sample_batch(target.model, prompt_ids, max_new_tokens=config.max_new_tokens, top_k=top_k,
-                            eos_ids=target.eos_token_ids, pad_id=pad_id, generator=torch.Generator(),
-                            temperature=0.0)  # fmt: skip
+        return draw(target.model, prompt_ids, seed, 0.0)
 
     def held_out_set(path: Path, sample) -> list[dict]:
         if not path.exists():

@@ -21,6 +21,7 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
+from typing import IO
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -99,7 +100,7 @@ class Stack:
         self.processes: dict[str, subprocess.Popen] = {}
         self.envs: dict[str, dict[str, str]] = {}
         self.ports: dict[str, int] = {}
-        self.logs: dict[str, tempfile._TemporaryFileWrapper] = {}  # a quiet service's output
+        self.logs: dict[str, IO[bytes]] = {}  # a quiet service's output
         # The secret the coordinator sends to the draft and target services.
         self.internal_token = secrets.token_urlsafe(32)
 
@@ -192,8 +193,9 @@ class Stack:
         """Children log to our stderr (stdout stays for `ready ADDRESS`), or, when quiet, to a
         temporary file whose tail goes into the error if the service dies while starting."""
         if self.quiet:
-            log = self.logs.get(name) or self.logs.setdefault(name, tempfile.TemporaryFile(prefix=f"specdec-{name}-"))
-            return {"stdout": log, "stderr": log}
+            if name not in self.logs:  # a restarted service appends to the file it had
+                self.logs[name] = tempfile.TemporaryFile(prefix=f"specdec-{name}-")
+            return {"stdout": self.logs[name], "stderr": self.logs[name]}
         return {"stdout": 2, "stderr": 2}
 
     def log_tail(self, name: str) -> str:

@@ -164,9 +164,9 @@ async def run(
     stop_task = asyncio.create_task(stop.wait())
     done, _ = await asyncio.wait({load_task, stop_task}, return_when=asyncio.FIRST_COMPLETED)
     if load_task in done:
-        if load_task.exception() is not None:  # a failed load ends the process, its error logged
+        if (error := load_task.exception()) is not None:  # a failed load ends the process, saying why
             await server.stop(0)
-            raise SystemExit(load_failed(name, load_task.exception()))
+            raise SystemExit(load_failed(name, error))
         await set_health(health_servicer, service_names, health_pb2.HealthCheckResponse.SERVING)
         log.info("%s serving on %s", name, address)
         print(f"{name} serving on {address}", flush=True)
