@@ -21,6 +21,11 @@ and the next cycle drafts from the corrected prefix. Which drafts the target see
 never depends on the timing, only on the committed prefix and the per-cycle random
 streams, so the output is the same with pipelining on or off.
 
+An n-gram draft is looked up here (`NgramLookup`) unless the plan says otherwise: the
+draft service's n-gram drafter would run the same lookup on the same prefix, so the
+tokens are the same, without a network hop and without the CPU that two gRPC hops and the
+draft service's own work take from a target sharing the machine.
+
 Prefetch: a cycle that did not keep a speculative call starts the next cycle's Propose
 as soon as its verdict is applied, before its Redis commit and its reply to the client,
 so the draft drafts meanwhile: the same request the next cycle would send, only sooner.
@@ -117,6 +122,8 @@ class Plan:
     adaptive: bool = False
     # An n-gram draft's (min_ngram, max_ngram): adaptive K looks its match up beforehand.
     ngram: tuple[int, int] | None = None
+    # ... and the drafts too, here instead of through the draft service (NgramLookup).
+    local_ngram: bool = False
 
 
 @dataclass
@@ -194,6 +201,31 @@ class DraftCall:
     def cancel(self) -> None:
         self.call.cancel()
         self.task.cancel()
+
+
+class NgramLookup:
+    """An n-gram draft looked up in the coordinator, offering DraftCall's interface: the
+    tokens the draft service's n-gram drafter would stream for the same request (the same
+    `find_continuation` on the same prefix), cut after an end token as DraftCall cuts them."""
+
+    error = None
+    finished = True
+
+    def __init__(self, request: pb.ProposeRequest, context: Sequence[int], ngram: tuple[int, int],
+                 eos_token_ids: frozenset[int]):  # fmt: skip
+        self.request = request
+        continuation, match_length = find_continuation(context, request.k, ngram[1], ngram[0])
+        self.tokens = []
+        for index, token in enumerate(continuation):
+            self.tokens.append(pb.DraftToken(token_id=token, index=index, match_length=match_length, one_hot={}))
+            if token in eos_token_ids:
+                break
+
+    async def first(self, n: int) -> list[pb.DraftToken]:
+        return self.tokens[:n]
+
+    def cancel(self) -> None:
+        pass
 
 
 def discard(guess: asyncio.Task) -> None:
@@ -443,7 +475,7 @@ class CycleLoop:
             return None, k
         # With pipelining, one token more than K: the guess of the bonus token.
         want = k + 1 if self.pipelines(k) else k
-        return self.start_propose(self.draft_seen, self.committed[self.draft_seen :], want, cycle), k
+        return self.start_propose(self.committed, self.draft_seen, want, cycle), k
 
     def prefetch_draft(self) -> Speculation | None:
         """Start the next cycle's Propose now that its prefix is known (self.committed, the
@@ -468,15 +500,20 @@ class CycleLoop:
             return False
         return self.plan.pipeline_min_keep <= 0 or self.keep_probability(k) >= self.plan.pipeline_min_keep
 
-    def start_propose(self, position: int, new_tokens: Sequence[int], k: int, cycle: int) -> DraftCall:
+    def start_propose(self, context: Sequence[int], position: int, k: int, cycle: int) -> DraftCall | NgramLookup:
+        """Ask for k drafts after `context`, of which the draft service holds the first
+        `position` tokens (the rest travel as new_tokens); an n-gram draft is looked up here
+        when the plan says so."""
         request = pb.ProposeRequest(
             session_id=self.plan.session_id,
             position=position,
-            new_tokens=new_tokens,
+            new_tokens=context[position:],
             k=k,
             sampling=sampling_to_pb(self.plan.sampling),
             cycle=cycle,
         )
+        if self.plan.local_ngram:
+            return NgramLookup(request, context, self.plan.ngram, self.plan.eos_token_ids)
         remaining = None if self.deadline is None else self.deadline - time.monotonic()
         return DraftCall(self.draft, request, draft_budget(self.draft_timeout_s, remaining), self.plan.eos_token_ids)
 
@@ -527,7 +564,7 @@ class CycleLoop:
             return None
         position = len(self.committed) + len(drafts)  # the draft fed every draft before the guess
         want = k + 1 if self.pipelines(k) else k  # and a guess for the cycle after, if that pipelines too
-        return Speculation(self.start_propose(position, [guess], want, self.cycle + 1), assumed, k)
+        return Speculation(self.start_propose(assumed, position, want, self.cycle + 1), assumed, k)
 
     async def settle_speculation(self, guess: asyncio.Task, verdict: pb.VerifyResponse, k: int) -> None:
         """Keep the speculative call if the verdict took every draft and the guess; else cancel."""

@@ -88,6 +88,9 @@ class CoordinatorConfig:
     # Longest a cycle waits for the draft before running target-only (0 = only the request
     # deadline bounds it); see coordinator.cycles.draft_budget.
     draft_timeout_s: float = DRAFT_TIMEOUT_S
+    # With an n-gram draft, call the draft service for drafts instead of looking them up
+    # here (coordinator.cycles.NgramLookup: the same tokens, no network hop).
+    ngram_via_draft_service: bool = False
 
 
 class CoordinatorServicer(pb_grpc.CoordinatorServicer):
@@ -281,6 +284,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             pipeline_min_keep=min_keep,
             adaptive=adaptive,
             ngram=self.ngram_lengths(),
+            local_ngram=self.draft_info.kind == "ngram" and not cfg.ngram_via_draft_service,
         )
 
     def ngram_lengths(self) -> tuple[int, int] | None:

@@ -207,6 +207,9 @@ def add_coordinator_flags(p: argparse.ArgumentParser) -> None:
     env_flag(p, "--internal-tls-key", "SPECDEC_INTERNAL_TLS_KEY", default="", help="PEM key of --internal-tls-cert")
     env_flag(p, "--internal-token-file", "SPECDEC_INTERNAL_TOKEN_FILE", default="",
              help="file with the internal token to send to the draft and target (or set SPECDEC_INTERNAL_TOKEN)")  # fmt: skip
+    env_flag(p, "--ngram-via-draft-service", "SPECDEC_NGRAM_VIA_DRAFT_SERVICE", action="store_true",
+             help="with an n-gram draft, ask the draft service for each cycle's drafts; by default the "
+                  "coordinator runs the same lookup itself (the same tokens, without a network hop)")  # fmt: skip
     env_flag(p, "--draft-timeout", "SPECDEC_DRAFT_TIMEOUT", default=2.0, type=float,
              help="seconds a cycle waits for the draft before running target-only (also at most a quarter "
                   "of a request's remaining deadline; 0 = only the deadline)")  # fmt: skip
@@ -308,6 +311,7 @@ def run_serve(args) -> int:
             default_max_new_tokens=args.default_max_new_tokens, max_new_tokens_limit=args.max_new_tokens_limit,
             metrics_port=args.metrics_port, pipeline=not args.no_pipeline, adaptive_k=args.adaptive_k,
             pipeline_min_keep=args.pipeline_min_keep, draft_timeout_s=args.draft_timeout,
+            ngram_via_draft_service=args.ngram_via_draft_service,
             max_prompt_tokens=args.max_prompt_tokens, max_concurrent_requests=args.max_concurrent_requests,
             security=server_security(args, load_tokens(args.auth_token_file, AUTH_TOKEN_ENV)),
             internal=ChannelSecurity(args.internal_tls_ca, args.internal_tls_cert, args.internal_tls_key,

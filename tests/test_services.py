@@ -343,3 +343,35 @@ def test_a_model_service_killed_mid_session_is_replaced_and_the_output_is_unchan
             again = client.generate(PROMPT, **options)
             assert again.token_ids == expected.token_ids[:40]
         assert again.stats.draft_tokens > 0  # the new draft process drafts
+
+
+def test_an_ngram_draft_looked_up_in_the_coordinator_changes_nothing_but_the_hop(redis_url, tiny_models):
+    """By default the coordinator looks an n-gram draft up itself (so it keeps drafting with
+    the draft service gone); with --ngram-via-draft-service it asks the draft service. Same
+    drafts, same verdicts, same output, greedy and sampled."""
+    from conftest import start_stack
+
+    prompt = "abcabcabcab"  # repetitive: the lookup finds matches
+    options = [dict(temperature=0.0), dict(temperature=1.0, seed=11)]
+    results = {}
+    for via_service in (False, True):
+        args = ["--ngram-via-draft-service"] if via_service else []
+        stack = start_stack(redis_url, tiny_models.target, "ngram", coordinator_args=args)
+        try:
+            with specdec.Client(stack.address) as client:
+                results[via_service] = [
+                    client.generate(prompt, max_new_tokens=40, ignore_eos=True, num_speculative_tokens=3, **o)
+                    for o in options
+                ]
+                if not via_service:  # the lookup needs no draft service once the stack is up
+                    stack.processes["draft"].kill()
+                    stack.processes["draft"].wait()
+                    again = client.generate(prompt, max_new_tokens=40, ignore_eos=True, num_speculative_tokens=3)
+                    assert again.token_ids == results[False][0].token_ids
+                    assert [c.drafted for c in again.cycles] == [c.drafted for c in results[False][0].cycles]
+        finally:
+            stack.stop()
+    for local, served in zip(results[False], results[True]):
+        assert local.token_ids == served.token_ids
+        assert [(c.drafted, c.accepted) for c in local.cycles] == [(c.drafted, c.accepted) for c in served.cycles]
+    assert sum(c.drafted for r in results[False] for c in r.cycles) > 0, "the prompt should give the lookup matches"

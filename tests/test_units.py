@@ -52,6 +52,24 @@ def test_ngram_continuation_is_capped_at_k():
     assert find_continuation([1, 2, 3, 4, 5, 6, 1], 2, max_ngram=2, min_ngram=1) == ([2, 3], 1)
 
 
+@pytest.mark.parametrize("k", [1, 3, 5])
+def test_the_coordinators_ngram_lookup_gives_the_draft_services_tokens_byte_for_byte(k):
+    """The coordinator looks an n-gram draft up itself (NgramLookup); what it hands the
+    target must be exactly what the draft service would have streamed, cut after an end
+    token as the coordinator cuts a stream (eos = 11 here)."""
+    from coordinator.cycles import NgramLookup
+    from draft_service.drafters import NgramDrafter
+
+    context = [4, 5, 6, 10, 11, 9, 6, 12, 4, 5, 6]
+    state = SessionState("s", held=context[:-1], pending=context[-1:])
+    served = [draft_token_to_pb(i, token, q, n).SerializeToString()
+              for i, (token, q, n) in enumerate(NgramDrafter().propose(state, k, Sampling(), torch.Generator()))]  # fmt: skip
+    looked_up = NgramLookup(pb.ProposeRequest(k=k), context, (1, 3), frozenset({11}))
+    assert [t.SerializeToString() for t in looked_up.tokens] == served[:2]  # 10, then the end token 11
+    assert asyncio.run(looked_up.first(k)) == looked_up.tokens[:k]
+    assert NgramLookup(pb.ProposeRequest(k=k), [1, 2, 3], (1, 3), frozenset()).tokens == []
+
+
 # ---------------------------------------------------------------- text stream
 
 
