@@ -26,6 +26,12 @@ draft service's n-gram drafter would run the same lookup on the same prefix, so 
 tokens are the same, without a network hop and without the CPU that two gRPC hops and the
 draft service's own work take from a target sharing the machine.
 
+Commit overlap: a cycle's Redis commit runs while the next cycle drafts and verifies. The
+outcome reaches the client only once its commit is in (commits land in cycle order: each
+waits for the one before), and the next Verify says `awaits_commit`, so the target waits
+for committed tokens that have not landed yet instead of refusing them. A failed commit
+ends the request with its error, as before, and the cycle running meanwhile is cancelled.
+
 Prefetch: a cycle that did not keep a speculative call starts the next cycle's Propose
 as soon as its verdict is applied, before its Redis commit and its reply to the client,
 so the draft drafts meanwhile: the same request the next cycle would send, only sooner.
@@ -48,6 +54,8 @@ is fenced by the cycle number.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import dataclasses
 import logging
 import time
 from collections.abc import AsyncIterator, Sequence
@@ -134,6 +142,8 @@ class Outcome:
     info: pb.CycleInfo
     eos: bool
     length_reached: bool
+    # The request's statistics as of this cycle (later cycles may be running already).
+    stats: "Stats"
 
 
 @dataclass
@@ -279,6 +289,10 @@ class CycleLoop:
         self.draft_failures = 0
         self.draft_paused_until = 0  # cycle index from which drafting resumes
         self.speculation: Speculation | None = None
+        # The latest cycle's Redis commit while it runs (commit overlap, module doc), and
+        # the outcomes whose commits are in (or the error that ends the request), in order.
+        self.committing: asyncio.Task | None = None
+        self.outbox: asyncio.Queue[Outcome | BaseException | None] = asyncio.Queue()
         # Adaptive K: a per-session estimate seeded from (and feeding) the coordinator's.
         self.adaptive = None
         if plan.adaptive and plan.k > 0:
@@ -288,17 +302,57 @@ class CycleLoop:
         self.tracer = telemetry.tracer()
 
     async def run(self) -> AsyncIterator[Outcome]:
+        """Each cycle's outcome once its commit is in; the cycles themselves run ahead in a
+        task (`produce`), so a commit overlaps the next cycle (module doc)."""
+        producer = asyncio.get_running_loop().create_task(self.produce())
+        try:
+            while (item := await self.outbox.get()) is not None:
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+        finally:
+            producer.cancel()
+            for task in (producer, self.committing):
+                if task is not None:
+                    with contextlib.suppress(BaseException):
+                        await task
+            self.drop_speculation()
+
+    async def produce(self) -> None:
+        """Run cycles until done; then, once the last commit is in, put None in the outbox.
+        An error goes to the outbox instead (run raises it there)."""
         try:
             while True:
                 limit = self.limit(len(self.committed))
                 if limit is None:
-                    return
+                    break
                 outcome = await self.run_cycle(limit)
-                yield outcome
                 if outcome.eos or outcome.length_reached:
-                    return
-        finally:
-            self.drop_speculation()
+                    break
+            if self.committing is not None:
+                await self.committing
+            self.outbox.put_nowait(None)
+        except BaseException as exc:
+            if isinstance(exc, Exception) and self.committing is not None:
+                with contextlib.suppress(Exception):
+                    await self.committing  # the outcome of a commit in flight goes out first
+            self.outbox.put_nowait(exc)  # run raises it
+            if not isinstance(exc, Exception):
+                raise
+
+    async def commit(self, previous: asyncio.Task | None, outcome: Outcome, increments: dict[str, int],
+                     verified_at: float) -> None:  # fmt: skip
+        """Commit a cycle's tokens, fenced by its number, after the cycle before it; then
+        hand its outcome to `run`. A failed commit goes to the outbox as the request's error."""
+        try:
+            if previous is not None:
+                await previous
+            await self.store.commit(self.plan.session_id, outcome.info.index, outcome.tokens, increments)
+        except Exception as exc:  # noqa: BLE001 - handed to the consumer, which raises it
+            self.outbox.put_nowait(exc)
+            raise
+        outcome.info.commit_ms = (time.perf_counter() - verified_at) * 1000
+        self.outbox.put_nowait(outcome)
 
     def headroom(self, committed_length: int) -> int:
         """How many more tokens may be committed after `committed_length`: never past
@@ -425,8 +479,6 @@ class CycleLoop:
 
         increments = {"cycles": 1, "draft_tokens": len(drafts), "accepted_tokens": n}
         increments.update({f"accepted_pos_{i}": 1 for i in range(n)})
-        await self.store.commit(self.plan.session_id, self.cycle, new, increments)
-        committed_at = time.perf_counter()
         info = pb.CycleInfo(
             index=self.cycle,
             drafted=len(drafts),
@@ -438,10 +490,14 @@ class CycleLoop:
             draft_bytes=sum(d.ByteSize() for d in drafts),
             pipelined=pipelined,
             forward_ms=verdict.forward_ms,
-            commit_ms=(committed_at - verified_at) * 1000,
+        )
+        stats = dataclasses.replace(self.stats, accepted_per_position=list(self.stats.accepted_per_position))
+        outcome = Outcome(new, info, eos, generated >= self.plan.max_new_tokens, stats)
+        self.committing = asyncio.get_running_loop().create_task(
+            self.commit(self.committing, outcome, increments, verified_at)
         )
         self.cycle += 1
-        return Outcome(new, info, eos, generated >= self.plan.max_new_tokens)
+        return outcome
 
     def solo_steps(self) -> int:
         """Tokens a cycle without drafts asks the target for: 1 on the request's first cycle,
@@ -604,6 +660,7 @@ class CycleLoop:
             steps=steps,
             draft_busy=draft_busy,
             stop_at_ngram=stop_at_ngram,
+            awaits_commit=self.committing is not None and not self.committing.done(),
         )
         for attempt, pause in enumerate((*TARGET_RETRY_BACKOFF_S, None)):
             try:

@@ -216,7 +216,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
                 token_ids=outcome.tokens,
                 text=text.take(final=bool(finish)),
                 finish_reason=FINISH[finish] if finish else pb.FINISH_REASON_UNSPECIFIED,
-                stats=stats_pb(loop.stats, len(plan.prompt), time.perf_counter() - started, first_token_s),
+                stats=stats_pb(outcome.stats, len(plan.prompt), time.perf_counter() - started, first_token_s),
                 cycle=outcome.info,
                 session_id=plan.session_id,
             )

@@ -16,9 +16,15 @@ always at least one pending token whose logits the next step needs.
 The target also checks the caller: with `committed_only`, the tokens it is asked
 to keep or add must be the session's committed tokens in Redis (one read of the
 few tokens it has not checked yet), so no call, stale, replayed or hostile, can
-make its cache cover anything but committed text. The draft does not check: its
-pipelined calls are fed a guessed token by design, and a wrong draft costs speed,
-never correctness.
+make its cache cover anything but committed text once the call is over. When the
+held tokens below `position` are checked already, only `new_tokens` are left to
+check, and `SessionState.claimed` checks them while the model works instead of
+before: a call whose tokens prove not to be committed is refused and its work
+undone before the session is released. A call may also say that the commit of
+the tokens it names is still on its way (`wait_s`): the read is then repeated for
+a while before a shortfall counts. The draft does not check: its pipelined calls
+are fed a guessed token by design, and a wrong draft costs speed, never
+correctness.
 """
 
 from __future__ import annotations
@@ -37,6 +43,8 @@ from transformers.cache_utils import DynamicLayer
 from specdec.errors import FailedPrecondition, InvalidArgument, NotFound, OutOfRange, ResourceExhausted
 
 FetchCommitted = Callable[[str, int, int], Awaitable[list[int]]]
+# How often a read of committed tokens is repeated while a commit is awaited (`wait_s`).
+COMMIT_POLL_S = 0.002
 
 
 @dataclass
@@ -77,27 +85,69 @@ class SessionState:
         vocab_size: int,
         max_context: int = 0,
         committed_only: bool = False,
+        wait_s: float = 0.0,
     ) -> None:
         """Bring the session to committed[:position] + new_tokens (see module doc).
         Nothing changes when the request is refused."""
-        if position < 0:
-            raise InvalidArgument(f"position must be >= 0, got {position}")
-        check_token_ids(new_tokens, vocab_size, "new_tokens")
+        check_position(position, new_tokens, vocab_size)
         if committed_only:
-            context, valid = await self.committed_context(position, list(new_tokens), fetch)
+            context, valid = await self.committed_context(position, list(new_tokens), fetch, wait_s)
         else:
             context, valid = await self.claimed_context(position, list(new_tokens), fetch)
+        self.adopt(context, valid, max_context)
+        self.confirmed = len(context) if committed_only else 0
+
+    def adopt(self, context: list[int], valid: int, max_context: int = 0) -> None:
+        """Make `context` the session's tokens, keeping the cache of its first `valid` held
+        tokens (but never the last token: it stays pending)."""
         if not context:
             raise InvalidArgument("the session has no tokens: send the prompt as new_tokens at position 0")
         if max_context and len(context) > max_context:
             raise OutOfRange(f"context of {len(context)} tokens exceeds the model's limit of {max_context}")
-        # Keep the longest cached prefix that is still valid, but never the last token.
         keep = min(valid, len(context) - 1)
         crop_cache(self.cache, keep)
         self.held = self.held[:keep]
         self.pending = context[keep:]
-        self.confirmed = len(context) if committed_only else 0
         self.last_used = time.monotonic()
+
+    def checked_below(self, position: int) -> bool:
+        """Whether every held token below `position` was checked against Redis already, so
+        that a call at `position` leaves only its new_tokens to check (`claimed`)."""
+        return 0 <= position <= min(self.confirmed, len(self.held))
+
+    @contextlib.asynccontextmanager
+    async def claimed(
+        self,
+        position: int,
+        new_tokens: Sequence[int],
+        fetch: FetchCommitted,
+        vocab_size: int,
+        max_context: int = 0,
+        wait_s: float = 0.0,
+    ):
+        """`sync` for `committed_only` when `checked_below(position)`: take new_tokens on the
+        caller's word for the body of the `async with` (the model's work) while one read
+        checks them against Redis; when they prove not to be the committed tokens, undo the
+        work (cache, held, pending) and raise as `sync` would (FailedPrecondition,
+        OutOfRange). Also undone when the body raises or is cancelled."""
+        new_tokens = list(new_tokens)
+        check_position(position, new_tokens, vocab_size)
+        if not self.checked_below(position):
+            raise ValueError(f"claimed needs the held tokens below {position} checked: use sync")
+        self.adopt(self.held[:position] + new_tokens, position, max_context)
+        keep, pending = len(self.held), list(self.pending)
+        self.confirmed = keep + len(pending)
+        check = asyncio.ensure_future(self.check_committed(fetch, position, position, new_tokens, wait_s))
+        try:
+            yield self
+            await check
+        except BaseException:
+            check.cancel()
+            crop_cache(self.cache, keep)
+            del self.held[keep:]
+            self.pending = pending
+            self.confirmed = keep
+            raise
 
     async def claimed_context(
         self, position: int, new_tokens: list[int], fetch: FetchCommitted
@@ -115,14 +165,29 @@ class SessionState:
         return self.held + missing + new_tokens, len(self.held)
 
     async def committed_context(
-        self, position: int, new_tokens: list[int], fetch: FetchCommitted
+        self, position: int, new_tokens: list[int], fetch: FetchCommitted, wait_s: float = 0.0
     ) -> tuple[list[int], int]:
         """(context, how many held tokens are valid), checked against Redis: the context is
         committed[:position + len(new_tokens)] and new_tokens must be its last tokens
         (FailedPrecondition otherwise). Held tokens not yet checked are compared with what
-        Redis holds and kept only as far as they agree, whatever the caller claims."""
+        Redis holds and kept only as far as they agree, whatever the caller claims. With
+        wait_s, committed tokens that fall short are read again until they arrive or wait_s
+        has passed (a commit on its way)."""
         start = min(self.confirmed, len(self.held), position)
-        stored = await fetch(self.session_id, start, position + len(new_tokens))
+        stored = await self.check_committed(fetch, start, position, new_tokens, wait_s)
+        agree = 0
+        for held, committed in zip(self.held[start:position], stored):
+            if held != committed:
+                break
+            agree += 1
+        return self.held[:start] + stored, start + agree
+
+    async def check_committed(
+        self, fetch: FetchCommitted, start: int, position: int, new_tokens: list[int], wait_s: float = 0.0
+    ) -> list[int]:
+        """committed[start:position + len(new_tokens)], read (see read_committed) and checked:
+        it must reach `position` (OutOfRange) and end in new_tokens (FailedPrecondition)."""
+        stored = await self.read_committed(fetch, start, position + len(new_tokens), wait_s)
         if len(stored) < position - start:
             raise OutOfRange(f"position {position} is past the session's {start + len(stored)} committed tokens")
         if stored[position - start :] != new_tokens:
@@ -130,12 +195,17 @@ class SessionState:
                 f"new_tokens at position {position} are not session {self.session_id!r}'s committed tokens: "
                 "a stale or foreign call"
             )
-        agree = 0
-        for held, committed in zip(self.held[start:position], stored):
-            if held != committed:
-                break
-            agree += 1
-        return self.held[:start] + stored, start + agree
+        return stored
+
+    async def read_committed(self, fetch: FetchCommitted, start: int, end: int, wait_s: float = 0.0) -> list[int]:
+        """committed[start:end] from Redis; while fewer exist, read again every
+        COMMIT_POLL_S until wait_s has passed."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            stored = await fetch(self.session_id, start, end)
+            if len(stored) >= end - start or time.monotonic() >= deadline:
+                return stored
+            await asyncio.sleep(COMMIT_POLL_S)
 
     def feed(self, tokens: Sequence[int]) -> None:
         """Record that `tokens` were fed to the model (the cache now covers them)."""
@@ -146,6 +216,13 @@ class SessionState:
         crop_cache(self.cache, length)
         del self.held[length:]
         self.confirmed = min(self.confirmed, length)
+
+
+def check_position(position: int, new_tokens: Sequence[int], vocab_size: int) -> None:
+    """InvalidArgument for a negative position or new_tokens outside the vocabulary."""
+    if position < 0:
+        raise InvalidArgument(f"position must be >= 0, got {position}")
+    check_token_ids(new_tokens, vocab_size, "new_tokens")
 
 
 def check_token_ids(tokens: Sequence[int], vocab_size: int, name: str) -> None:

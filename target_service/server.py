@@ -20,6 +20,10 @@ from target_service.verifier import Verifier
 
 # Longest n-gram a Verify may ask the target to look up after each plain step.
 MAX_STOP_NGRAM = 64
+# How long a Verify that says `awaits_commit` waits for the committed tokens it names: the
+# coordinator's commit (one Redis round trip) is far quicker; a commit that never lands
+# (its coordinator died or was fenced) ends the wait with the refusal it would have had.
+COMMIT_WAIT_S = 2.0
 
 
 @dataclass
@@ -58,7 +62,7 @@ class TargetServicer(ModelService, pb_grpc.TargetServicer):
         sampling = self.internal_sampling(request.sampling)
         stop_at_ngram = ngram_stop_from_pb(request)
         drafts = [draft_from_pb(d, self.info.vocab_size) for d in request.drafts]
-        async with self.session(request) as state:
+        async with self.session(request, COMMIT_WAIT_S if request.awaits_commit else 0.0) as state:
             generator = cycle_generator(sampling.seed, request.cycle, TARGET)
             verdict = await self.worker.run(
                 self.verifier.verify, state, drafts, sampling, generator, request.steps, request.draft_busy,

@@ -356,6 +356,91 @@ def test_committed_only_sync_refuses_tokens_that_are_not_committed_and_changes_n
     asyncio.run(go())
 
 
+def test_a_claimed_call_works_while_its_tokens_are_checked_and_is_undone_when_they_are_not_committed():
+    """SessionState.claimed (the target, held tokens all checked): the body runs on the
+    caller's word; tokens that prove not to be committed undo the body's work (held,
+    pending, the KV cache) and raise; committed ones leave it in place."""
+    from specdec.kvcache import forward
+    from specdec.models import build_tiny_model, build_tiny_tokenizer
+
+    model = build_tiny_model(build_tiny_tokenizer(), hidden_size=32, num_layers=1, seed=0)
+
+    async def go():
+        committed = [1, 2, 3, 4]
+        fetch = committed_fetcher(committed)
+        state = SessionState("s", cache=new_cache(model.config))
+        await state.sync(0, [1, 2, 3, 4], fetch, 100, committed_only=True)
+
+        def work():  # what Verify does: feed pending + drafts, keep them
+            forward(model, state.cache, state.pending + [6, 7])
+            state.feed(state.pending + [6, 7])
+            state.pending = [8]
+
+        work()
+        assert state.checked_below(4) and not state.checked_below(5)
+        with pytest.raises(FailedPrecondition, match="not session 's'.s committed tokens"):
+            async with state.claimed(4, [9], fetch, 100):  # 9 was never committed
+                work()
+        assert (state.held, state.pending, state.confirmed) == ([1, 2, 3, 4], [9], 4)
+        assert state.cache.get_seq_length() == 4
+        with pytest.raises(RuntimeError, match="forward failed"):
+            async with state.claimed(4, [9], fetch, 100):
+                raise RuntimeError("forward failed")
+        assert state.held == [1, 2, 3, 4] and state.cache.get_seq_length() == 4
+
+        committed.append(5)
+        async with state.claimed(4, [5], fetch, 100):
+            work()
+        assert (state.held, state.pending) == ([1, 2, 3, 4, 5, 6, 7], [8])
+        assert state.cache.get_seq_length() == 7
+
+    asyncio.run(go())
+
+
+def test_a_commit_on_its_way_is_waited_for_and_a_missing_one_refused_once_the_wait_is_over():
+    """With wait_s (VerifyRequest.awaits_commit) committed tokens that fall short are read
+    again until they land; without it, or past it, the call is refused as before."""
+    import time as clock
+
+    async def go():
+        committed = [1, 2, 3]
+        fetch = committed_fetcher(committed)
+        state = SessionState("s")
+        await state.sync(0, [1, 2, 3], fetch, 100, committed_only=True)
+        state.feed(state.pending)  # as a forward pass would
+        state.pending = []
+        with pytest.raises(ValueError, match="use sync"):
+            async with state.claimed(4, [5], fetch, 100):
+                pass
+
+        async def land_later():
+            await asyncio.sleep(0.05)
+            committed.append(4)
+
+        with pytest.raises(FailedPrecondition):
+            await state.sync(3, [4], fetch, 100, committed_only=True)  # no wait: refused at once
+        landing = asyncio.ensure_future(land_later())
+        async with state.claimed(3, [4], fetch, 100, wait_s=2.0):
+            pass
+        await landing
+        assert state.tokens() == [1, 2, 3, 4]
+        state.feed(state.pending)
+        state.pending = []
+        started = clock.monotonic()
+        with pytest.raises(FailedPrecondition):
+            async with state.claimed(4, [5], fetch, 100, wait_s=0.1):  # 5 never lands
+                pass
+        assert 0.1 <= clock.monotonic() - started < 1.0
+        committed.append(5)
+        fresh = SessionState("t")  # a restarted target: the full sync waits the same way
+        landing = asyncio.ensure_future(land_later())
+        await fresh.sync(0, [1, 2, 3, 4, 5, 4], fetch, 100, committed_only=True, wait_s=2.0)
+        await landing
+        assert fresh.tokens() == [1, 2, 3, 4, 5, 4]
+
+    asyncio.run(go())
+
+
 def test_pool_evicts_idle_sessions_beyond_the_kv_memory_limit_but_never_a_busy_one():
     from transformers import DynamicCache
 
