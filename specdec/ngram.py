@@ -18,11 +18,16 @@ def find_continuation(tokens: Sequence[int], k: int, max_ngram: int, min_ngram: 
     """(up to k tokens that followed the latest earlier match of the longest suffix n-gram,
     that n-gram's length n); ([], 0) without a match."""
     length = len(tokens)
+    if not isinstance(tokens, list):
+        tokens = list(tokens)
+    last = tokens[-1] if tokens else None
     for n in range(min(max_ngram, length - 1), min_ngram - 1, -1):
-        suffix = list(tokens[length - n :])
+        suffix = tokens[length - n :]
         # Scan backwards so the most recent match wins; a match must end before the suffix starts.
+        # Comparing its last token first skips the slice for almost every start (this runs
+        # on every cycle in the coordinator, over the whole context).
         for start in range(length - n - 1, -1, -1):
-            if tokens[start : start + n] == suffix:
+            if tokens[start + n - 1] == last and tokens[start : start + n] == suffix:
                 continuation = list(tokens[start + n : start + n + k])
                 if continuation:
                     return continuation, n

@@ -52,6 +52,29 @@ def test_ngram_continuation_is_capped_at_k():
     assert find_continuation([1, 2, 3, 4, 5, 6, 1], 2, max_ngram=2, min_ngram=1) == ([2, 3], 1)
 
 
+def test_ngram_lookup_finds_what_a_plain_scan_of_every_earlier_position_finds():
+    """find_continuation skips most slices by comparing a candidate's last token first; on
+    random short contexts over small vocabularies (many matches) it must agree with the
+    obvious scan: longest n first, most recent match with a non-empty continuation."""
+    import random
+
+    def plain_scan(tokens, k, max_ngram, min_ngram):
+        for n in range(min(max_ngram, len(tokens) - 1), min_ngram - 1, -1):
+            suffix = tokens[len(tokens) - n :]
+            for start in range(len(tokens) - n - 1, -1, -1):
+                if tokens[start : start + n] == suffix and tokens[start + n : start + n + k]:
+                    return tokens[start + n : start + n + k], n
+        return [], 0
+
+    rng = random.Random(0)
+    for _ in range(3000):
+        tokens = [rng.randrange(rng.choice([2, 3, 5, 20])) for _ in range(rng.randrange(40))]
+        max_ngram = rng.randrange(1, 5)
+        args = (rng.randrange(1, 5), max_ngram, rng.randrange(1, max_ngram + 1))
+        assert find_continuation(tokens, *args) == plain_scan(tokens, *args)
+        assert find_continuation(tuple(tokens), *args) == plain_scan(tokens, *args)
+
+
 @pytest.mark.parametrize("k", [1, 3, 5])
 def test_the_coordinators_ngram_lookup_gives_the_draft_services_tokens_byte_for_byte(k):
     """The coordinator looks an n-gram draft up itself (NgramLookup); what it hands the
