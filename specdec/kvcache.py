@@ -142,7 +142,8 @@ class SessionState:
             yield self
             await check
         except BaseException:
-            check.cancel()
+            if not check.cancel() and not check.cancelled():
+                check.exception()  # done with an error of its own: retrieved, not logged as lost
             crop_cache(self.cache, keep)
             del self.held[keep:]
             self.pending = pending
