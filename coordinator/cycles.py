@@ -175,7 +175,7 @@ class DraftCall:
     even if the draft never answers, and the cycle treats that as a draft fault."""
 
     def __init__(self, stub, request: pb.ProposeRequest, budget: float | None, eos_token_ids: frozenset[int]):
-        self.request = request
+        self.k = request.k  # tokens asked for
         self.tokens: list[pb.DraftToken] = []
         self.error: grpc.aio.AioRpcError | None = None
         self.finished = False
@@ -215,18 +215,19 @@ class DraftCall:
 
 class NgramLookup:
     """An n-gram draft looked up in the coordinator, offering DraftCall's interface: the
-    tokens the draft service's n-gram drafter would stream for the same request (the same
-    `find_continuation` on the same prefix), cut after an end token as DraftCall cuts them."""
+    tokens the draft service's n-gram drafter would stream when asked for k (the same
+    `find_continuation` on the same prefix), cut after an end token as DraftCall cuts them.
+    `match` is a lookup for k or more tokens (`CycleLoop.look_up`): a shorter lookup's
+    continuation is a prefix of a longer one's, so one lookup serves every k."""
 
     error = None
     finished = True
 
-    def __init__(self, request: pb.ProposeRequest, context: Sequence[int], ngram: tuple[int, int],
-                 eos_token_ids: frozenset[int]):  # fmt: skip
-        self.request = request
-        continuation, match_length = find_continuation(context, request.k, ngram[1], ngram[0])
+    def __init__(self, match: tuple[list[int], int], k: int, eos_token_ids: frozenset[int]):
+        self.k = k
+        continuation, match_length = match
         self.tokens = []
-        for index, token in enumerate(continuation):
+        for index, token in enumerate(continuation[:k]):
             self.tokens.append(pb.DraftToken(token_id=token, index=index, match_length=match_length, one_hot={}))
             if token in eos_token_ids:
                 break
@@ -370,13 +371,21 @@ class CycleLoop:
             return None
         return max(0, min(self.plan.k, headroom - 1))
 
-    def choose_k(self, limit: int, context: Sequence[int]) -> int:
-        """K for a cycle drafting after `context`. With an n-gram draft, the match the draft
-        would copy is looked up here first: no match, no draft call (it would propose
-        nothing); with adaptive K, its match length decides K."""
+    def look_up(self, limit: int, context: Sequence[int]) -> tuple[list[int], int] | None:
+        """With an n-gram draft, the match it would copy after `context`: (up to limit + 1
+        tokens, enough for K drafts and a guess; the n-gram length, 0 without a match).
+        None without an n-gram draft, or with nothing to draft (limit 0)."""
+        if self.plan.ngram is None or limit <= 0:
+            return None
+        return find_continuation(context, limit + 1, self.plan.ngram[1], self.plan.ngram[0])
+
+    def choose_k(self, limit: int, match: tuple[list[int], int] | None) -> int:
+        """K for a cycle that may draft up to `limit`. With an n-gram draft, `match`
+        (look_up) decides first: no match, no draft call (it would propose nothing); with
+        adaptive K, its match length decides K."""
         match_length = None
-        if self.plan.ngram is not None and limit > 0:
-            _, match_length = find_continuation(context, 1, self.plan.ngram[1], self.plan.ngram[0])
+        if match is not None:
+            match_length = match[1]
             if not match_length:
                 return 0
         if self.adaptive is None:
@@ -421,7 +430,7 @@ class CycleLoop:
         drafted_at = time.perf_counter()
 
         guess = None
-        if call is not None and call.request.k > k and len(drafts) == k:
+        if call is not None and call.k > k and len(drafts) == k:
             # Runs while the target verifies: wait for the guess, start the next cycle's drafting.
             guess = asyncio.get_running_loop().create_task(self.speculate(call, drafts))
         # No draft was asked for (K = 0, speculation off, draft back-off): several plain steps.
@@ -526,12 +535,13 @@ class CycleLoop:
     def new_draft_call(self, limit: int, cycle: int) -> tuple[DraftCall | None, int]:
         """(Propose call, K) for `cycle` drafting after everything committed; no call when K
         is 0 or the draft is in back-off then."""
-        k = self.choose_k(limit, self.committed)
+        match = self.look_up(limit, self.committed)
+        k = self.choose_k(limit, match)
         if k == 0 or cycle < self.draft_paused_until:
             return None, k
         # With pipelining, one token more than K: the guess of the bonus token.
         want = k + 1 if self.pipelines(k) else k
-        return self.start_propose(self.committed, self.draft_seen, want, cycle), k
+        return self.start_propose(self.committed, self.draft_seen, want, cycle, match), k
 
     def prefetch_draft(self) -> Speculation | None:
         """Start the next cycle's Propose now that its prefix is known (self.committed, the
@@ -556,10 +566,13 @@ class CycleLoop:
             return False
         return self.plan.pipeline_min_keep <= 0 or self.keep_probability(k) >= self.plan.pipeline_min_keep
 
-    def start_propose(self, context: Sequence[int], position: int, k: int, cycle: int) -> DraftCall | NgramLookup:
+    def start_propose(self, context: Sequence[int], position: int, k: int, cycle: int,
+                      match: tuple[list[int], int] | None) -> DraftCall | NgramLookup:  # fmt: skip
         """Ask for k drafts after `context`, of which the draft service holds the first
-        `position` tokens (the rest travel as new_tokens); an n-gram draft is looked up here
-        when the plan says so."""
+        `position` tokens (the rest travel as new_tokens); an n-gram draft's are taken from
+        `match` (look_up) here when the plan says so."""
+        if self.plan.local_ngram:
+            return NgramLookup(match, k, self.plan.eos_token_ids)
         request = pb.ProposeRequest(
             session_id=self.plan.session_id,
             position=position,
@@ -568,8 +581,6 @@ class CycleLoop:
             sampling=sampling_to_pb(self.plan.sampling),
             cycle=cycle,
         )
-        if self.plan.local_ngram:
-            return NgramLookup(request, context, self.plan.ngram, self.plan.eos_token_ids)
         remaining = None if self.deadline is None else self.deadline - time.monotonic()
         return DraftCall(self.draft, request, draft_budget(self.draft_timeout_s, remaining), self.plan.eos_token_ids)
 
@@ -615,12 +626,13 @@ class CycleLoop:
         guess = tokens[len(drafts)].token_id
         assumed = self.committed + [d.token_id for d in drafts] + [guess]
         limit = self.limit(len(assumed))
-        k = self.choose_k(limit, assumed) if limit else 0
+        match = self.look_up(limit, assumed) if limit else None
+        k = self.choose_k(limit, match) if limit else 0
         if not k:
             return None
         position = len(self.committed) + len(drafts)  # the draft fed every draft before the guess
         want = k + 1 if self.pipelines(k) else k  # and a guess for the cycle after, if that pipelines too
-        return Speculation(self.start_propose(assumed, position, want, self.cycle + 1), assumed, k)
+        return Speculation(self.start_propose(assumed, position, want, self.cycle + 1, match), assumed, k)
 
     async def settle_speculation(self, guess: asyncio.Task, verdict: pb.VerifyResponse, k: int) -> None:
         """Keep the speculative call if the verdict took every draft and the guess; else cancel."""

@@ -110,6 +110,28 @@ class SessionState:
         self.pending = context[keep:]
         self.last_used = time.monotonic()
 
+    @contextlib.asynccontextmanager
+    async def brought(
+        self,
+        position: int,
+        new_tokens: Sequence[int],
+        fetch: FetchCommitted,
+        vocab_size: int,
+        max_context: int = 0,
+        committed_only: bool = False,
+        wait_s: float = 0.0,
+    ):
+        """The session brought to committed[:position] + new_tokens for the body of the
+        `async with`: the one entry point of a call. With committed_only and every held
+        token below `position` checked already, new_tokens are checked while the body runs
+        (`claimed`); otherwise first (`sync`)."""
+        if committed_only and self.checked_below(position):
+            async with self.claimed(position, new_tokens, fetch, vocab_size, max_context, wait_s):
+                yield self
+            return
+        await self.sync(position, new_tokens, fetch, vocab_size, max_context, committed_only, wait_s)
+        yield self
+
     def checked_below(self, position: int) -> bool:
         """Whether every held token below `position` was checked against Redis already, so
         that a call at `position` leaves only its new_tokens to check (`claimed`)."""

@@ -109,24 +109,16 @@ class ModelService:
     async def session(self, request, wait_s: float = 0.0):
         """The session a Propose/Verify request names, held for the call and brought to
         committed[:position] + new_tokens (rebuilt from Redis when this process lacks it).
-        With committed_only, new_tokens are checked while the call works when nothing else
-        needs checking (SessionState.claimed); wait_s: how long committed tokens that fall
-        short are waited for (a commit on its way)."""
+        With committed_only, its tokens are checked against Redis (SessionState.brought);
+        wait_s: how long committed tokens that fall short are waited for (a commit on its way)."""
         pool = self.ready()
         session_id = check_session_id(request.session_id)
-        vocab_size, max_context = self.info.vocab_size, self.info.max_context
         async with pool.use(session_id, self.store.exists) as state:
-            if self.committed_only and state.checked_below(request.position):
-                async with state.claimed(
-                    request.position, request.new_tokens, self.store.tokens, vocab_size, max_context, wait_s
-                ):  # fmt: skip
-                    yield state
-                return
-            await state.sync(
-                request.position, request.new_tokens, self.store.tokens, vocab_size, max_context,
-                committed_only=self.committed_only, wait_s=wait_s,
-            )  # fmt: skip
-            yield state
+            async with state.brought(
+                request.position, request.new_tokens, self.store.tokens, self.info.vocab_size,
+                self.info.max_context, self.committed_only, wait_s,
+            ):  # fmt: skip
+                yield state
 
     @grpc_handler
     async def Release(self, request: pb.ReleaseRequest, context):

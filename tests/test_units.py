@@ -87,10 +87,19 @@ def test_the_coordinators_ngram_lookup_gives_the_draft_services_tokens_byte_for_
     state = SessionState("s", held=context[:-1], pending=context[-1:])
     served = [draft_token_to_pb(i, token, q, n).SerializeToString()
               for i, (token, q, n) in enumerate(NgramDrafter().propose(state, k, Sampling(), torch.Generator()))]  # fmt: skip
-    looked_up = NgramLookup(pb.ProposeRequest(k=k), context, (1, 3), frozenset({11}))
-    assert [t.SerializeToString() for t in looked_up.tokens] == served[:2]  # 10, then the end token 11
-    assert asyncio.run(looked_up.first(k)) == looked_up.tokens[:k]
-    assert NgramLookup(pb.ProposeRequest(k=k), [1, 2, 3], (1, 3), frozenset()).tokens == []
+    # The coordinator looks up once for K drafts and a guess (limit + 1) and cuts to what it asks.
+    for looked_up_for in (k, k + 1, 8):
+        looked_up = NgramLookup(find_continuation(context, looked_up_for, 3, 1), k, frozenset({11}))
+        assert [t.SerializeToString() for t in looked_up.tokens] == served[:2]  # 10, then the end token 11
+        assert asyncio.run(looked_up.first(k)) == looked_up.tokens[:k]
+        assert looked_up.k == k
+    assert NgramLookup(find_continuation([1, 2, 3], 8, 3, 1), k, frozenset()).tokens == []
+    # Without an end token in the way, a longer lookup cut to k is the k-token stream.
+    plain = [4, 5, 6, 7, 8, 9, 4, 5, 6]
+    state = SessionState("s", held=plain[:-1], pending=plain[-1:])
+    streamed = [token for token, _, _ in NgramDrafter().propose(state, k, Sampling(), torch.Generator())]
+    assert len(streamed) == k
+    assert [t.token_id for t in NgramLookup(find_continuation(plain, 8, 3, 1), k, frozenset()).tokens] == streamed
 
 
 # ---------------------------------------------------------------- text stream
