@@ -107,10 +107,12 @@ class AdaptiveK:
         """The class whose first draft is accepted most often (0 before any is seen)."""
         return max(self.classes, key=lambda c: self.position_alphas(c, 1)[0], default=0)
 
-    def keep_probability(self, k: int) -> float:
-        """The chance that K drafts of the best class and the guess after them are all
-        accepted: Π α̂_i over K + 1 positions (whether pipelining's next cycle is kept)."""
-        return math.prod(self.position_alphas(self.best_class(), k + 1))
+    def keep_probability(self, k: int, match_length: int | None = None) -> float:
+        """The chance that K drafts of class `match_length` (default: the best class) and the
+        guess after them are all accepted: Π α̂_i over K + 1 positions (whether pipelining's
+        next cycle is kept)."""
+        match_length = self.best_class() if match_length is None else match_length
+        return math.prod(self.position_alphas(match_length, k + 1))
 
     def c_draft(self, k: int) -> float:
         """Estimated ms to get k drafts, the Propose call included: a line fitted to the

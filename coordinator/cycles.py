@@ -26,6 +26,15 @@ draft service's n-gram drafter would run the same lookup on the same prefix, so 
 tokens are the same, without a network hop and without the CPU that two gRPC hops and the
 draft service's own work take from a target sharing the machine.
 
+N-gram first (`plan.ngram_first`, with a model draft): a cycle whose context ends in an
+n-gram of at least the plan's shortest length seen earlier drafts the tokens that followed
+it, looked up here (one-hot q, no draft call); any other cycle asks the draft model. The
+choice depends only on the committed prefix (or, for a pipelined call, on the prefix it
+assumes), and each cycle's drafts are verified against the q they were drawn from, so the
+output stays the target's. The draft model skips the looked-up cycles' tokens until its
+next call, which sends them as new_tokens. Looked-up cycles go on while the draft service
+is in back-off.
+
 Commit overlap: a cycle's Redis commit runs while the next cycle drafts and verifies. The
 outcome reaches the client only once its commit is in (commits land in cycle order: each
 waits for the one before), and the next Verify says `awaits_commit`, so the target waits
@@ -132,6 +141,9 @@ class Plan:
     ngram: tuple[int, int] | None = None
     # ... and the drafts too, here instead of through the draft service (NgramLookup).
     local_ngram: bool = False
+    # With a model draft: (min_ngram, max_ngram) of the n-gram matches whose cycles draft by
+    # lookup instead of asking the model (module doc: n-gram first); None = off.
+    ngram_first: tuple[int, int] | None = None
 
 
 @dataclass
@@ -374,20 +386,35 @@ class CycleLoop:
     def look_up(self, limit: int, context: Sequence[int]) -> tuple[list[int], int] | None:
         """With an n-gram draft, the match it would copy after `context`: (up to limit + 1
         tokens, enough for K drafts and a guess; the n-gram length, 0 without a match).
-        None without an n-gram draft, or with nothing to draft (limit 0)."""
-        if self.plan.ngram is None or limit <= 0:
+        With n-gram first, the same for a match of at least its shortest length, else None
+        (the model drafts). None without either, or with nothing to draft (limit 0)."""
+        lengths = self.plan.ngram or self.plan.ngram_first
+        if lengths is None or limit <= 0:
             return None
-        return find_continuation(context, limit + 1, self.plan.ngram[1], self.plan.ngram[0])
+        match = find_continuation(context, limit + 1, lengths[1], lengths[0])
+        if self.plan.ngram is None and not match[1]:
+            return None
+        return match
+
+    def draft_class(self, match: tuple[list[int], int] | None) -> int | None:
+        """The confidence class (adaptive K) of the drafts a cycle with this `look_up` result
+        gets: the match length of a lookup, 0 for the model of n-gram first, None when not
+        known beforehand (a model draft: its one class)."""
+        if match is not None:
+            return match[1]
+        return 0 if self.plan.ngram_first is not None else None
+
+    def looks_up_here(self, match: tuple[list[int], int] | None) -> bool:
+        """Whether a cycle with this `look_up` result takes its drafts from the lookup."""
+        return self.plan.local_ngram or (self.plan.ngram_first is not None and match is not None)
 
     def choose_k(self, limit: int, match: tuple[list[int], int] | None) -> int:
         """K for a cycle that may draft up to `limit`. With an n-gram draft, `match`
         (look_up) decides first: no match, no draft call (it would propose nothing); with
         adaptive K, its match length decides K."""
-        match_length = None
-        if match is not None:
-            match_length = match[1]
-            if not match_length:
-                return 0
+        match_length = self.draft_class(match)
+        if match_length == 0 and self.plan.ngram is not None:
+            return 0
         if self.adaptive is None:
             return limit
         return self.adaptive.choose(limit, match_length)
@@ -467,7 +494,7 @@ class CycleLoop:
         # it streamed but its last; of those, the accepted ones are still valid.
         # (after a call of several steps it also fed all of them but the last)
         self.target_seen = min(before + n + len(more), len(self.committed) - 1)
-        if call is not None:
+        if isinstance(call, DraftCall):
             fed = max(0, len(call.tokens) - 1)
             self.draft_seen = before + min(n, fed)
         if self.speculation is not None and self.speculation.assumed != self.committed:
@@ -480,6 +507,8 @@ class CycleLoop:
             # The first cycle's calls also prefill the prompt: its costs would mislead.
             verify_ms = (verified_at - drafted_at) * 1000 / (1 + len(more)) if self.cycle else None
             draft_ms = (drafted_at - start) * 1000 if self.cycle else None
+            if self.plan.ngram_first is not None and isinstance(call, NgramLookup):
+                draft_ms = None  # c_draft is the model's: a lookup's ~0 ms would understate it
             match_length = drafts[0].match_length if drafts else 0
             self.adaptive.observe(len(drafts), n, draft_ms, verify_ms, match_length, proposed)
         generated = len(self.committed) - len(self.plan.prompt)
@@ -499,6 +528,7 @@ class CycleLoop:
             draft_bytes=sum(d.ByteSize() for d in drafts),
             pipelined=pipelined,
             forward_ms=verdict.forward_ms,
+            looked_up=isinstance(call, NgramLookup),
         )
         stats = dataclasses.replace(self.stats, accepted_per_position=list(self.stats.accepted_per_position))
         outcome = Outcome(new, info, eos, generated >= self.plan.max_new_tokens, stats)
@@ -537,10 +567,10 @@ class CycleLoop:
         is 0 or the draft is in back-off then."""
         match = self.look_up(limit, self.committed)
         k = self.choose_k(limit, match)
-        if k == 0 or cycle < self.draft_paused_until:
+        if k == 0 or (cycle < self.draft_paused_until and not self.looks_up_here(match)):
             return None, k
         # With pipelining, one token more than K: the guess of the bonus token.
-        want = k + 1 if self.pipelines(k) else k
+        want = k + 1 if self.pipelines(k, self.draft_class(match)) else k
         return self.start_propose(self.committed, self.draft_seen, want, cycle, match), k
 
     def prefetch_draft(self) -> Speculation | None:
@@ -552,26 +582,29 @@ class CycleLoop:
         call, k = self.new_draft_call(limit, self.cycle + 1) if limit else (None, 0)
         return None if call is None else Speculation(call, list(self.committed), k, prefetched=True)
 
-    def keep_probability(self, k: int) -> float:
+    def keep_probability(self, k: int, match_length: int | None = None) -> float:
         """The chance a pipelined cycle of K drafts is kept (all K and the guess accepted):
-        adaptive K's per-position estimate, else α̂^(K+1) with α̂ = accepted / judged drafts
-        so far under a Beta(1, 1) prior (0.5 before any draft was judged)."""
+        adaptive K's per-position estimate (for drafts of class `match_length`, default the
+        best class), else α̂^(K+1) with α̂ = accepted / judged drafts so far under a Beta(1, 1)
+        prior (0.5 before any draft was judged)."""
         if self.adaptive is not None:
-            return self.adaptive.keep_probability(k)
+            return self.adaptive.keep_probability(k, match_length)
         return ((self.accepted + 1) / (self.judged + 2)) ** (k + 1)
 
-    def pipelines(self, k: int) -> bool:
-        """Whether a cycle of K drafts asks for the guess and drafts the next cycle early (module doc)."""
+    def pipelines(self, k: int, match_length: int | None = None) -> bool:
+        """Whether a cycle of K drafts (of class `match_length`) asks for the guess and drafts
+        the next cycle early (module doc)."""
         if not self.plan.pipeline:
             return False
-        return self.plan.pipeline_min_keep <= 0 or self.keep_probability(k) >= self.plan.pipeline_min_keep
+        min_keep = self.plan.pipeline_min_keep
+        return min_keep <= 0 or self.keep_probability(k, match_length) >= min_keep
 
     def start_propose(self, context: Sequence[int], position: int, k: int, cycle: int,
                       match: tuple[list[int], int] | None) -> DraftCall | NgramLookup:  # fmt: skip
         """Ask for k drafts after `context`, of which the draft service holds the first
         `position` tokens (the rest travel as new_tokens); an n-gram draft's are taken from
         `match` (look_up) here when the plan says so."""
-        if self.plan.local_ngram:
+        if self.looks_up_here(match):
             return NgramLookup(match, k, self.plan.eos_token_ids)
         request = pb.ProposeRequest(
             session_id=self.plan.session_id,
@@ -630,8 +663,10 @@ class CycleLoop:
         k = self.choose_k(limit, match) if limit else 0
         if not k:
             return None
-        position = len(self.committed) + len(drafts)  # the draft fed every draft before the guess
-        want = k + 1 if self.pipelines(k) else k  # and a guess for the cycle after, if that pipelines too
+        # A draft model fed every draft before the guess; after a lookup it holds what it held.
+        position = len(self.committed) + len(drafts) if isinstance(call, DraftCall) else self.draft_seen
+        # and a guess for the cycle after, if that pipelines too
+        want = k + 1 if self.pipelines(k, self.draft_class(match)) else k
         return Speculation(self.start_propose(assumed, position, want, self.cycle + 1, match), assumed, k)
 
     async def settle_speculation(self, guess: asyncio.Task, verdict: pb.VerifyResponse, k: int) -> None:

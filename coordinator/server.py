@@ -91,6 +91,10 @@ class CoordinatorConfig:
     # With an n-gram draft, call the draft service for drafts instead of looking them up
     # here (coordinator.cycles.NgramLookup: the same tokens, no network hop).
     ngram_via_draft_service: bool = False
+    # With a model draft: cycles whose context ends in an earlier n-gram of at least this many
+    # tokens draft its continuation by lookup here, the others ask the model (coordinator.cycles:
+    # n-gram first); 0 = off.
+    ngram_first: int = 0
 
 
 class CoordinatorServicer(pb_grpc.CoordinatorServicer):
@@ -285,6 +289,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             adaptive=adaptive,
             ngram=self.ngram_lengths(),
             local_ngram=self.draft_info.kind == "ngram" and not cfg.ngram_via_draft_service,
+            ngram_first=self.ngram_first_lengths(),
         )
 
     def ngram_lengths(self) -> tuple[int, int] | None:
@@ -292,6 +297,13 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         if self.draft_info.kind != "ngram":
             return None
         return self.draft_info.min_ngram or DEFAULT_MIN_NGRAM, self.draft_info.max_ngram or DEFAULT_MAX_NGRAM
+
+    def ngram_first_lengths(self) -> tuple[int, int] | None:
+        """(min_ngram, max_ngram) of n-gram first with a model draft; None when off."""
+        n = self.config.ngram_first
+        if n <= 0 or self.draft_info.kind == "ngram":
+            return None
+        return n, max(n, DEFAULT_MAX_NGRAM)
 
     def prompt_ids(self, request: pb.GenerateRequest) -> list[int]:
         limit = self.config.max_prompt_tokens

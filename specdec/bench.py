@@ -73,6 +73,8 @@ class Run:
 
 
 def add_bench_parser(commands) -> None:
+    from specdec.cli import NGRAM_FIRST_HELP
+
     p = commands.add_parser(
         "bench",
         help="benchmark specdec against transformers on the same model pair",
@@ -81,6 +83,8 @@ def add_bench_parser(commands) -> None:
     )
     p.add_argument("--target", default="smollm2-135m-instruct", help="target model (default: %(default)s)")
     p.add_argument("--draft", default=NGRAM, help="draft model or `ngram` (default: %(default)s)")
+    p.add_argument("--ngram-first", type=ngram_first_value, default=0, metavar="N",
+                   help=f"specdec's coordinator: {NGRAM_FIRST_HELP} (default: %(default)s)")
     p.add_argument("--k", type=k_value, default=4,
                    help="tokens drafted per cycle, or `adaptive` (up to --max-k) (default: %(default)s)")  # fmt: skip
     p.add_argument("--max-k", type=int, default=8, help="largest K with --k adaptive (default: %(default)s)")
@@ -125,6 +129,12 @@ def k_list(text: str) -> list[int]:
 
 def k_value(text: str):
     from specdec.cli import k_value as parse
+
+    return parse(text)
+
+
+def ngram_first_value(text: str) -> int:
+    from specdec.cli import ngram_first_value as parse
 
     return parse(text)
 
@@ -219,11 +229,14 @@ def ngram_ms(context: list[int], k: int) -> float:
 # ---------------------------------------------------------------- specdec
 
 
-def new_totals() -> dict:
-    """specdec's counters over a run (see time_specdec)."""
-    return {"drafted": 0, "accepted": 0, "draft_cycles": 0, "cycles": 0, "draft_bytes": 0, "k_sum": 0,
+def new_totals(split_looked_up: bool = False) -> dict:
+    """specdec's counters over a run (see time_specdec); split_looked_up: count a model
+    draft's looked-up cycles (--ngram-first) apart."""
+    return {"split_looked_up": split_looked_up, "drafted": 0, "accepted": 0, "draft_cycles": 0, "cycles": 0, "draft_bytes": 0, "k_sum": 0,
             "pipelined": 0, "cycle_ms": {"sequential": [], "pipelined": []}, "cycles_by_k": {},
-            "plain_tokens": 0, "cycles_seen": []}  # fmt: skip
+            "plain_tokens": 0, "cycles_seen": [],
+            # --ngram-first: the cycles whose drafts were looked up (no draft model step)
+            "looked_up": {"drafted": 0, "accepted": 0, "cycles_by_k": {}}}  # fmt: skip
 
 
 def request_options(args) -> dict:
@@ -253,8 +266,14 @@ def time_specdec(run: Run, totals: dict, client, ids: list[int], seed: int, opti
             totals["pipelined"] += chunk.cycle.pipelined
             totals["k_sum"] += chunk.cycle.k if chunk.cycle.drafted else 0
             if chunk.cycle.drafted:
-                # the analytic model takes the K actually drafted
+                # the analytic model takes the K actually drafted, and drafts looked up for a
+                # model draft (n-gram first) apart: they cost no c_q and have their own α
                 by_k = totals["cycles_by_k"]
+                if chunk.cycle.looked_up and totals["split_looked_up"]:
+                    looked_up = totals["looked_up"]
+                    by_k = looked_up["cycles_by_k"]
+                    looked_up["drafted"] += chunk.cycle.drafted
+                    looked_up["accepted"] += chunk.cycle.accepted
                 by_k[chunk.cycle.drafted] = by_k.get(chunk.cycle.drafted, 0) + 1
                 # a drafting cycle's time, start of drafting to verdict
                 kind = "pipelined" if chunk.cycle.pipelined else "sequential"
@@ -271,6 +290,15 @@ def time_specdec(run: Run, totals: dict, client, ids: list[int], seed: int, opti
     totals["cycles"] += stats.cycles
 
 
+def stack_config(args):
+    """The services a bench runs specdec on: `specdec up`'s, with its --ngram-first."""
+    from specdec.launcher import StackConfig
+    from specdec.redis_server import free_port
+
+    coordinator_args = ["--ngram-first", str(args.ngram_first)] if args.ngram_first else []
+    return StackConfig(port=free_port(), target=args.target, draft=args.draft, coordinator_args=coordinator_args)
+
+
 def run_interleaved(args, prompts_ids, target, draft, packed_target, packed_draft) -> tuple[dict[str, Run], dict, Costs]:
     """Every system on every prompt, prompt by prompt: target alone, transformers assisted
     (stock, then on packed layers when packing applies) and specdec, then the seed's costs
@@ -278,8 +306,7 @@ def run_interleaved(args, prompts_ids, target, draft, packed_target, packed_draf
     idle); so a machine that speeds up or slows down while the bench runs moves all of them
     alike, and the costs are medians over the run's own contexts."""
     import specdec
-    from specdec.launcher import Stack, StackConfig
-    from specdec.redis_server import free_port
+    from specdec.launcher import Stack
 
     systems = {
         "target_only": (target.model, {}),
@@ -288,7 +315,7 @@ def run_interleaved(args, prompts_ids, target, draft, packed_target, packed_draf
     if packed_target is not None:
         systems["hf_assisted_packed"] = (packed_target.model, assisted_kwargs(args, packed_draft and packed_draft.model))
     runs = {name: Run() for name in [*systems, "specdec"]}
-    totals = new_totals()
+    totals = new_totals(split_looked_up=bool(args.ngram_first) and args.draft != NGRAM)
     # every K a cycle may draft: adaptive K's range, or 1..K (a draft may propose fewer)
     ks = range(1, (args.max_k if args.k == "adaptive" else args.k) + 1)
     cost_target = packed_target or target
@@ -296,7 +323,7 @@ def run_interleaved(args, prompts_ids, target, draft, packed_target, packed_draf
     samples: list[Costs] = []
     options = specdec_options(args)
     progress("specdec: draft, target and coordinator as separate processes on loopback")
-    with Stack(StackConfig(port=free_port(), target=args.target, draft=args.draft), quiet=True) as stack:
+    with Stack(stack_config(args), quiet=True) as stack:
         with specdec.Client(stack.address) as client:
             warm = prompts_ids[0][:8]
             for model, extra in systems.values():
@@ -336,19 +363,23 @@ def required_alpha(speedup: float, k: int, c_q: float, c_verify: float, c_p: flo
 
 
 def analytic_rates(alpha: float, cycles_by_k: dict[int, int], plain_tokens: int, c_q: float,
-                   c_verify: dict[int, float], c_p: float) -> tuple[float, float]:
+                   c_verify: dict[int, float], c_p: float,
+                   looked_up: tuple[float, dict[int, int]] | None = None) -> tuple[float, float]:  # fmt: skip
     """(sequential, pipelined) analytic tokens/s of a run's own cycles, by the seed's model.
 
     cycles_by_k: {K: drafting cycles that drafted K tokens}; plain_tokens: tokens of cycles that
     drafted nothing (each one target step, c_p). A drafting cycle yields E[tokens](α, K) and takes
     K·c_q + c_verify[K] (sequential) or max(K·c_q, c_verify[K]) (pipelined), all in ms.
     With one K and no plain cycles this is E[tokens] / (K·c_q + c_verify).
+    looked_up: (α, cycles_by_k) of a model draft's looked-up cycles (--ngram-first), which
+    yield E[tokens] at their own α and take c_verify[K] alone (c_q = 0).
     """
     from specdec.sampling import expected_tokens_per_cycle
 
-    tokens = plain_tokens + sum(n * expected_tokens_per_cycle(alpha, k) for k, n in cycles_by_k.items())
-    sequential_ms = plain_tokens * c_p + sum(n * (k * c_q + c_verify[k]) for k, n in cycles_by_k.items())
-    pipelined_ms = plain_tokens * c_p + sum(n * max(k * c_q, c_verify[k]) for k, n in cycles_by_k.items())
+    groups = [(alpha, cycles_by_k, c_q)] + ([(looked_up[0], looked_up[1], 0.0)] if looked_up else [])
+    tokens = plain_tokens + sum(n * expected_tokens_per_cycle(a, k) for a, by_k, _ in groups for k, n in by_k.items())
+    sequential_ms = plain_tokens * c_p + sum(n * (k * q + c_verify[k]) for _, by_k, q in groups for k, n in by_k.items())
+    pipelined_ms = plain_tokens * c_p + sum(n * max(k * q, c_verify[k]) for _, by_k, q in groups for k, n in by_k.items())
     if not tokens or not sequential_ms:
         return 0.0, 0.0
     return tokens / sequential_ms * 1000, tokens / pipelined_ms * 1000
@@ -517,14 +548,13 @@ def run_compare_k(args, prompts_ids: list[list[int]]) -> int:
     then fall on all alike. One seed per prompt: sampled runs are comparable too.
     """
     import specdec
-    from specdec.launcher import Stack, StackConfig
-    from specdec.redis_server import free_port
+    from specdec.launcher import Stack
 
     systems = compare_k_options(args)
     runs = {name: Run() for name in systems}
     totals = {name: new_totals() for name in systems}
     progress("specdec: draft, target and coordinator as separate processes on loopback")
-    with Stack(StackConfig(port=free_port(), target=args.target, draft=args.draft), quiet=True) as stack:
+    with Stack(stack_config(args), quiet=True) as stack:
         with specdec.Client(stack.address) as client:
             client.generate(prompt_token_ids=prompts_ids[0][:8], max_new_tokens=8)
             total = args.repeats * len(prompts_ids)
@@ -606,8 +636,15 @@ def run_bench(args) -> int:
     c_verify = verify[k]
 
     alpha = totals["accepted"] / totals["drafted"] if totals["drafted"] else 0.0
-    sequential, _ = analytic_rates(alpha, cycles_by_k, totals["plain_tokens"], c_q, verify, c_p)
-    _, pipelined = analytic_rates(alpha, cycles_by_k, totals["plain_tokens"], c_q, costs.c_verify_shared, c_p)
+    # --ngram-first: the model's cycles and the looked-up ones, each at its own α
+    looked = totals["looked_up"]
+    looked_alpha = looked["accepted"] / looked["drafted"] if looked["drafted"] else 0.0
+    model_drafted = totals["drafted"] - looked["drafted"]
+    model_alpha = (totals["accepted"] - looked["accepted"]) / model_drafted if model_drafted else 0.0
+    looked_up = (looked_alpha, looked["cycles_by_k"]) if looked["drafted"] else None
+    sequential, _ = analytic_rates(model_alpha, cycles_by_k, totals["plain_tokens"], c_q, verify, c_p, looked_up)
+    _, pipelined = analytic_rates(model_alpha, cycles_by_k, totals["plain_tokens"], c_q, costs.c_verify_shared, c_p,
+                                  looked_up)  # fmt: skip
     vocab = load_vocab_size(args.target)
     greedy = args.temperature == 0
     runs = [target_only, hf_assisted, spec] + ([hf_assisted_packed] if packed else [])
@@ -615,6 +652,7 @@ def run_bench(args) -> int:
     report = {
         "target": args.target,
         "draft": args.draft,
+        "ngram_first": args.ngram_first,
         "k": args.k,
         "prompts": len(prompts),
         "kind": args.kind,
@@ -652,6 +690,11 @@ def run_bench(args) -> int:
         # what the analytic model summed: drafting cycles by the K they drafted, plain cycles' tokens,
         # and c_verify for each of those K
         "cycles_by_k": {str(kk): n for kk, n in cycles_by_k.items()},
+        # --ngram-first with a model draft: the cycles looked up instead (not in cycles_by_k),
+        # their α, and the model's cycles' own α
+        "looked_up": None if not totals["split_looked_up"] else {
+            "cycles_by_k": {str(kk): n for kk, n in sorted(looked["cycles_by_k"].items())},
+            "alpha": looked_alpha, "model_alpha": model_alpha},
         "plain_tokens": totals["plain_tokens"],
         "c_verify_ms_by_k": {str(kk): ms for kk, ms in verify.items()},
         # the same passes while a model draft drafts beside the target (pipelined cycles)
@@ -728,6 +771,10 @@ def format_report(r: dict) -> str:
         "  (the run's own cycles: "
         + ", ".join(f"{n} drafting {k}" for k, n in r["cycles_by_k"].items())
         + f"{', ' if r['cycles_by_k'] else ''}{r['plain_tokens']} tokens from plain steps)",
+        *([] if not r.get("looked_up") else [
+            "  looked up instead of drafted (--ngram-first): "
+            + (", ".join(f"{n} of {k}" for k, n in r["looked_up"]["cycles_by_k"].items()) or "none")
+            + f"; alpha {r['looked_up']['alpha']:.3f} looked up, {r['looked_up']['model_alpha']:.3f} drafted by the model"]),
         f"speedup vs target only {r['speedup_vs_target_only']:.2f}x, vs transformers assisted {r['speedup_vs_hf_assisted']:.2f}x"
         + ("" if r.get("speedup_vs_hf_assisted_packed") is None else
            f" ({r['speedup_vs_hf_assisted_packed']:.2f}x against it on packed layers)"),

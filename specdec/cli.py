@@ -27,6 +27,24 @@ def k_value(text: str) -> int | str:
         raise argparse.ArgumentTypeError(f"K must be an integer or 'adaptive', got {text!r}") from None
 
 
+NGRAM_FIRST_HELP = (
+    "with a model draft: a cycle whose text ends in an n-gram of at least N tokens seen earlier in the "
+    "context drafts the tokens that followed it, looked up in the coordinator (free, and right more often "
+    "on text that repeats its input), instead of asking the draft model; 0 = off"
+)
+
+
+def ngram_first_value(text: str) -> int:
+    """--ngram-first N: 0 (off) or the shortest n-gram match a lookup cycle needs (1..8)."""
+    try:
+        n = int(text)
+    except ValueError:
+        n = -1
+    if not 0 <= n <= 8:
+        raise argparse.ArgumentTypeError(f"--ngram-first takes 0 (off) or an n-gram length 1..8, got {text!r}")
+    return n
+
+
 def env_flag(
     parser: argparse.ArgumentParser, flag: str, env: str, *, default=None, type=str, help: str = "",
     secret: bool = False, **kw,
@@ -41,7 +59,7 @@ def env_flag(
     if raw is not None:
         try:
             default = type(raw)
-        except ValueError:
+        except (ValueError, argparse.ArgumentTypeError):
             parser.error(f"{env}={raw!r} is not a valid value for {flag}")
     suffix = f" (default: {default})" if default not in (None, "") and not secret else ""
     parser.add_argument(flag, default=default, type=type, help=f"{help}{suffix} [env: {env}]", **kw)
@@ -210,6 +228,8 @@ def add_coordinator_flags(p: argparse.ArgumentParser) -> None:
     env_flag(p, "--ngram-via-draft-service", "SPECDEC_NGRAM_VIA_DRAFT_SERVICE", action="store_true",
              help="with an n-gram draft, ask the draft service for each cycle's drafts; by default the "
                   "coordinator runs the same lookup itself (the same tokens, without a network hop)")  # fmt: skip
+    env_flag(p, "--ngram-first", "SPECDEC_NGRAM_FIRST", default=0, type=ngram_first_value, metavar="N",
+             help=NGRAM_FIRST_HELP)  # fmt: skip
     env_flag(p, "--draft-timeout", "SPECDEC_DRAFT_TIMEOUT", default=2.0, type=float,
              help="seconds a cycle waits for the draft before running target-only (also at most a quarter "
                   "of a request's remaining deadline; 0 = only the deadline)")  # fmt: skip
@@ -222,6 +242,8 @@ def add_stack_flags(p: argparse.ArgumentParser) -> None:
              help="target model: catalog name, Hugging Face directory or .gguf file")  # fmt: skip
     env_flag(p, "--draft", "SPECDEC_DRAFT", default="ngram",
              help="draft model (as --target) or `ngram` for prompt lookup")  # fmt: skip
+    env_flag(p, "--ngram-first", "SPECDEC_NGRAM_FIRST", default=0, type=ngram_first_value, metavar="N",
+             help=NGRAM_FIRST_HELP)  # fmt: skip
     env_flag(p, "--redis-url", "SPECDEC_REDIS_URL", default="", secret=True,
              help="Redis URL; empty starts an embedded redis-server on a private port")  # fmt: skip
     env_flag(p, "--tls-cert", "SPECDEC_TLS_CERT", default="",
@@ -311,7 +333,7 @@ def run_serve(args) -> int:
             default_max_new_tokens=args.default_max_new_tokens, max_new_tokens_limit=args.max_new_tokens_limit,
             metrics_port=args.metrics_port, pipeline=not args.no_pipeline, adaptive_k=args.adaptive_k,
             pipeline_min_keep=args.pipeline_min_keep, draft_timeout_s=args.draft_timeout,
-            ngram_via_draft_service=args.ngram_via_draft_service,
+            ngram_via_draft_service=args.ngram_via_draft_service, ngram_first=args.ngram_first,
             max_prompt_tokens=args.max_prompt_tokens, max_concurrent_requests=args.max_concurrent_requests,
             security=server_security(args, load_tokens(args.auth_token_file, AUTH_TOKEN_ENV)),
             internal=ChannelSecurity(args.internal_tls_ca, args.internal_tls_cert, args.internal_tls_key,
@@ -358,6 +380,7 @@ def run_up(args) -> int:
         port=args.port, host=args.host, target=args.target, draft=args.draft, redis_url=args.redis_url,
         metrics_port_base=args.metrics_port_base, tls=StackTLS(*tls_files) if all(tls_files) else None,
         auth_token_file=args.auth_token_file,
+        coordinator_args=["--ngram-first", str(args.ngram_first)] if args.ngram_first else [],
     )  # fmt: skip
     print(f"starting: target {args.target}, draft {args.draft}", file=sys.stderr, flush=True)
     with Stack(config) as stack:

@@ -150,6 +150,9 @@ class CycleTrace:
     forward_ms: float = 0.0
     # The commit of the cycle's tokens to Redis.
     commit_ms: float = 0.0
+    # The drafts were looked up in the coordinator (an n-gram draft, or --ngram-first),
+    # not proposed by the draft service.
+    looked_up: bool = False
 
 
 @dataclass
@@ -170,7 +173,7 @@ class Chunk:
             c = msg.cycle
             cycle = CycleTrace(
                 c.index, c.k, c.drafted, c.accepted, c.bonus, c.draft_ms, c.verify_ms, c.draft_bytes, c.pipelined,
-                c.forward_ms, c.commit_ms,
+                c.forward_ms, c.commit_ms, c.looked_up,
             )  # fmt: skip
         return cls(
             text=msg.text,

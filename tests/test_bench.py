@@ -65,6 +65,10 @@ def test_analytic_rates_sum_the_runs_own_cycles():
     mixed, _ = analytic_rates(0.5, {2: 3, 4: 1}, 20, c_q, verify, c_p)
     assert abs(mixed - (3 * e2 + e4 + 20) / (3 * 160.0 + 220.0 + 20 * 100.0) * 1000) < 1e-9
     assert analytic_rates(0.0, {}, 0, c_q, verify, c_p) == (0.0, 0.0)
+    # --ngram-first: looked-up cycles at their own α (0.8 here) and without c_q
+    e2_looked_up = (1 - 0.8**3) / 0.2
+    with_lookups, _ = analytic_rates(0.5, {4: 1}, 0, c_q, verify, c_p, looked_up=(0.8, {2: 2}))
+    assert abs(with_lookups - (e4 + 2 * e2_looked_up) / (220.0 + 2 * 150.0) * 1000) < 1e-9
 
 
 def test_profile_cycles_splits_each_kind_of_cycle_and_compares_its_forward_with_the_same_work_alone():

@@ -137,18 +137,22 @@ def test_the_catalog_draft_builds_from_its_shipped_weights_and_agrees_with_the_t
     assert agreement >= 0.1, agreement  # a random draft of this vocabulary agrees ~0 times in 40
 
 
+@pytest.mark.parametrize("ngram_first", [0, 2])
 def test_greedy_output_through_the_services_with_the_distilled_draft_equals_transformers_generate(
-    redis_url, smollm2_dir, oracle
+    redis_url, smollm2_dir, oracle, ngram_first
 ):
     """`specdec up`'s stack with the shipped distilled draft: lossless, and the draft is
-    actually used (some of its tokens are accepted), at fixed K and with pipelining on."""
+    actually used (some of its tokens are accepted), at fixed K and with pipelining on;
+    with --ngram-first 2, cycles after a repeated 2-gram take looked-up drafts instead."""
     from conftest import start_stack
 
     from specdec.models import ensure_catalog_model
 
     draft_dir = str(ensure_catalog_model("smollm2-135m-instruct-draft", progress=False))
-    stack = start_stack(redis_url, smollm2_dir, draft_dir)
+    args = ["--ngram-first", str(ngram_first)] if ngram_first else []
+    stack = start_stack(redis_url, smollm2_dir, draft_dir, coordinator_args=args)
     drafted = accepted = 0
+    looked_up = proposed = 0
     try:
         with specdec.Client(stack.address) as client:
             for k in (2, 4):
@@ -158,7 +162,11 @@ def test_greedy_output_through_the_services_with_the_distilled_draft_equals_tran
                     assert result.token_ids == expected, f"distilled draft, K={k}, prompt {ids[:6]}..."
                     drafted += result.stats.draft_tokens
                     accepted += result.stats.accepted_tokens
+                    looked_up += sum(c.drafted for c in result.cycles if c.looked_up)
+                    proposed += sum(c.drafted for c in result.cycles if not c.looked_up)
     finally:
         stack.stop()
-    print(f"\ndistilled draft: drafted {drafted}, accepted {accepted}, acceptance {accepted / max(drafted, 1):.3f}")
+    print(f"\ndistilled draft, n-gram first {ngram_first}: drafted {drafted} ({looked_up} looked up), "
+          f"accepted {accepted}, acceptance {accepted / max(drafted, 1):.3f}")  # fmt: skip
     assert drafted > 0 and accepted > 0, (drafted, accepted)
+    assert proposed > 0 and (looked_up > 0) == bool(ngram_first), (proposed, looked_up)

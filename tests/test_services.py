@@ -113,41 +113,53 @@ def test_seeded_sampling_is_reproducible_and_different_seeds_differ(client):
     assert tuple(first.token_ids) not in others and len(others) > 1
 
 
-def test_first_two_tokens_through_the_stack_follow_the_targets_distribution(tiny_stack, tiny_models):
-    """Sampled through draft + target services, the joint law of the first two tokens must
-    be the target's own (computed exactly from the target model), not the draft's."""
-    samples, temperature, top_k = 3000, 1.0, 3
-    prompt_ids = tiny_models.tokenizer.encode(PROMPT)
+def first_two_law(model_dir, prompt_ids, temperature, top_k) -> dict[tuple[int, int], float]:
+    """The exact joint law of a model's first two sampled tokens after prompt_ids."""
+    model = load_model(model_dir).model
+    with torch.inference_mode():
+        first = warp(model(torch.tensor([prompt_ids])).logits[0, -1], temperature, top_k)
+        law = {}
+        for a in torch.nonzero(first)[:, 0].tolist():
+            second = warp(model(torch.tensor([prompt_ids + [a]])).logits[0, -1], temperature, top_k)
+            for b in torch.nonzero(second)[:, 0].tolist():
+                law[(a, b)] = first[a].item() * second[b].item()
+    return law
 
-    def joint(model_dir):
-        model = load_model(model_dir).model
-        with torch.inference_mode():
-            first = warp(model(torch.tensor([prompt_ids])).logits[0, -1], temperature, top_k)
-            law = {}
-            for a in torch.nonzero(first)[:, 0].tolist():
-                second = warp(model(torch.tensor([prompt_ids + [a]])).logits[0, -1], temperature, top_k)
-                for b in torch.nonzero(second)[:, 0].tolist():
-                    law[(a, b)] = first[a].item() * second[b].item()
-        return law
+
+def draw_first_two(address, prompt_ids, samples, temperature, top_k, k=2, max_new_tokens=2) -> list:
+    """(first two tokens, the request's result) of `samples` seeded requests through a stack."""
 
     async def draw():
-        async with specdec.AsyncClient(tiny_stack.address) as aclient:
+        async with specdec.AsyncClient(address) as aclient:
             semaphore = asyncio.Semaphore(16)
 
             async def one(seed):
                 async with semaphore:
                     result = await aclient.generate(
-                        prompt_token_ids=prompt_ids, max_new_tokens=2, temperature=temperature, top_k=top_k,
-                        seed=seed, num_speculative_tokens=2, ignore_eos=True,
+                        prompt_token_ids=prompt_ids, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
+                        seed=seed, num_speculative_tokens=k, ignore_eos=True,
                     )  # fmt: skip
-                    return tuple(result.token_ids), result.stats
+                    return tuple(result.token_ids[:2]), result
 
             return await asyncio.gather(*[one(seed) for seed in range(samples)])
 
-    results = asyncio.run(draw())
+    return asyncio.run(draw())
+
+
+def total_variation(counts: collections.Counter, samples: int, law: dict) -> float:
+    return 0.5 * sum(abs(counts[o] / samples - law.get(o, 0.0)) for o in set(counts) | set(law))
+
+
+def test_first_two_tokens_through_the_stack_follow_the_targets_distribution(tiny_stack, tiny_models):
+    """Sampled through draft + target services, the joint law of the first two tokens must
+    be the target's own (computed exactly from the target model), not the draft's."""
+    samples, temperature, top_k = 3000, 1.0, 3
+    prompt_ids = tiny_models.tokenizer.encode(PROMPT)
+    results = [(ids, result.stats) for ids, result in draw_first_two(tiny_stack.address, prompt_ids, samples, temperature, top_k)]
     counts = collections.Counter(ids for ids, _ in results)
-    p, q = joint(tiny_models.target), joint(tiny_models.draft)
-    tv = lambda law: 0.5 * sum(abs(counts[o] / samples - law.get(o, 0.0)) for o in set(counts) | set(law))
+    p = first_two_law(tiny_models.target, prompt_ids, temperature, top_k)
+    q = first_two_law(tiny_models.draft, prompt_ids, temperature, top_k)
+    tv = lambda law: total_variation(counts, samples, law)
     # 9 outcomes at 3000 draws: the expected TV of the empirical law is ~0.02; 0.06 is > 4 sigma.
     assert tv(p) < 0.06, f"TV to the target's law {tv(p):.3f}"
     assert tv(q) > 0.2, f"TV to the draft's law {tv(q):.3f} (the test needs a draft that differs)"
@@ -155,6 +167,43 @@ def test_first_two_tokens_through_the_stack_follow_the_targets_distribution(tiny
     accepted = sum(stats.accepted_tokens for _, stats in results)
     drafted = sum(stats.draft_tokens for _, stats in results)
     assert 0 < accepted < drafted
+
+
+def test_ngram_first_looks_up_repeats_asks_the_model_otherwise_and_keeps_the_targets_output(redis_url, tiny_models):
+    """--ngram-first 2 with a model draft: a cycle whose context ends in a 2-gram seen before
+    takes the lookup's drafts (CycleInfo.looked_up), any other asks the draft model. Greedy
+    output is the target's own; sampled, the first two tokens (whose cycles mix both kinds)
+    follow the target's law, not the draft's."""
+    from conftest import start_stack
+
+    # Ends in "ld", seen before followed by "b", which the tiny target samples 27% of the
+    # time (top-k 3): the first cycle looks "b" up, and a rejection leaves a 2-gram never seen.
+    prompt_ids = tiny_models.tokenizer.encode("ldb hello world")
+    stack = start_stack(redis_url, tiny_models.target, tiny_models.draft, coordinator_args=["--ngram-first", "2"])
+    try:
+        with specdec.Client(stack.address) as client:
+            for prompt in ("abcabcabcab", PROMPT):
+                ids = tiny_models.tokenizer.encode(prompt)
+                result = client.generate(prompt_token_ids=ids, max_new_tokens=40, num_speculative_tokens=3)
+                expected = hf_greedy(tiny_models.target, ids, 40)  # ends at an end token, as ours does
+                assert result.token_ids == expected, prompt
+            kinds = collections.Counter(c.looked_up for c in result.cycles if c.drafted)
+            assert kinds[True] and kinds[False], f"both kinds of cycle should run: {kinds}"
+        samples, temperature, top_k = 3000, 1.0, 3
+        # Three tokens: the second cycle, after a rejected lookup, then drafts (with the model).
+        results = draw_first_two(stack.address, prompt_ids, samples, temperature, top_k, max_new_tokens=3)
+    finally:
+        stack.stop()
+    counts = collections.Counter(ids for ids, _ in results)
+    p = first_two_law(tiny_models.target, prompt_ids, temperature, top_k)
+    q = first_two_law(tiny_models.draft, prompt_ids, temperature, top_k)
+    assert total_variation(counts, samples, p) < 0.06  # as in the test above: > 4 sigma
+    assert total_variation(counts, samples, q) > 0.2
+    cycles = [c for _, result in results for c in result.cycles if c.drafted]
+    looked_up = [c for c in cycles if c.looked_up]
+    assert looked_up and len(looked_up) < len(cycles), "the first two tokens' cycles should mix both kinds"
+    for group in (looked_up, [c for c in cycles if not c.looked_up]):  # each kind accepts and rejects
+        assert 0 < sum(c.accepted for c in group) < sum(c.drafted for c in group)
 
 
 # ---------------------------------------------------------------- streaming, cancellation

@@ -139,7 +139,7 @@ class GenerateRequest(_message.Message):
     def __init__(self, prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., max_new_tokens: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., stop: _Optional[_Iterable[str]] = ..., speculation: _Optional[_Union[SpeculationParams, _Mapping]] = ..., session_id: _Optional[str] = ..., ignore_eos: _Optional[bool] = ...) -> None: ...
 
 class CycleInfo(_message.Message):
-    __slots__ = ("index", "drafted", "accepted", "bonus", "draft_ms", "verify_ms", "k", "draft_bytes", "pipelined", "forward_ms", "commit_ms")
+    __slots__ = ("index", "drafted", "accepted", "bonus", "draft_ms", "verify_ms", "k", "draft_bytes", "pipelined", "forward_ms", "commit_ms", "looked_up")
     INDEX_FIELD_NUMBER: _ClassVar[int]
     DRAFTED_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_FIELD_NUMBER: _ClassVar[int]
@@ -151,6 +151,7 @@ class CycleInfo(_message.Message):
     PIPELINED_FIELD_NUMBER: _ClassVar[int]
     FORWARD_MS_FIELD_NUMBER: _ClassVar[int]
     COMMIT_MS_FIELD_NUMBER: _ClassVar[int]
+    LOOKED_UP_FIELD_NUMBER: _ClassVar[int]
     index: int
     drafted: int
     accepted: int
@@ -162,7 +163,8 @@ class CycleInfo(_message.Message):
     pipelined: bool
     forward_ms: float
     commit_ms: float
-    def __init__(self, index: _Optional[int] = ..., drafted: _Optional[int] = ..., accepted: _Optional[int] = ..., bonus: _Optional[bool] = ..., draft_ms: _Optional[float] = ..., verify_ms: _Optional[float] = ..., k: _Optional[int] = ..., draft_bytes: _Optional[int] = ..., pipelined: _Optional[bool] = ..., forward_ms: _Optional[float] = ..., commit_ms: _Optional[float] = ...) -> None: ...
+    looked_up: bool
+    def __init__(self, index: _Optional[int] = ..., drafted: _Optional[int] = ..., accepted: _Optional[int] = ..., bonus: _Optional[bool] = ..., draft_ms: _Optional[float] = ..., verify_ms: _Optional[float] = ..., k: _Optional[int] = ..., draft_bytes: _Optional[int] = ..., pipelined: _Optional[bool] = ..., forward_ms: _Optional[float] = ..., commit_ms: _Optional[float] = ..., looked_up: _Optional[bool] = ...) -> None: ...
 
 class GenerateStats(_message.Message):
     __slots__ = ("cycles", "draft_tokens", "accepted_tokens", "accepted_per_position", "prompt_tokens", "generated_tokens", "elapsed_s", "first_token_s", "draft_cycles")
