@@ -15,7 +15,8 @@ Terms (the seed's formulas):
                  set of α̂_i per class: a 3-gram match of an n-gram draft is accepted far
                  more often than a 1-gram one, so the two deserve different K
     c_draft(k)   ms to get k drafts as the coordinator sees it, the Propose call included
-                 (k·c_q plus the call's own cost)
+                 (k·c_q plus the call's own cost); 0 for a class in `free_classes` (drafts
+                 looked up in the coordinator for a model draft: n-gram first)
     c_verify(k)  ms per target pass over k drafts (+ the new tokens); c_verify(0) is a plain step
                  (measured apart from the others: see `c_verify`)
     E(k)         expected tokens per cycle = 1 + Σ_{j=1..k} Π_{i<j} α̂_i, the seed's
@@ -72,6 +73,8 @@ class AdaptiveK:
     cycles_since_probe: int = 0
     probe_every: int = PROBE_EVERY  # target-only cycles before the next probe
     probing: bool = False  # the K just chosen is a probe
+    # Classes whose drafts cost nothing to get (n-gram first's looked-up match lengths).
+    free_classes: frozenset[int] = frozenset()
     # The coordinator-wide estimate this one was copied from, fed the same observations.
     shared: "AdaptiveK | None" = None
 
@@ -154,7 +157,8 @@ class AdaptiveK:
         if k == 0:
             return 1.0 / verify
         match_length = self.best_class() if match_length is None else match_length
-        return expected_tokens_by_position(self.position_alphas(match_length, k)) / (self.c_draft(k) + verify)
+        draft = 0.0 if match_length in self.free_classes else self.c_draft(k)
+        return expected_tokens_by_position(self.position_alphas(match_length, k)) / (draft + verify)
 
     def measured(self) -> bool:
         """Whether verify costs and some drafted cycle are known (before that, K is not chosen

@@ -420,13 +420,19 @@ class CycleLoop:
         return self.adaptive.choose(limit, match_length)
 
     def ngram_stop(self) -> pb.NgramStop | None:
-        """For a call of plain steps with an n-gram draft: stop where the context gets a
-        match worth drafting (the shortest match length adaptive K would verify, or any for
-        a fixed K), so the next cycle drafts from there. None: no such stop (no n-gram draft,
-        speculation off, drafting paused, or no match length worth it)."""
-        if self.plan.ngram is None or self.plan.k == 0 or self.cycle < self.draft_paused_until:
+        """For a call of plain steps with an n-gram draft, or with n-gram first: stop where
+        the context gets a match worth drafting (the shortest match length adaptive K would
+        verify, or any for a fixed K), so the next cycle drafts from there. None: no such stop
+        (no lookup, speculation off, or no match length worth it; with an n-gram draft also
+        while drafting is paused: n-gram first's lookups go on then)."""
+        if self.plan.k == 0:
             return None
-        min_ngram, max_ngram = self.plan.ngram
+        if self.plan.ngram is not None and self.cycle >= self.draft_paused_until:
+            min_ngram, max_ngram = self.plan.ngram
+        elif self.plan.ngram_first is not None:
+            min_ngram, max_ngram = self.plan.ngram_first
+        else:
+            return None
         if self.adaptive is not None:
             limit = self.limit(len(self.committed)) or 0
             worth = [n for n in range(min_ngram, max_ngram + 1) if self.adaptive.worth_drafting(limit, n)]

@@ -132,6 +132,8 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
 
         name = self.config.tokenizer or self.target_info.model
         self.tokenizer = await asyncio.to_thread(load_tokenizer, name)
+        if (lengths := self.ngram_first_lengths()) is not None:  # looked-up drafts cost adaptive K nothing
+            self.shared_k.free_classes = frozenset(range(lengths[0], lengths[1] + 1))
 
     async def close(self) -> None:
         await self.draft_channel.close()

@@ -840,6 +840,38 @@ def test_a_cycle_pipelines_by_default_only_when_its_early_drafting_is_likely_kep
     assert loop(min_keep=0.0).pipelines(4) and not loop(pipeline=False, accepted=40, judged=40).pipelines(4)
 
 
+def test_ngram_first_looks_up_a_long_enough_match_and_leaves_every_other_cycle_to_the_model():
+    """n-gram first (2, 3): a context ending in a 2-gram seen before gets the lookup (its
+    continuation, enough for K and a guess; its class is the match length), one with only a
+    1-gram match or none goes to the model (class 0); plain steps stop at such a match, in
+    back-off too; adaptive K counts looked-up drafts as free."""
+    from coordinator.adaptive import AdaptiveK
+    from coordinator.cycles import CycleLoop, Plan
+
+    plan = Plan(session_id="s", prompt=[1], max_new_tokens=8, sampling=Sampling(0.0, 0, 1.0, 1), k=2,
+                eos_token_ids=frozenset(), max_context=0, draft_model="m", draft_fingerprint="f",
+                ngram_first=(2, 3))  # fmt: skip
+    cycles = CycleLoop(None, None, None, plan, None)
+    match = cycles.look_up(2, [5, 6, 7, 8, 9, 5, 6])  # "5 6" seen before, followed by 7 8 9
+    assert match == ([7, 8, 9], 2) and cycles.looks_up_here(match) and cycles.draft_class(match) == 2
+    assert cycles.choose_k(2, match) == 2
+    assert cycles.look_up(2, [5, 6, 7, 8, 9, 4, 6]) is None  # only "6" matches: the model drafts
+    assert cycles.draft_class(None) == 0 and not cycles.looks_up_here(None) and cycles.choose_k(2, None) == 2
+    assert cycles.ngram_stop() == pb.NgramStop(min_ngram=2, max_ngram=3)
+    cycles.draft_paused_until = 5  # the draft service in back-off: lookups go on
+    assert cycles.ngram_stop() == pb.NgramStop(min_ngram=2, max_ngram=3)
+    lookup = cycles.start_propose([5, 6, 7, 8, 9, 5, 6], 0, 3, 0, match)
+    assert [t.token_id for t in lookup.tokens] == [7, 8, 9]
+
+    adaptive = AdaptiveK(4, free_classes=frozenset({2, 3}))
+    for _ in range(20):  # a model draft that is slow and seldom right, n-gram drafts often right
+        adaptive.observe(2, 0, 200.0, 60.0, match_length=0)
+        adaptive.observe(2, 2, None, 60.0, match_length=2)
+        adaptive.observe(0, 0, None, 55.0)
+    assert adaptive.best_k(4, 0) == 0 and adaptive.best_k(4, 2) > 0
+    assert AdaptiveK(4, classes=adaptive.classes, draft=adaptive.draft, verify=adaptive.verify).best_k(4, 2) == 0
+
+
 # ---------------------------------------------------------------- prefetching the next draft
 
 
