@@ -295,8 +295,7 @@ def stack_config(args):
     from specdec.launcher import StackConfig
     from specdec.redis_server import free_port
 
-    coordinator_args = ["--ngram-first", str(args.ngram_first)] if args.ngram_first else []
-    return StackConfig(port=free_port(), target=args.target, draft=args.draft, coordinator_args=coordinator_args)
+    return StackConfig(port=free_port(), target=args.target, draft=args.draft, ngram_first=args.ngram_first)
 
 
 def run_interleaved(args, prompts_ids, target, draft, packed_target, packed_draft) -> tuple[dict[str, Run], dict, Costs]:

@@ -276,6 +276,8 @@ def add_generate_flags(p: argparse.ArgumentParser) -> None:
     env_flag(p, "--timeout", "SPECDEC_TIMEOUT", default=None, type=float, help="deadline of the call in seconds")
     env_flag(p, "--target", "SPECDEC_TARGET", default="smollm2-135m-instruct", help="target for a local stack")
     env_flag(p, "--draft", "SPECDEC_DRAFT", default="ngram", help="draft for a local stack")
+    env_flag(p, "--ngram-first", "SPECDEC_NGRAM_FIRST", default=0, type=ngram_first_value, metavar="N",
+             help="for a local stack: " + NGRAM_FIRST_HELP)  # fmt: skip
     add_client_security_flags(p)
 
 
@@ -380,7 +382,7 @@ def run_up(args) -> int:
         port=args.port, host=args.host, target=args.target, draft=args.draft, redis_url=args.redis_url,
         metrics_port_base=args.metrics_port_base, tls=StackTLS(*tls_files) if all(tls_files) else None,
         auth_token_file=args.auth_token_file,
-        coordinator_args=["--ngram-first", str(args.ngram_first)] if args.ngram_first else [],
+        ngram_first=args.ngram_first,
     )  # fmt: skip
     print(f"starting: target {args.target}, draft {args.draft}", file=sys.stderr, flush=True)
     with Stack(config) as stack:
@@ -407,7 +409,8 @@ def serving_address(args):
     print(f"nothing serves on {address}: starting a local stack (target {args.target}, draft {args.draft}) "
           "for this command", file=sys.stderr, flush=True)  # fmt: skip
     host, port = address.rsplit(":", 1)
-    with Stack(StackConfig(port=int(port), host=host, target=args.target, draft=args.draft)):
+    with Stack(StackConfig(port=int(port), host=host, target=args.target, draft=args.draft,
+                           ngram_first=args.ngram_first)):  # fmt: skip
         yield address
 
 

@@ -57,6 +57,8 @@ class StackConfig:
     host: str = "127.0.0.1"
     target: str = DEFAULT_TARGET
     draft: str = DEFAULT_DRAFT
+    # The coordinator's --ngram-first (with a model draft: lookups for repeated n-grams); 0 = off.
+    ngram_first: int = 0
     redis_url: str = ""
     # Torch threads for the target and draft processes (None: split the cores).
     target_threads: int | None = None
@@ -155,11 +157,12 @@ class Stack:
             self.spawn("draft", "draft", "--model", cfg.draft,
                        "--threads", str(cfg.draft_threads or draft_threads), *cfg.draft_args)  # fmt: skip
             auth = ["--auth-token-file", cfg.auth_token_file] if cfg.auth_token_file else []
+            lookups = ["--ngram-first", str(cfg.ngram_first)] if cfg.ngram_first else []
             self.spawn(
                 "coordinator", "coordinator",
                 "--draft-address", f"127.0.0.1:{self.ports['draft']}",
                 "--target-address", f"127.0.0.1:{self.ports['target']}",
-                *auth, *cfg.coordinator_args,
+                *auth, *lookups, *cfg.coordinator_args,
             )  # fmt: skip
             self.wait_ready()
         except BaseException:

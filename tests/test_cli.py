@@ -31,6 +31,16 @@ def test_help_explains_every_command():
         assert "--port" in helptext and "[env: SPECDEC_" in helptext
 
 
+def test_ngram_first_outside_its_range_is_refused_with_the_range_on_every_command_that_takes_it():
+    for command in (["up"], ["serve", "coordinator"], ["bench"], ["generate", "hi"]):
+        refused = run_cli(*command, "--ngram-first", "9")
+        assert refused.returncode == 2 and "n-gram length 1..8" in refused.stderr, (command, refused.stderr)
+    from specdec.cli import build_parser
+
+    assert build_parser().parse_args(["up", "--ngram-first", "2"]).ngram_first == 2
+    assert build_parser().parse_args(["up"]).ngram_first == 0
+
+
 def test_flags_take_their_default_from_the_environment():
     from specdec.cli import build_parser
 

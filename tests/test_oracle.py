@@ -149,8 +149,7 @@ def test_greedy_output_through_the_services_with_the_distilled_draft_equals_tran
     from specdec.models import ensure_catalog_model
 
     draft_dir = str(ensure_catalog_model("smollm2-135m-instruct-draft", progress=False))
-    args = ["--ngram-first", str(ngram_first)] if ngram_first else []
-    stack = start_stack(redis_url, smollm2_dir, draft_dir, coordinator_args=args)
+    stack = start_stack(redis_url, smollm2_dir, draft_dir, ngram_first=ngram_first)
     drafted = accepted = 0
     looked_up = proposed = 0
     try:

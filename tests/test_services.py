@@ -179,7 +179,7 @@ def test_ngram_first_looks_up_repeats_asks_the_model_otherwise_and_keeps_the_tar
     # Ends in "ld", seen before followed by "b", which the tiny target samples 27% of the
     # time (top-k 3): the first cycle looks "b" up, and a rejection leaves a 2-gram never seen.
     prompt_ids = tiny_models.tokenizer.encode("ldb hello world")
-    stack = start_stack(redis_url, tiny_models.target, tiny_models.draft, coordinator_args=["--ngram-first", "2"])
+    stack = start_stack(redis_url, tiny_models.target, tiny_models.draft, ngram_first=2)
     try:
         with specdec.Client(stack.address) as client:
             for prompt in ("abcabcabcab", PROMPT):
