@@ -173,7 +173,7 @@ def test_ngram_first_looks_up_repeats_asks_the_model_otherwise_and_keeps_the_tar
     """--ngram-first 2 with a model draft: a cycle whose context ends in a 2-gram seen before
     takes the lookup's drafts (CycleInfo.looked_up), any other asks the draft model. Greedy
     output is the target's own; sampled, the first two tokens (whose cycles mix both kinds)
-    follow the target's law, not the draft's."""
+    follow the target's law, not the draft's; with the draft service killed, lookups go on."""
     from conftest import start_stack
 
     # Ends in "ld", seen before followed by "b", which the tiny target samples 27% of the
@@ -192,6 +192,15 @@ def test_ngram_first_looks_up_repeats_asks_the_model_otherwise_and_keeps_the_tar
         samples, temperature, top_k = 3000, 1.0, 3
         # Three tokens: the second cycle, after a rejected lookup, then drafts (with the model).
         results = draw_first_two(stack.address, prompt_ids, samples, temperature, top_k, max_new_tokens=3)
+        # With the draft service gone, model cycles fail into back-off and lookups go on.
+        stack.processes["draft"].kill()
+        stack.processes["draft"].wait()
+        ids = tiny_models.tokenizer.encode("abcabcabcab")
+        with specdec.Client(stack.address) as client:
+            alone = client.generate(prompt_token_ids=ids, max_new_tokens=40, num_speculative_tokens=3)
+        assert alone.token_ids == hf_greedy(tiny_models.target, ids, 40)
+        fault = next(i for i, c in enumerate(alone.cycles) if not c.drafted)  # a failed Propose: target-only
+        assert any(c.looked_up and c.drafted for c in alone.cycles[fault + 1 :]), "lookups should go on in back-off"
     finally:
         stack.stop()
     counts = collections.Counter(ids for ids, _ in results)
