@@ -73,7 +73,7 @@ class Run:
 
 
 def add_bench_parser(commands) -> None:
-    from specdec.cli import NGRAM_FIRST_HELP
+    from specdec.cli import NGRAM_FIRST_HELP, ngram_first_value
 
     p = commands.add_parser(
         "bench",
@@ -129,12 +129,6 @@ def k_list(text: str) -> list[int]:
 
 def k_value(text: str):
     from specdec.cli import k_value as parse
-
-    return parse(text)
-
-
-def ngram_first_value(text: str) -> int:
-    from specdec.cli import ngram_first_value as parse
 
     return parse(text)
 

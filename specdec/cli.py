@@ -45,6 +45,12 @@ def ngram_first_value(text: str) -> int:
     return n
 
 
+def add_ngram_first_flag(p: argparse.ArgumentParser, scope: str = "") -> None:
+    """--ngram-first N (SPECDEC_NGRAM_FIRST), for the coordinator, `up` and a local stack."""
+    env_flag(p, "--ngram-first", "SPECDEC_NGRAM_FIRST", default=0, type=ngram_first_value, metavar="N",
+             help=scope + NGRAM_FIRST_HELP)  # fmt: skip
+
+
 def env_flag(
     parser: argparse.ArgumentParser, flag: str, env: str, *, default=None, type=str, help: str = "",
     secret: bool = False, **kw,
@@ -228,8 +234,7 @@ def add_coordinator_flags(p: argparse.ArgumentParser) -> None:
     env_flag(p, "--ngram-via-draft-service", "SPECDEC_NGRAM_VIA_DRAFT_SERVICE", action="store_true",
              help="with an n-gram draft, ask the draft service for each cycle's drafts; by default the "
                   "coordinator runs the same lookup itself (the same tokens, without a network hop)")  # fmt: skip
-    env_flag(p, "--ngram-first", "SPECDEC_NGRAM_FIRST", default=0, type=ngram_first_value, metavar="N",
-             help=NGRAM_FIRST_HELP)  # fmt: skip
+    add_ngram_first_flag(p)
     env_flag(p, "--draft-timeout", "SPECDEC_DRAFT_TIMEOUT", default=2.0, type=float,
              help="seconds a cycle waits for the draft before running target-only (also at most a quarter "
                   "of a request's remaining deadline; 0 = only the deadline)")  # fmt: skip
@@ -242,8 +247,7 @@ def add_stack_flags(p: argparse.ArgumentParser) -> None:
              help="target model: catalog name, Hugging Face directory or .gguf file")  # fmt: skip
     env_flag(p, "--draft", "SPECDEC_DRAFT", default="ngram",
              help="draft model (as --target) or `ngram` for prompt lookup")  # fmt: skip
-    env_flag(p, "--ngram-first", "SPECDEC_NGRAM_FIRST", default=0, type=ngram_first_value, metavar="N",
-             help=NGRAM_FIRST_HELP)  # fmt: skip
+    add_ngram_first_flag(p)
     env_flag(p, "--redis-url", "SPECDEC_REDIS_URL", default="", secret=True,
              help="Redis URL; empty starts an embedded redis-server on a private port")  # fmt: skip
     env_flag(p, "--tls-cert", "SPECDEC_TLS_CERT", default="",
@@ -276,8 +280,7 @@ def add_generate_flags(p: argparse.ArgumentParser) -> None:
     env_flag(p, "--timeout", "SPECDEC_TIMEOUT", default=None, type=float, help="deadline of the call in seconds")
     env_flag(p, "--target", "SPECDEC_TARGET", default="smollm2-135m-instruct", help="target for a local stack")
     env_flag(p, "--draft", "SPECDEC_DRAFT", default="ngram", help="draft for a local stack")
-    env_flag(p, "--ngram-first", "SPECDEC_NGRAM_FIRST", default=0, type=ngram_first_value, metavar="N",
-             help="for a local stack: " + NGRAM_FIRST_HELP)  # fmt: skip
+    add_ngram_first_flag(p, "for a local stack: ")
     add_client_security_flags(p)
 
 
