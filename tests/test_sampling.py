@@ -1256,3 +1256,24 @@ def test_greedy_verdict_refuses_what_rejection_sample_refuses():
     with pytest.raises(ValueError, match=r"\[K \+ 1, V\]"):
         greedy_verdict([1, 2], None, logits)
     assert greedy_token(torch.tensor([0.0, 3.0, 3.0])) == 1
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16])
+def test_greedy_ids_takes_the_first_maximum_and_refuses_nan_in_every_dtype(dtype):
+    """greedy_ids reads a CPU tensor through numpy where numpy has the dtype (bfloat16 it has
+    not): either way the token is the first index of the row's maximum, as `warp` picks it,
+    and a NaN anywhere in a row is refused, not skipped."""
+    from specdec.sampling import greedy_ids, warp
+
+    generator = torch.Generator().manual_seed(11)
+    logits = torch.randn(64, 500, generator=generator).to(dtype)  # [R, V]
+    for row in range(0, 64, 2):  # plant ties of the maximum at two random places
+        first, second = sorted(torch.randperm(500, generator=generator)[:2].tolist())
+        logits[row, first] = logits[row, second] = logits[row].max() + 1
+    expected = [int(warp(row.float().unsqueeze(0), 0.0)[0].argmax()) for row in logits]
+    assert greedy_ids(logits) == expected
+    for column in (0, 250, 499):  # NaN first, inside, last
+        bad = logits.clone()
+        bad[3, column] = float("nan")
+        with pytest.raises(ValueError, match="NaN"):
+            greedy_ids(bad)
