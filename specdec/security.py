@@ -175,33 +175,43 @@ def refusing_handler(handler: grpc.RpcMethodHandler, message: str) -> grpc.RpcMe
     return handler  # no streaming-request RPCs in specdec
 
 
-def add_metadata(call_details: grpc.aio.ClientCallDetails, extra) -> grpc.aio.ClientCallDetails:
-    metadata = grpc.aio.Metadata(*(call_details.metadata or ()), *extra)
-    return grpc.aio.ClientCallDetails(
-        call_details.method, call_details.timeout, metadata, call_details.credentials, call_details.wait_for_ready
-    )
+class TokenChannel:
+    """An aio channel whose every call carries `metadata` (the bearer token).
 
+    Its stubs' calls pass the token as call metadata. A client interceptor would do the same
+    through grpc.aio's interception machinery, which starts each call in one more asyncio
+    task: a loopback round trip took 1.17 ms with it against 1.05 without, here. Everything
+    but making multicallables passes through to the channel."""
 
-class UnaryTokenSender(grpc.aio.UnaryUnaryClientInterceptor):
-    def __init__(self, metadata: Sequence[tuple[str, str]]):
+    def __init__(self, channel: grpc.aio.Channel, metadata: Sequence[tuple[str, str]]):
+        self.channel = channel
         self.metadata = tuple(metadata)
 
-    async def intercept_unary_unary(self, continuation, call_details, request):
-        return await continuation(add_metadata(call_details, self.metadata), request)
+    def __getattr__(self, name: str):
+        return getattr(self.channel, name)
+
+    async def __aenter__(self) -> "TokenChannel":
+        return self
+
+    async def __aexit__(self, *exc_info) -> None:
+        await self.channel.close()
+
+    def unary_unary(self, *args, **kwargs) -> "WithMetadata":
+        return WithMetadata(self.channel.unary_unary(*args, **kwargs), self.metadata)
+
+    def unary_stream(self, *args, **kwargs) -> "WithMetadata":
+        return WithMetadata(self.channel.unary_stream(*args, **kwargs), self.metadata)
 
 
-class StreamTokenSender(grpc.aio.UnaryStreamClientInterceptor):
-    def __init__(self, metadata: Sequence[tuple[str, str]]):
-        self.metadata = tuple(metadata)
+class WithMetadata:
+    """A multicallable that adds `metadata` to the metadata of every call."""
 
-    async def intercept_unary_stream(self, continuation, call_details, request):
-        return await continuation(add_metadata(call_details, self.metadata), request)
+    def __init__(self, multicallable, metadata: tuple[tuple[str, str], ...]):
+        self.multicallable = multicallable
+        self.metadata = metadata
 
-
-def token_senders(metadata: Sequence[tuple[str, str]]) -> list:
-    """Interceptors that add `metadata` (the bearer token) to every call of an aio channel
-    (grpc.aio files an interceptor under one kind of call only, hence one per kind)."""
-    return [UnaryTokenSender(metadata), StreamTokenSender(metadata)]
+    def __call__(self, request, *, metadata=None, **kwargs):
+        return self.multicallable(request, metadata=(*(metadata or ()), *self.metadata), **kwargs)
 
 
 def redact_url(url: str) -> str:

@@ -23,7 +23,7 @@ from grpc_reflection.v1alpha import reflection
 from specdec import telemetry
 from specdec.errors import MalformedRequest
 from specdec.metrics import serve_metrics
-from specdec.security import ChannelSecurity, ServerSecurity, token_senders
+from specdec.security import ChannelSecurity, ServerSecurity, TokenChannel
 from specdec.v1 import specdec_pb2 as pb
 
 log = logging.getLogger("specdec")
@@ -79,11 +79,12 @@ def create_server(interceptors=()) -> grpc.aio.Server:
 def channel(address: str, security: ChannelSecurity | None = None) -> grpc.aio.Channel:
     """An aio channel to `address`: TLS when `security` names a CA, and its token on every call."""
     security = security or ChannelSecurity()
-    interceptors = token_senders(security.metadata()) if security.token else None
     credentials = security.credentials()
     if credentials is None:
-        return grpc.aio.insecure_channel(address, options=CLIENT_OPTIONS, interceptors=interceptors)
-    return grpc.aio.secure_channel(address, credentials, options=CLIENT_OPTIONS, interceptors=interceptors)
+        opened = grpc.aio.insecure_channel(address, options=CLIENT_OPTIONS)
+    else:
+        opened = grpc.aio.secure_channel(address, credentials, options=CLIENT_OPTIONS)
+    return TokenChannel(opened, security.metadata()) if security.token else opened
 
 
 def parse_request(message_class):
