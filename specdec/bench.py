@@ -22,8 +22,11 @@ Terms (the seed's performance model, design.md §3):
     pipelined  analytic tokens/s = E[tokens] / max(K·c_q, c_verify_shared)
                summed over the run's own cycles (`analytic_rates`): each drafting cycle at the
                K it drafted, each token of a plain cycle (no drafts: adaptive K = 0, back-off)
-               at c_p, so an adaptive run is compared with the mix it actually ran
+               at c_p, so an adaptive run is compared with the mix it actually ran, and each
+               request's first cycle at its own work alone: the prompt's prefill
     efficiency = measured specdec tokens/s / sequential analytic tokens/s
+               (efficiency_without_prefill: against the model that counts a request's first
+               cycle as one step c_p; the measured time includes the prefills either way)
     bytes/cycle  bytes of q on the wire per drafting cycle, against K·V·4 for dense float32
     cycle_ms   median time of drafting cycles, pipelined (drafted while the previous cycle
                verified) and sequential, to compare with max(K·c_q, c_verify) and their sum
@@ -229,6 +232,8 @@ def new_totals(split_looked_up: bool = False) -> dict:
     return {"split_looked_up": split_looked_up, "drafted": 0, "accepted": 0, "draft_cycles": 0, "cycles": 0, "draft_bytes": 0, "k_sum": 0,
             "pipelined": 0, "cycle_ms": {"sequential": [], "pipelined": []}, "cycles_by_k": {},
             "plain_tokens": 0, "cycles_seen": [],
+            # requests, and their prompts' prefills timed alone: target, and draft model
+            "requests": 0, "prefill_ms": {"target": 0.0, "draft": 0.0},
             # --ngram-first: the cycles whose drafts were looked up (no draft model step)
             "looked_up": {"drafted": 0, "accepted": 0, "cycles_by_k": {}}}  # fmt: skip
 
@@ -332,6 +337,9 @@ def run_interleaved(args, prompts_ids, target, draft, packed_target, packed_draf
                 time_specdec(runs["specdec"], totals, client, ids, number + 1, options)
                 context = ids + runs["target_only"].outputs[-1]
                 samples.append(measure_costs(args.draft, cost_target, cost_draft, context, ks, COST_REPEATS))
+                totals["requests"] += 1
+                for model, ms in measure_prefill(args.draft, cost_target, cost_draft, ids, COST_REPEATS).items():
+                    totals["prefill_ms"][model] += ms
     return runs, totals, median_costs(samples)
 
 
@@ -357,7 +365,8 @@ def required_alpha(speedup: float, k: int, c_q: float, c_verify: float, c_p: flo
 
 def analytic_rates(alpha: float, cycles_by_k: dict[int, int], plain_tokens: int, c_q: float,
                    c_verify: dict[int, float], c_p: float,
-                   looked_up: tuple[float, dict[int, int]] | None = None) -> tuple[float, float]:  # fmt: skip
+                   looked_up: tuple[float, dict[int, int]] | None = None,
+                   prefill_ms: float = 0.0) -> tuple[float, float]:  # fmt: skip
     """(sequential, pipelined) analytic tokens/s of a run's own cycles, by the seed's model.
 
     cycles_by_k: {K: drafting cycles that drafted K tokens}; plain_tokens: tokens of cycles that
@@ -366,13 +375,19 @@ def analytic_rates(alpha: float, cycles_by_k: dict[int, int], plain_tokens: int,
     With one K and no plain cycles this is E[tokens] / (K·c_q + c_verify).
     looked_up: (α, cycles_by_k) of a model draft's looked-up cycles (--ngram-first), which
     yield E[tokens] at their own α and take c_verify[K] alone (c_q = 0).
+    prefill_ms: what the requests' first cycles cost beyond what the above counts for them:
+    each prefills its prompt, on the target and on a model draft, where the above counts one
+    step (c_p or c_verify[K], and c_q); so the sum of each prompt's passes timed alone less
+    c_p (and c_q). The seed's formula is one of decoding: without this term the prefills a
+    run measures count against its efficiency.
     """
     from specdec.sampling import expected_tokens_per_cycle
 
     groups = [(alpha, cycles_by_k, c_q)] + ([(looked_up[0], looked_up[1], 0.0)] if looked_up else [])
     tokens = plain_tokens + sum(n * expected_tokens_per_cycle(a, k) for a, by_k, _ in groups for k, n in by_k.items())
-    sequential_ms = plain_tokens * c_p + sum(n * (k * q + c_verify[k]) for _, by_k, q in groups for k, n in by_k.items())
-    pipelined_ms = plain_tokens * c_p + sum(n * max(k * q, c_verify[k]) for _, by_k, q in groups for k, n in by_k.items())
+    plain_ms = prefill_ms + plain_tokens * c_p
+    sequential_ms = plain_ms + sum(n * (k * q + c_verify[k]) for _, by_k, q in groups for k, n in by_k.items())
+    pipelined_ms = plain_ms + sum(n * max(k * q, c_verify[k]) for _, by_k, q in groups for k, n in by_k.items())
     if not tokens or not sequential_ms:
         return 0.0, 0.0
     return tokens / sequential_ms * 1000, tokens / pipelined_ms * 1000
@@ -452,6 +467,27 @@ def measure_costs(draft_name: str, target, draft, context: list[int], ks: Sequen
         torch.set_num_threads(threads_before)
     threads = {"target": idle_threads, "target_shared": shared_threads, "draft": draft_threads}
     return Costs(idle[1], {k: idle[k + 1] for k in ks}, {k: shared[k + 1] for k in ks}, c_q, threads)
+
+
+def measure_prefill(draft_name: str, target, draft, prompt: list[int], repeats: int = 5) -> dict[str, float]:
+    """{"target": ms, "draft": ms} of a request's prefill, timed alone: the target's pass over
+    the prompt on the threads it takes with the draft idle and, for a model draft, the draft's
+    pass over it on its own threads (its first Propose; 0 for an n-gram draft)."""
+    import torch
+
+    from specdec.kvcache import prefill_ms
+    from specdec.launcher import default_threads, solo_threads
+
+    threads_before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(solo_threads())
+        times = {"target": prefill_ms(target.model, prompt, repeats), "draft": 0.0}
+        if draft is not None:
+            torch.set_num_threads(default_threads(draft_name)[1])
+            times["draft"] = prefill_ms(draft.model, prompt, repeats)
+    finally:
+        torch.set_num_threads(threads_before)
+    return times
 
 
 def median_costs(samples: Sequence[Costs]) -> Costs:
@@ -635,9 +671,16 @@ def run_bench(args) -> int:
     model_drafted = totals["drafted"] - looked["drafted"]
     model_alpha = (totals["accepted"] - looked["accepted"]) / model_drafted if model_drafted else 0.0
     looked_up = (looked_alpha, looked["cycles_by_k"]) if looked["drafted"] else None
-    sequential, _ = analytic_rates(model_alpha, cycles_by_k, totals["plain_tokens"], c_q, verify, c_p, looked_up)
-    _, pipelined = analytic_rates(model_alpha, cycles_by_k, totals["plain_tokens"], c_q, costs.c_verify_shared, c_p,
-                                  looked_up)  # fmt: skip
+    # each request's first cycle prefills its prompt: beyond the one step the model counts
+    prefill = totals["prefill_ms"]
+    prefill_extra = prefill["target"] - totals["requests"] * c_p
+    if draft is not None:
+        prefill_extra += prefill["draft"] - totals["requests"] * c_q
+    plain_tokens = totals["plain_tokens"]
+    sequential, _ = analytic_rates(model_alpha, cycles_by_k, plain_tokens, c_q, verify, c_p, looked_up, prefill_extra)
+    _, pipelined = analytic_rates(model_alpha, cycles_by_k, plain_tokens, c_q, costs.c_verify_shared, c_p, looked_up,
+                                  prefill_extra)  # fmt: skip
+    decode_only, _ = analytic_rates(model_alpha, cycles_by_k, plain_tokens, c_q, verify, c_p, looked_up)
     vocab = load_vocab_size(args.target)
     greedy = args.temperature == 0
     runs = [target_only, hf_assisted, spec] + ([hf_assisted_packed] if packed else [])
@@ -673,6 +716,8 @@ def run_bench(args) -> int:
         "c_verify_ms": c_verify,
         "analytic_tokens_per_s": {"sequential": sequential, "pipelined": pipelined},
         "efficiency": spec.tokens_per_s / sequential if sequential else 0.0,
+        # the same against the model without the prefills (a first cycle counted as one step)
+        "efficiency_without_prefill": spec.tokens_per_s / decode_only if decode_only else 0.0,
         "speedup_vs_target_only": spec.tokens_per_s / target_only.tokens_per_s,
         "speedup_vs_hf_assisted": spec.tokens_per_s / hf_assisted.tokens_per_s,
         "speedup_vs_hf_assisted_packed": spec.tokens_per_s / hf_assisted_packed.tokens_per_s if packed else None,
@@ -689,6 +734,10 @@ def run_bench(args) -> int:
             "cycles_by_k": {str(kk): n for kk, n in sorted(looked["cycles_by_k"].items())},
             "alpha": looked_alpha, "model_alpha": model_alpha},
         "plain_tokens": totals["plain_tokens"],
+        # the prompts' prefills timed alone, summed over the requests (target, and draft model),
+        # and what the analytic model adds for them: that less one step each (c_p, and c_q)
+        "prefill_ms": prefill,
+        "prefill_extra_ms": prefill_extra,
         "c_verify_ms_by_k": {str(kk): ms for kk, ms in verify.items()},
         # the same passes while a model draft drafts beside the target (pipelined cycles)
         "c_verify_shared_ms_by_k": {str(kk): ms for kk, ms in costs.c_verify_shared.items()},
@@ -760,8 +809,9 @@ def format_report(r: dict) -> str:
         f"alpha {r['alpha']:.3f}, mean accepted length {r['mean_accepted_length']:.2f}",
         f"c_q {r['c_q_ms']:.2f} ms, c_p {r['c_p_ms']:.2f} ms, c_verify(K+1) {r['c_verify_ms']:.2f} ms",
         f"analytic tokens/s: sequential {r['analytic_tokens_per_s']['sequential']:.2f}, "
-        f"pipelined {r['analytic_tokens_per_s']['pipelined']:.2f}; efficiency {r['efficiency']:.3f}",
-        "  (the run's own cycles: "
+        f"pipelined {r['analytic_tokens_per_s']['pipelined']:.2f}; efficiency {r['efficiency']:.3f} "
+        f"({r['efficiency_without_prefill']:.3f} without the prefills in the model)",
+        f"  (the run's own cycles, and {r['prefill_extra_ms']:.0f} ms of the prompts' prefills beyond one step each: "
         + ", ".join(f"{n} drafting {k}" for k, n in r["cycles_by_k"].items())
         + f"{', ' if r['cycles_by_k'] else ''}{r['plain_tokens']} tokens from plain steps)",
         *([] if not r.get("looked_up") else [

@@ -482,6 +482,21 @@ def step_ms(model, context: Sequence[int], tokens: int, repeats: int = 5) -> flo
     return step_ms_by_size(model, context, [tokens], repeats)[tokens]
 
 
+def prefill_ms(model, tokens: Sequence[int], repeats: int = 5) -> float:
+    """Median ms of one forward over `tokens` on an empty cache, only the last row projected
+    onto the vocabulary: a request's first Verify (or a draft's first Propose) prefilling its
+    prompt. A first, warm-up pass is not counted. Uses torch's current thread count."""
+    times = []
+    with torch.inference_mode():
+        for round_ in range(repeats + 1):
+            cache = new_cache(model.config)
+            start = time.perf_counter()
+            forward(model, cache, tokens)
+            if round_:
+                times.append((time.perf_counter() - start) * 1000)
+    return sorted(times)[len(times) // 2]
+
+
 def step_ms_by_size(model, context: Sequence[int], sizes: Sequence[int], repeats: int = 5) -> dict[int, float]:
     """{n: median ms of one forward of n new tokens after a cached `context`} for each n of
     `sizes`, after one prefill of `context`. The cache is cropped back to `context` before

@@ -8,7 +8,8 @@ import sys
 REQUIRED = {
     "target", "draft", "k", "prompts", "new_tokens", "runs", "alpha", "mean_accepted_length", "c_q_ms", "c_p_ms",
     "c_verify_ms", "analytic_tokens_per_s", "efficiency", "speedup_vs_target_only", "speedup_vs_hf_assisted",
-    "bytes_per_cycle", "dense_bytes_per_cycle", "cycle_ms", "profile",
+    "bytes_per_cycle", "dense_bytes_per_cycle", "cycle_ms", "profile", "prefill_ms", "prefill_extra_ms",
+    "efficiency_without_prefill",
 }  # fmt: skip
 
 
@@ -40,8 +41,16 @@ def test_bench_json_has_every_figure_and_greedy_outputs_agree(tiny_models, tmp_p
     verify = {int(k): ms for k, ms in report["c_verify_ms_by_k"].items()}
     tokens = report["plain_tokens"] + sum(n * (1 - alpha ** (k + 1)) / (1 - alpha) for k, n in by_k.items())
     ms = report["plain_tokens"] * c_p + sum(n * (k * c_q + verify[k]) for k, n in by_k.items())
-    sequential = tokens / ms * 1000
+    # and each of the 2 requests' prefills, target's and draft's timed alone, beyond one step
+    prefill = report["prefill_ms"]
+    assert prefill["target"] > 0 and prefill["draft"] > 0
+    extra = prefill["target"] - 2 * c_p + prefill["draft"] - 2 * c_q
+    assert abs(report["prefill_extra_ms"] - extra) < 1e-6
+    sequential = tokens / (ms + extra) * 1000
     assert abs(report["analytic_tokens_per_s"]["sequential"] - sequential) < 1e-6 * sequential
+    speed = report["runs"]["specdec"]["tokens_per_s"]
+    assert abs(report["efficiency"] - speed / sequential) < 1e-6
+    assert abs(report["efficiency_without_prefill"] - speed / (tokens / ms * 1000)) < 1e-6
     # the profile splits a drafting cycle: the target's forward is part of the Verify call,
     # which is part of what the client waits between chunks
     for kind in set(report["profile"]) & {"sequential", "pipelined"}:
@@ -69,6 +78,10 @@ def test_analytic_rates_sum_the_runs_own_cycles():
     e2_looked_up = (1 - 0.8**3) / 0.2
     with_lookups, _ = analytic_rates(0.5, {4: 1}, 0, c_q, verify, c_p, looked_up=(0.8, {2: 2}))
     assert abs(with_lookups - (e4 + 2 * e2_looked_up) / (220.0 + 2 * 150.0) * 1000) < 1e-9
+    # the prefills beyond one step each (900 ms): added to the time, sequential and pipelined
+    with_prefills, pipelined = analytic_rates(0.5, {4: 10}, 20, c_q, verify, c_p, prefill_ms=900.0)
+    assert abs(with_prefills - (10 * e4 + 20) / (10 * 220.0 + 20 * 100.0 + 900.0) * 1000) < 1e-9
+    assert abs(pipelined - (10 * e4 + 20) / (10 * 200.0 + 20 * 100.0 + 900.0) * 1000) < 1e-9
 
 
 def test_profile_cycles_splits_each_kind_of_cycle_and_compares_its_forward_with_the_same_work_alone():
