@@ -232,8 +232,9 @@ def new_totals(split_looked_up: bool = False) -> dict:
     return {"split_looked_up": split_looked_up, "drafted": 0, "accepted": 0, "draft_cycles": 0, "cycles": 0, "draft_bytes": 0, "k_sum": 0,
             "pipelined": 0, "cycle_ms": {"sequential": [], "pipelined": []}, "cycles_by_k": {},
             "plain_tokens": 0, "cycles_seen": [],
-            # requests, and their prompts' prefills timed alone: target, and draft model
-            "requests": 0, "prefill_ms": {"target": 0.0, "draft": 0.0},
+            # requests, their prompt tokens, and each prompt's prefill timed alone per prompt
+            # token: target, and draft model
+            "requests": 0, "prompt_tokens": 0, "prefill_ms_per_token": {"target": [], "draft": []},
             # --ngram-first: the cycles whose drafts were looked up (no draft model step)
             "looked_up": {"drafted": 0, "accepted": 0, "cycles_by_k": {}}}  # fmt: skip
 
@@ -338,8 +339,9 @@ def run_interleaved(args, prompts_ids, target, draft, packed_target, packed_draf
                 context = ids + runs["target_only"].outputs[-1]
                 samples.append(measure_costs(args.draft, cost_target, cost_draft, context, ks, COST_REPEATS))
                 totals["requests"] += 1
+                totals["prompt_tokens"] += len(ids)
                 for model, ms in measure_prefill(args.draft, cost_target, cost_draft, ids, COST_REPEATS).items():
-                    totals["prefill_ms"][model] += ms
+                    totals["prefill_ms_per_token"][model].append(ms / len(ids))
     return runs, totals, median_costs(samples)
 
 
@@ -671,8 +673,11 @@ def run_bench(args) -> int:
     model_drafted = totals["drafted"] - looked["drafted"]
     model_alpha = (totals["accepted"] - looked["accepted"]) / model_drafted if model_drafted else 0.0
     looked_up = (looked_alpha, looked["cycles_by_k"]) if looked["drafted"] else None
-    # each request's first cycle prefills its prompt: beyond the one step the model counts
-    prefill = totals["prefill_ms"]
+    # each request's first cycle prefills its prompt: beyond the one step the model counts.
+    # The median rate per prompt token, as the other costs are medians over the prompts: a
+    # prompt whose prefill was timed while the machine was busy moves it little.
+    prefill = {model: percentile(rates, 50) * totals["prompt_tokens"] if rates else 0.0
+               for model, rates in totals["prefill_ms_per_token"].items()}  # fmt: skip
     prefill_extra = prefill["target"] - totals["requests"] * c_p
     if draft is not None:
         prefill_extra += prefill["draft"] - totals["requests"] * c_q
@@ -734,8 +739,10 @@ def run_bench(args) -> int:
             "cycles_by_k": {str(kk): n for kk, n in sorted(looked["cycles_by_k"].items())},
             "alpha": looked_alpha, "model_alpha": model_alpha},
         "plain_tokens": totals["plain_tokens"],
-        # the prompts' prefills timed alone, summed over the requests (target, and draft model),
-        # and what the analytic model adds for them: that less one step each (c_p, and c_q)
+        # the prompts' prefills timed alone (target, and draft model: the median ms per prompt
+        # token times the requests' prompt tokens), and what the analytic model adds for them:
+        # that less one step each (c_p, and c_q)
+        "prompt_tokens": totals["prompt_tokens"],
         "prefill_ms": prefill,
         "prefill_extra_ms": prefill_extra,
         "c_verify_ms_by_k": {str(kk): ms for kk, ms in verify.items()},

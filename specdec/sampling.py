@@ -442,8 +442,9 @@ def greedy_ids(logits: torch.Tensor) -> list[int]:
     the lowest index (as `warp`). Refuses what `warp` would: NaN, +inf, a row all -inf.
 
     On a CPU the argmax is numpy's (the first maximum; a NaN counts as the maximum, so it
-    surfaces in row_max): for SmolLM2's 49,152 logits it takes 15 us a row where torch's
-    reduction takes 170 us, and Verify reads it on every cycle, a model draft on every token."""
+    surfaces in row_max): for SmolLM2's 49,152 logits 4 us a row against 85 us for torch's
+    reduction (14 against 176 us for a K = 2 verdict's 3 rows, on 2 threads), and Verify reads
+    it on every cycle, a model draft on every token."""
     if logits.device.type == "cpu" and logits.dtype in NUMPY_FLOATS:
         rows = logits.detach().numpy()  # [R, V]
         ids = rows.argmax(axis=-1)  # [R]

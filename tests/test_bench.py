@@ -51,6 +51,11 @@ def test_bench_json_has_every_figure_and_greedy_outputs_agree(tiny_models, tmp_p
     speed = report["runs"]["specdec"]["tokens_per_s"]
     assert abs(report["efficiency"] - speed / sequential) < 1e-6
     assert abs(report["efficiency_without_prefill"] - speed / (tokens / ms * 1000)) < 1e-6
+    # the table without --json says both
+    from specdec.bench import format_report
+
+    text = format_report(report)
+    assert f"efficiency {report['efficiency']:.3f} ({report['efficiency_without_prefill']:.3f} without the prefills" in text
     # the profile splits a drafting cycle: the target's forward is part of the Verify call,
     # which is part of what the client waits between chunks
     for kind in set(report["profile"]) & {"sequential", "pipelined"}:
