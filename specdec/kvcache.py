@@ -283,21 +283,13 @@ class GrowingLayer(DynamicLayer):
         batch, heads, _, dim = states.shape
         return states.new_empty(batch, heads, capacity, dim)
 
-    @property
-    def keys(self) -> torch.Tensor | None:
-        return self.key_buffer[:, :, : self.length] if self.is_initialized else None  # [B, H, length, D]
+    def filled(self, buffer: str) -> torch.Tensor | None:
+        """The filled part [B, H, length, D] of the key or value buffer (None before the first update)."""
+        return getattr(self, buffer)[:, :, : self.length] if self.is_initialized else None
 
-    @keys.setter
-    def keys(self, value: None) -> None:
-        refuse_views(value)
-
-    @property
-    def values(self) -> torch.Tensor | None:
-        return self.value_buffer[:, :, : self.length] if self.is_initialized else None  # [B, H, length, D]
-
-    @values.setter
-    def values(self, value: None) -> None:
-        refuse_views(value)
+    # Read: views of the buffers. Set: only the None transformers' layer __init__ assigns.
+    keys = property(lambda self: self.filled("key_buffer"), lambda self, value: refuse_views(value))
+    values = property(lambda self: self.filled("value_buffer"), lambda self, value: refuse_views(value))
 
     def grow(self, needed: int) -> None:
         """Move to buffers of at least `needed` positions (at least twice the old capacity)."""

@@ -210,3 +210,14 @@ def test_a_greedy_model_draft_sends_one_hot_q_and_the_argmax_and_a_sampled_one_i
     state = SessionState("s", pending=list(prompt), cache=new_cache(model.config))
     sampled = list(drafter.propose(state, 3, Sampling(1.0, 5, 1.0, 1), cycle_generator(1, 0, DRAFT)))
     assert all(q is not None and q[token] > 0 and int((q > 0).sum()) <= 5 for token, q, _ in sampled)
+
+
+def test_the_in_place_caches_views_follow_its_buffers_through_a_crop_and_cannot_be_replaced(model):
+    cache = new_cache(model.config)
+    forward(model, cache, list(range(1, 11)))
+    layer = cache.layers[0]
+    crop_cache(cache, 7)
+    assert layer.keys.shape[-2] == layer.values.shape[-2] == 7  # the crop shortened the views it hands out
+    assert layer.keys.data_ptr() == layer.key_buffer.data_ptr()
+    with pytest.raises(AttributeError, match="follow its buffers"):
+        layer.keys = layer.key_buffer
