@@ -232,9 +232,6 @@ def new_totals(split_looked_up: bool = False) -> dict:
     return {"split_looked_up": split_looked_up, "drafted": 0, "accepted": 0, "draft_cycles": 0, "cycles": 0, "draft_bytes": 0, "k_sum": 0,
             "pipelined": 0, "cycle_ms": {"sequential": [], "pipelined": []}, "cycles_by_k": {},
             "plain_tokens": 0, "cycles_seen": [],
-            # requests, their prompt tokens, and each prompt's prefill timed alone per prompt
-            # token: target, and draft model
-            "requests": 0, "prompt_tokens": 0, "prefill_ms_per_token": {"target": [], "draft": []},
             # --ngram-first: the cycles whose drafts were looked up (no draft model step)
             "looked_up": {"drafted": 0, "accepted": 0, "cycles_by_k": {}}}  # fmt: skip
 
@@ -337,11 +334,7 @@ def run_interleaved(args, prompts_ids, target, draft, packed_target, packed_draf
                     time_hf(runs[name], model, ids, args, **extra)
                 time_specdec(runs["specdec"], totals, client, ids, number + 1, options)
                 context = ids + runs["target_only"].outputs[-1]
-                samples.append(measure_costs(args.draft, cost_target, cost_draft, context, ks, COST_REPEATS))
-                totals["requests"] += 1
-                totals["prompt_tokens"] += len(ids)
-                for model, ms in measure_prefill(args.draft, cost_target, cost_draft, ids, COST_REPEATS).items():
-                    totals["prefill_ms_per_token"][model].append(ms / len(ids))
+                samples.append(measure_costs(args.draft, cost_target, cost_draft, context, ks, COST_REPEATS, ids))
     return runs, totals, median_costs(samples)
 
 
@@ -442,14 +435,20 @@ class Costs:
     c_verify_shared: dict[int, float]  # the same while a model draft drafts beside it
     c_q: float  # one draft token
     threads: dict[str, int]  # torch threads: target (draft idle), target_shared, draft
+    # A prompt's prefill per prompt token: the target's pass over it (draft idle), and a model
+    # draft's (its first Propose; 0 for an n-gram draft). 0 when no prompt was timed.
+    prefill: float = 0.0
+    draft_prefill: float = 0.0
 
 
-def measure_costs(draft_name: str, target, draft, context: list[int], ks: Sequence[int], repeats: int = 5) -> Costs:
-    """Costs after `context` (launcher.default_threads and solo_threads), each the median of
-    `repeats` timings; the caller's thread count is restored."""
+def measure_costs(draft_name: str, target, draft, context: list[int], ks: Sequence[int], repeats: int = 5,
+                  prompt: Sequence[int] = ()) -> Costs:  # fmt: skip
+    """Costs after `context` (launcher.default_threads and solo_threads), and of prefilling
+    `prompt` when given, each the median of `repeats` timings; the caller's thread count is
+    restored."""
     import torch
 
-    from specdec.kvcache import step_ms, step_ms_by_size
+    from specdec.kvcache import prefill_ms, step_ms, step_ms_by_size
     from specdec.launcher import default_threads, solo_threads
 
     shared_threads, draft_threads = default_threads(draft_name)
@@ -459,37 +458,19 @@ def measure_costs(draft_name: str, target, draft, context: list[int], ks: Sequen
     try:
         torch.set_num_threads(idle_threads)
         idle = step_ms_by_size(target.model, context, sizes, repeats)
+        prefill = prefill_ms(target.model, prompt, repeats) / len(prompt) if prompt else 0.0
         shared = idle
         if shared_threads != idle_threads:
             torch.set_num_threads(shared_threads)
             shared = step_ms_by_size(target.model, context, sizes, repeats)
         torch.set_num_threads(draft_threads)
         c_q = ngram_ms(context, max(ks)) if draft is None else step_ms(draft.model, context, 1, repeats)
+        draft_prefill = prefill_ms(draft.model, prompt, repeats) / len(prompt) if prompt and draft is not None else 0.0
     finally:
         torch.set_num_threads(threads_before)
     threads = {"target": idle_threads, "target_shared": shared_threads, "draft": draft_threads}
-    return Costs(idle[1], {k: idle[k + 1] for k in ks}, {k: shared[k + 1] for k in ks}, c_q, threads)
-
-
-def measure_prefill(draft_name: str, target, draft, prompt: list[int], repeats: int = 5) -> dict[str, float]:
-    """{"target": ms, "draft": ms} of a request's prefill, timed alone: the target's pass over
-    the prompt on the threads it takes with the draft idle and, for a model draft, the draft's
-    pass over it on its own threads (its first Propose; 0 for an n-gram draft)."""
-    import torch
-
-    from specdec.kvcache import prefill_ms
-    from specdec.launcher import default_threads, solo_threads
-
-    threads_before = torch.get_num_threads()
-    try:
-        torch.set_num_threads(solo_threads())
-        times = {"target": prefill_ms(target.model, prompt, repeats), "draft": 0.0}
-        if draft is not None:
-            torch.set_num_threads(default_threads(draft_name)[1])
-            times["draft"] = prefill_ms(draft.model, prompt, repeats)
-    finally:
-        torch.set_num_threads(threads_before)
-    return times
+    return Costs(idle[1], {k: idle[k + 1] for k in ks}, {k: shared[k + 1] for k in ks}, c_q, threads,
+                 prefill, draft_prefill)  # fmt: skip
 
 
 def median_costs(samples: Sequence[Costs]) -> Costs:
@@ -505,6 +486,8 @@ def median_costs(samples: Sequence[Costs]) -> Costs:
         c_verify_shared={k: median(c.c_verify_shared[k] for c in samples) for k in ks},
         c_q=median(c.c_q for c in samples),
         threads=samples[0].threads,
+        prefill=median(c.prefill for c in samples),
+        draft_prefill=median(c.draft_prefill for c in samples),
     )
 
 
@@ -676,11 +659,12 @@ def run_bench(args) -> int:
     # each request's first cycle prefills its prompt: beyond the one step the model counts.
     # The median rate per prompt token, as the other costs are medians over the prompts: a
     # prompt whose prefill was timed while the machine was busy moves it little.
-    prefill = {model: percentile(rates, 50) * totals["prompt_tokens"] if rates else 0.0
-               for model, rates in totals["prefill_ms_per_token"].items()}  # fmt: skip
-    prefill_extra = prefill["target"] - totals["requests"] * c_p
+    requests = args.repeats * len(prompts_ids)
+    prompt_tokens = args.repeats * sum(len(ids) for ids in prompts_ids)
+    prefill = {"target": costs.prefill * prompt_tokens, "draft": costs.draft_prefill * prompt_tokens}
+    prefill_extra = prefill["target"] - requests * c_p
     if draft is not None:
-        prefill_extra += prefill["draft"] - totals["requests"] * c_q
+        prefill_extra += prefill["draft"] - requests * c_q
     plain_tokens = totals["plain_tokens"]
     sequential, _ = analytic_rates(model_alpha, cycles_by_k, plain_tokens, c_q, verify, c_p, looked_up, prefill_extra)
     _, pipelined = analytic_rates(model_alpha, cycles_by_k, plain_tokens, c_q, costs.c_verify_shared, c_p, looked_up,
@@ -742,7 +726,7 @@ def run_bench(args) -> int:
         # the prompts' prefills timed alone (target, and draft model: the median ms per prompt
         # token times the requests' prompt tokens), and what the analytic model adds for them:
         # that less one step each (c_p, and c_q)
-        "prompt_tokens": totals["prompt_tokens"],
+        "prompt_tokens": prompt_tokens,
         "prefill_ms": prefill,
         "prefill_extra_ms": prefill_extra,
         "c_verify_ms_by_k": {str(kk): ms for kk, ms in verify.items()},
