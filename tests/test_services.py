@@ -13,6 +13,7 @@ import torch
 
 import specdec
 from coordinator.cycles import SOLO_STEPS
+from specdec.launcher import service_environment
 from specdec.models import load_model
 from specdec.sampling import warp
 from specdec.session import meta_key
@@ -253,6 +254,16 @@ def test_a_cancelled_stream_releases_the_session_on_both_model_services(tiny_sta
     store = redis.Redis.from_url(redis_url, decode_responses=True)
     assert wait_until(lambda: store.hget(meta_key("cancel-me"), "status") == "cancelled")
     assert int(store.hget(meta_key("cancel-me"), "length")) < len(PROMPT) + 1500
+
+
+def test_the_stacks_model_services_let_idle_openmp_threads_sleep_soon_unless_the_caller_says_otherwise(tiny_stack):
+    # each process of a stack shares the machine's cores: libgomp's default 300,000 spins
+    # kept the target's idle thread burning a core ~10 ms after every pass
+    for name in ("target", "draft"):
+        with open(f"/proc/{tiny_stack.processes[name].pid}/environ", "rb") as f:
+            assert b"GOMP_SPINCOUNT=10000" in f.read().split(b"\0"), name
+    assert service_environment({"GOMP_SPINCOUNT": "300000"}, {})["GOMP_SPINCOUNT"] == "300000"
+    assert service_environment({}, {"X": "1"}) == {"GOMP_SPINCOUNT": "10000", "X": "1"}
 
 
 def test_finished_requests_release_their_sessions_and_record_them_in_redis(tiny_stack, client, redis_url):
