@@ -40,6 +40,7 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
+from specdec import plain_forward
 from specdec.errors import FailedPrecondition, InvalidArgument, NotFound, OutOfRange, ResourceExhausted
 
 FetchCommitted = Callable[[str, int, int], Awaitable[list[int]]]
@@ -476,7 +477,15 @@ def forward(model, cache: DynamicCache | None, tokens: Sequence[int], keep: int 
     """Feed `tokens` after what `cache` covers; return the logits of the last `keep` of them
     [keep, V] (float32). Only those rows go through the vocabulary projection: on a CPU that
     projection costs about a fifth of a SmolLM2-135M step per token, so a 200-token prompt
-    whose every row was projected would cost a second more to prefill."""
+    whose every row was projected would cost a second more to prefill. A model that
+    load_model marked (specdec.plain_forward) takes the plain path, with the same logits."""
+    if cache is not None and getattr(model, plain_forward.ENABLED, False):
+        return plain_forward.plain_forward(model, cache, tokens, keep)
+    return transformers_forward(model, cache, tokens, keep)
+
+
+def transformers_forward(model, cache: DynamicCache | None, tokens: Sequence[int], keep: int = 1) -> torch.Tensor:
+    """forward through transformers' own LlamaForCausalLM.forward (or any causal LM's)."""
     device = model.device
     input_ids = torch.tensor([list(tokens)], dtype=torch.long, device=device)  # [1, T]
     keep = min(keep, len(tokens))

@@ -43,6 +43,7 @@ import transformers
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 
 from specdec.packed import pack_model
+from specdec.plain_forward import enable_plain_forward
 
 CACHE_ENV = "SPECDEC_CACHE"  # overrides the cache folder (tests point it at a temp dir)
 CACHE_MARKER = "specdec-model.json"  # written last inside a converted dir; its presence means "complete"
@@ -427,6 +428,8 @@ def load_model(name_or_path: str, *, dtype: str = "float32", device: str = "cpu"
     model.to(device)
     model.eval()
     kernels = pack_model(model) if pack else {}  # verify K + 1 rows from prepacked weights, where faster here
+    if pack:  # decode and verify without transformers' per-call machinery, where the logits agree
+        enable_plain_forward(model)
     parameter = next(model.parameters())
     return LoadedModel(
         model=model,
