@@ -637,6 +637,9 @@ def run_bench(args) -> int:
     packed = should_pack(target.model)
     packed_target = load_model(args.target) if packed else None
     packed_draft = load_model(args.draft) if packed and draft is not None else None
+    if not packed:  # the costs run on the baselines' copies (transformers' generate ignores the plain forward)
+        pack_loaded(target)
+        pack_loaded(draft)
     progress(f"{len(prompts)} prompts x {args.repeats}, each through every system in turn")
     runs, totals, costs = run_interleaved(args, prompts_ids, target, draft, packed_target, packed_draft)
     target_only, hf_assisted, spec = runs["target_only"], runs["hf_assisted"], runs["specdec"]
@@ -755,12 +758,15 @@ def run_bench(args) -> int:
 
 
 def pack_loaded(loaded):
-    """Pack a loaded model's linear layers in place, as specdec's loading does where it pays
-    (specdec.packed); returns it (None stays None)."""
+    """Make a loaded model compute as specdec's loading makes it, in place: linear layers
+    packed where that pays (specdec.packed) and the plain forward pass where it gives
+    transformers' logits (specdec.plain_forward); returns it (None stays None)."""
     from specdec.packed import pack_model
+    from specdec.plain_forward import enable_plain_forward
 
     if loaded is not None:
         loaded.kernels = pack_model(loaded.model)
+        enable_plain_forward(loaded.model)
     return loaded
 
 
