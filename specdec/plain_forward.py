@@ -5,11 +5,12 @@ records and a mask builder, and dispatches attention through an interface, which
 whole KV cache once per query head sharing it on every pass over several tokens (repeat_kv).
 On this project's 2-core CPU the plain path takes 0.79-0.99 of that forward's time for a
 SmolLM2-135M step or verify pass, 0.79-0.90 for the distilled draft's (README, Performance;
-`scripts/plain_forward_ab.py`). `plain_forward`
-calls the same modules in the same order (embedding, rotary embedding, norms, linear layers,
-packed or not, MLP, output head) and writes out only the attention between them, so its
-logits are transformers' own, bit for bit: `check_plain_forward` compares the two at load
-and `load_model` uses this path only where they agree.
+`scripts/plain_forward_ab.py`).
+
+`plain_forward` calls the same modules in the same order (embedding, rotary embedding, norms,
+linear layers, packed or not, MLP, output head) and writes out only the attention between
+them, so its logits are transformers' own, bit for bit: `check_plain_forward` compares the
+two at load and `load_model` uses this path only where they agree.
 
 Terms:
     T       tokens fed in this call; S = positions the cache covers after them (past + T)
@@ -19,6 +20,7 @@ Terms:
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Sequence
 
@@ -119,7 +121,12 @@ def check_plain_forward(model, seed: int = 0) -> bool:
 
 
 def enable_plain_forward(model) -> bool:
-    """Mark `model` for kvcache.forward's plain path if check_plain_forward passes; returns that."""
-    enabled = check_plain_forward(model)
+    """Mark `model` for kvcache.forward's plain path if check_plain_forward passes; returns
+    that. A Llama variant the check cannot even run on keeps transformers' forward too."""
+    try:
+        enabled = check_plain_forward(model)
+    except (AttributeError, TypeError, ValueError, RuntimeError) as exc:
+        logging.getLogger("specdec").info("the plain forward does not run on this model (%s): transformers' forward", exc)
+        enabled = False
     setattr(model, ENABLED, enabled)
     return enabled

@@ -114,3 +114,10 @@ def test_kvcache_forward_takes_the_plain_path_only_for_a_marked_model_with_a_cac
         assert calls == []  # no cache: transformers' forward
         forward(model, new_cache(model.config), [1, 2, 3])
         assert len(calls) == 1
+
+
+def test_a_llama_variant_the_check_cannot_run_on_keeps_transformers_forward(monkeypatch):
+    model = tiny_llama(6, 2)
+    monkeypatch.delattr(model.model.layers[0].self_attn, "scaling")
+    assert plain_module.enable_plain_forward(model) is False
+    assert getattr(model, ENABLED) is False
