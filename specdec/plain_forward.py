@@ -128,5 +128,9 @@ def enable_plain_forward(model) -> bool:
     except (AttributeError, TypeError, ValueError, RuntimeError) as exc:
         logging.getLogger("specdec").info("the plain forward does not run on this model (%s): transformers' forward", exc)
         enabled = False
+    else:
+        if not enabled and supports_plain_forward(model) and os.environ.get(ENV_SWITCH) != "0":
+            logging.getLogger("specdec").info("the plain forward's logits differ from transformers' on this model: "
+                                              "transformers' forward")  # fmt: skip
     setattr(model, ENABLED, enabled)
     return enabled
