@@ -206,7 +206,8 @@ def encode_prompt(tokenizer, prompt) -> list[int]:
 
 @torch.no_grad()
 def sample_batch(model, prompts: list[list[int]], *, max_new_tokens: int, top_k: int, eos_ids: list[int],
-                 pad_id: int, generator: torch.Generator, temperature: float = 1.0) -> list[dict]:  # fmt: skip
+                 pad_id: int, generator: torch.Generator, temperature: float = 1.0,
+                 keep_features: bool = False) -> list[dict]:  # fmt: skip
     """Sample one continuation per prompt; keep p's top-k log-probs per step.
 
     Tokens are drawn at `temperature` (0: the argmax), but the stored log-probs are always
@@ -216,6 +217,9 @@ def sample_batch(model, prompts: list[list[int]], *, max_new_tokens: int, top_k:
     (int32) and topk_logp [n_gen, k] (float16), row i being p at the position that produced
     generated token i. A sequence stops after its first EOS (kept, with its row), and leaves
     the batch at once: its cache rows are dropped, so the rest run on a smaller batch.
+    keep_features: each record also holds `features` [n_gen, D] (bfloat16), row i the target's
+    final hidden state (after its last norm, what its output head multiplies) at the position
+    that produced generated token i (scripts/feature_draft_trial.py trains on them).
     """
     batch = len(prompts)
     longest = max(len(p) for p in prompts)
@@ -228,17 +232,52 @@ def sample_batch(model, prompts: list[list[int]], *, max_new_tokens: int, top_k:
     from transformers import DynamicCache
 
     cache = DynamicCache(config=model.config)  # filled in place by every forward
+    features: list[torch.Tensor] = []  # per forward, the last position's final hidden state [b, D]
+    hook = model.model.norm.register_forward_hook(
+        lambda _module, _args, output: features.append(output[:, -1].to(torch.bfloat16))) if keep_features else None
+    try:
+        steps = _sample_steps(model, input_ids, attention, positions, cache, max_new_tokens=max_new_tokens,
+                              top_k=top_k, eos_ids=eos_ids, generator=generator, temperature=temperature,
+                              features=features if keep_features else None)  # fmt: skip
+    finally:
+        if hook is not None:
+            hook.remove()
+    per_prompt: list[list[tuple]] = [[] for _ in prompts]
+    for step_rows, *values in steps:
+        for live, row in enumerate(step_rows.tolist()):
+            per_prompt[row].append(tuple(v[live] for v in values))
+    records = []
+    for prompt, generated in zip(prompts, per_prompt):
+        record = {
+            "ids": torch.cat([torch.tensor(prompt, dtype=torch.long), torch.stack([g[0] for g in generated])]),
+            "n_prompt": len(prompt),
+            "topk_ids": torch.stack([g[1] for g in generated]),
+            "topk_logp": torch.stack([g[2] for g in generated]),
+        }  # fmt: skip
+        if keep_features:
+            record["features"] = torch.stack([g[3] for g in generated])
+        records.append(record)
+    return records
+
+
+def _sample_steps(model, input_ids, attention, positions, cache, *, max_new_tokens: int, top_k: int,
+                  eos_ids: list[int], generator: torch.Generator, temperature: float,
+                  features: list | None) -> list[tuple]:  # fmt: skip
+    """sample_batch's decoding loop: per step (rows [b], token [b], top ids [b, k], top log-probs
+    [b, k][, final hidden state [b, D] when `features` collects them from the model's hook])."""
+    batch = input_ids.shape[0]
     out = model(input_ids=input_ids, attention_mask=attention, position_ids=positions, cache=cache, use_cache=True)
     logits = out.logits[:, -1].float()  # [b, V], b = sequences still running
     next_position = positions[:, -1:] + 1  # [b, 1]
     rows = torch.arange(batch)  # [b]: the prompt index of each running sequence
     eos = torch.tensor(eos_ids or [-1])
-    steps = []  # per step: (rows [b], token [b], top ids [b, k], top log-probs [b, k])
+    steps = []
     for _ in range(max_new_tokens):
         logp = torch.log_softmax(logits, dim=-1)  # [b, V]
         token = draw_tokens(logp, temperature, generator)  # [b]
         values, indices = logp.topk(top_k, dim=-1)  # [b, k]
-        steps.append((rows, token, indices.to(torch.int32), values.to(torch.float16)))
+        step = (rows, token, indices.to(torch.int32), values.to(torch.float16))
+        steps.append(step + (features.pop(),) if features is not None else step)
         running = ~torch.isin(token, eos)  # [b]
         if not running.any():
             break
@@ -251,19 +290,7 @@ def sample_batch(model, prompts: list[list[int]], *, max_new_tokens: int, top_k:
                     cache=cache, use_cache=True)  # fmt: skip
         logits = out.logits[:, -1].float()
         next_position = next_position + 1
-    per_prompt: list[list[tuple]] = [[] for _ in prompts]
-    for step_rows, token, indices, values in steps:
-        for live, row in enumerate(step_rows.tolist()):
-            per_prompt[row].append((token[live], indices[live], values[live]))
-    records = []
-    for prompt, generated in zip(prompts, per_prompt):
-        records.append({
-            "ids": torch.cat([torch.tensor(prompt, dtype=torch.long), torch.stack([g[0] for g in generated])]),
-            "n_prompt": len(prompt),
-            "topk_ids": torch.stack([g[1] for g in generated]),
-            "topk_logp": torch.stack([g[2] for g in generated]),
-        })  # fmt: skip
-    return records
+    return steps
 
 
 def draw_tokens(logp: torch.Tensor, temperature: float, generator: torch.Generator) -> torch.Tensor:

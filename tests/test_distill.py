@@ -29,6 +29,8 @@ from specdec.models import VocabMismatchError, build_tiny_model, build_tiny_toke
 
 from conftest import TINY_INIT_RANGE, start_stack
 
+ROOT = Path(__file__).resolve().parent.parent
+
 TINY_PROMPTS = [
     "hello there", "tell me a story", "what is the sea", "write a poem", "how are you", "list three fruits",
     "explain the sun", "say something nice", "count to ten", "why is the sky blue", "give me advice",
@@ -307,6 +309,32 @@ def test_sampling_at_temperature_zero_follows_the_greedy_path_and_still_stores_p
         torch.testing.assert_close(record["topk_logp"].float(), top_logp, atol=2e-3, rtol=0)
 
 
+def test_kept_features_are_the_final_hidden_states_the_stored_log_probs_come_from(tiny):
+    """keep_features adds, per generated token, the hidden state the target's head turned into
+    p there, and changes nothing else of the sample."""
+    target = load_model(tiny[1])
+    tokenizer = target.tokenizer
+    prompts = [tokenizer.encode(p) for p in ("hello there", "tell me a story", "name a color")]
+
+    def sample(keep):
+        return distill_module.sample_batch(
+            target.model, prompts, max_new_tokens=10, top_k=8, eos_ids=[], pad_id=tokenizer.pad_token_id,
+            generator=torch.Generator().manual_seed(1), keep_features=keep,
+        )  # fmt: skip
+
+    plain, with_features = sample(False), sample(True)
+    for record, featured in zip(plain, with_features):
+        assert "features" not in record
+        assert torch.equal(record["ids"], featured["ids"]) and torch.equal(record["topk_ids"], featured["topk_ids"])
+        features = featured["features"]  # [n_gen, D]
+        assert features.shape == (record["topk_ids"].shape[0], target.model.config.hidden_size)
+        with torch.no_grad():
+            logp = torch.log_softmax(target.model.lm_head(features.float()).float(), -1)  # [n_gen, V]
+        torch.testing.assert_close(logp.gather(1, record["topk_ids"].long()), record["topk_logp"].float(),
+                                   atol=0.05, rtol=0)  # fmt: skip
+    assert not target.model.model.norm._forward_hooks  # the hook is gone after sampling
+
+
 def test_draw_tokens_samples_from_p_sharpened_by_the_temperature():
     logp = torch.tensor([[0.6, 0.4, 0.0]]).log().expand(4000, 3)  # 4000 rows of the same p
     generator = torch.Generator().manual_seed(0)
@@ -352,3 +380,21 @@ def test_the_packaged_prompts_are_the_scripts_output_and_no_added_prompt_names_a
             module.new_prompts(set())
         finally:
             module.HELD_OUT_TOPICS.pop()
+
+
+def test_the_feature_draft_trial_script_samples_hidden_states_and_trains_both_variants(tiny, tmp_path, capsys):
+    """scripts/feature_draft_trial.py, the README's measured trial, end to end on the tiny target."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("feature_draft_trial", ROOT / "scripts" / "feature_draft_trial.py")
+    trial = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(trial)
+    trial.main(["sample", "--target", tiny[1], "--out", str(tmp_path), "--minutes", "0", "--threads", "1"])
+    records = torch.load(tmp_path / "train.pt", weights_only=True)
+    assert len(records) == 64 and all(r["features"].shape[0] == r["topk_ids"].shape[0] for r in records)
+    capsys.readouterr()
+    for variant, keys in [("base", {"alpha", "greedy"}), ("feature", {"alpha", "greedy", "alpha_fed_back", "greedy_fed_back"})]:
+        trial.main(["train", "--target", tiny[1], "--data", str(tmp_path), "--variant", variant, "--minutes", "0.02"])
+        lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+        assert lines[0]["step"] == 0 and lines[-1]["step"] > 0
+        assert keys <= set(lines[-1]) and all(0 <= lines[-1][k] <= 1 for k in keys)
