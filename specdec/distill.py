@@ -221,6 +221,10 @@ def sample_batch(model, prompts: list[list[int]], *, max_new_tokens: int, top_k:
     final hidden state (after its last norm, what its output head multiplies) at the position
     that produced generated token i (scripts/feature_draft_trial.py trains on them).
     """
+    final_norm = getattr(getattr(model, "model", None), "norm", None)
+    if keep_features and final_norm is None:
+        raise DistillError(f"keep_features needs a model with a final norm at .model.norm (Llama-style); "
+                           f"{type(model).__name__} has none")  # fmt: skip
     batch = len(prompts)
     longest = max(len(p) for p in prompts)
     input_ids = torch.full((batch, longest), pad_id, dtype=torch.long)  # [B, L], left padded
@@ -233,8 +237,10 @@ def sample_batch(model, prompts: list[list[int]], *, max_new_tokens: int, top_k:
 
     cache = DynamicCache(config=model.config)  # filled in place by every forward
     features: list[torch.Tensor] = []  # per forward, the last position's final hidden state [b, D]
-    hook = model.model.norm.register_forward_hook(
-        lambda _module, _args, output: features.append(output[:, -1].to(torch.bfloat16))) if keep_features else None
+    hook = None
+    if keep_features:
+        hook = final_norm.register_forward_hook(
+            lambda _module, _args, output: features.append(output[:, -1].to(torch.bfloat16)))
     try:
         steps = _sample_steps(model, input_ids, attention, positions, cache, max_new_tokens=max_new_tokens,
                               top_k=top_k, eos_ids=eos_ids, generator=generator, temperature=temperature,

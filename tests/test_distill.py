@@ -333,6 +333,9 @@ def test_kept_features_are_the_final_hidden_states_the_stored_log_probs_come_fro
         torch.testing.assert_close(logp.gather(1, record["topk_ids"].long()), record["topk_logp"].float(),
                                    atol=0.05, rtol=0)  # fmt: skip
     assert not target.model.model.norm._forward_hooks  # the hook is gone after sampling
+    with pytest.raises(distill_module.DistillError, match="final norm"):
+        distill_module.sample_batch(torch.nn.Linear(2, 2), prompts, max_new_tokens=1, top_k=1, eos_ids=[], pad_id=0,
+                                    generator=torch.Generator(), keep_features=True)  # fmt: skip
 
 
 def test_draw_tokens_samples_from_p_sharpened_by_the_temperature():
