@@ -54,9 +54,10 @@ def sample(args: argparse.Namespace) -> None:
     out.mkdir(parents=True, exist_ok=True)
 
     def draw(prompts: list[list[int]], seed: int) -> list[dict]:
-        return distill.sample_batch(model, prompts, max_new_tokens=config.max_new_tokens, top_k=min(config.top_k, target.vocab_size),
-                                    eos_ids=target.eos_token_ids, pad_id=pad_id, keep_features=True,
-                                    generator=torch.Generator().manual_seed(seed))  # fmt: skip
+        return distill.sample_batch(model, prompts, max_new_tokens=config.max_new_tokens,
+                                    top_k=min(config.top_k, target.vocab_size), eos_ids=target.eos_token_ids,
+                                    pad_id=pad_id, generator=torch.Generator().manual_seed(seed),
+                                    keep_features=True)  # fmt: skip
 
     torch.save(draw([distill.encode_prompt(tokenizer, p) for p in eval_prompts], 10_000), out / "eval.pt")
     order = list(range(len(encoded)))
@@ -124,11 +125,10 @@ def evaluate(draft, held_out: list[dict], pad_id: int, width: int) -> dict[str, 
     count = 0
 
     def score(hidden: torch.Tensor, batch: dict, prefix: str) -> None:
-        q = torch.softmax(draft.logits(hidden[batch["rows"], batch["cols"]]), -1)  # [N, M]
-        cols = draft.columns[batch["top_ids"]]  # [N, k]
-        q_top = q.gather(1, cols.clamp_min(0)) * (cols >= 0)  # [N, k]
-        sums["alpha" + prefix] += float(torch.minimum(q_top, batch["top_logp"].exp()).sum())
-        sums["greedy" + prefix] += float((draft.vocab_ids[q.argmax(-1)] == batch["top_ids"][:, 0]).sum())
+        hidden = hidden[batch["rows"], batch["cols"]]  # [N, H]
+        alpha, agree = distill.score_top_k(draft, hidden, batch["top_ids"], batch["top_logp"])
+        sums["alpha" + prefix] += alpha
+        sums["greedy" + prefix] += agree
 
     for start in range(0, len(held_out), 8):
         chunk = held_out[start : start + 8]

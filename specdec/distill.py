@@ -607,14 +607,22 @@ def quick_eval(draft: DraftModel, held_out: list[dict], pad_id: int, batch: int 
         chunk = held_out[start : start + batch]
         rows, cols, top_ids, top_logp = _gather_targets(chunk)
         hidden = draft.hidden_states(_pad([r["ids"] for r in chunk], pad_id))[rows, cols]  # [N, H]
-        q = torch.softmax(draft.logits(hidden), dim=-1)  # [N, M]
-        top_cols = draft.columns[top_ids]  # [N, k]
-        q_top = q.gather(1, top_cols.clamp_min(0)) * (top_cols >= 0)  # [N, k]
-        alpha_sum += float(torch.minimum(q_top, top_logp.exp()).sum())
-        agree_sum += float((draft.vocab_ids[q.argmax(-1)] == top_ids[:, 0]).sum())
-        count += len(rows)
+        alpha, agree = score_top_k(draft, hidden, top_ids, top_logp)
+        alpha_sum, agree_sum, count = alpha_sum + alpha, agree_sum + agree, count + len(rows)
     draft.train(was_training)
     return {"alpha_topk": alpha_sum / count, "greedy_agreement": agree_sum / count}
+
+
+def score_top_k(draft: DraftModel, hidden: torch.Tensor, top_ids: torch.Tensor,
+                top_logp: torch.Tensor) -> tuple[float, float]:  # fmt: skip
+    """Sums over N positions of α against p's stored top-k (Σ min(p, q) over those k tokens) and
+    of greedy agreement; hidden [N, H] the draft's final states, top_ids / top_logp [N, k] p's."""
+    q = torch.softmax(draft.logits(hidden), dim=-1)  # [N, M]
+    top_cols = draft.columns[top_ids]  # [N, k]
+    q_top = q.gather(1, top_cols.clamp_min(0)) * (top_cols >= 0)  # [N, k]
+    alpha = float(torch.minimum(q_top, top_logp.exp()).sum())
+    agree = float((draft.vocab_ids[q.argmax(-1)] == top_ids[:, 0]).sum())
+    return alpha, agree
 
 
 def _lr_at(step: int, fraction: float, peak: float, warmup: int = 30) -> float:
