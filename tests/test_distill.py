@@ -69,7 +69,8 @@ def distilled(tiny):
     assert run_distill(parse(argv)) == 0
     first = json.loads((out / CARD_NAME).read_text())
     data_before = {p.name: p.stat().st_mtime_ns for p in (out / DATA_DIR).glob("*.pt")}
-    assert run_distill(parse([*argv[:-len(DISTILL_FLAGS)], *DISTILL_FLAGS, "--minutes", "0.05", "--resume"])) == 0
+    resumed = [*argv[:-len(DISTILL_FLAGS)], *DISTILL_FLAGS, "--minutes", "0.05", "--weight-decay", "0.05", "--resume"]
+    assert run_distill(parse(resumed)) == 0
     second = json.loads((out / CARD_NAME).read_text())
     return out, first, second, data_before
 
@@ -139,6 +140,44 @@ def test_resume_continues_training_without_regenerating_data(distilled):
     assert second["training"]["train_seconds"] > first["training"]["train_seconds"]
     assert {p.name: p.stat().st_mtime_ns for p in (out / DATA_DIR).glob("*.pt")} == data_before
     assert (out / CHECKPOINT_NAME).is_file()
+
+
+def test_a_resumed_run_trains_with_its_own_weight_decay_not_the_checkpoints(distilled):
+    out, first, second, _ = distilled
+    assert "--dropout 0.1 --weight-decay 0.1" in first["command"]
+    assert "--weight-decay 0.05" in second["command"]
+    groups = torch.load(out / CHECKPOINT_NAME, weights_only=False)["optimizer"]["param_groups"]
+    assert [g["weight_decay"] for g in groups] == [0.05] * len(groups)
+
+
+def test_dropout_acts_in_training_only_and_leaves_the_written_config_at_zero(distilled):
+    config = distill_module.draft_llama_config(argparse.Namespace(), hidden=32, layers=2, heads=2, vocab_size=40)
+    torch.manual_seed(0)
+    draft = distill_module.DraftModel(torch.randn(40, 16), config, torch.arange(40), dropout=0.5)
+    assert [layer.self_attn.attention_dropout for layer in draft.body.layers] == [0.5, 0.5]
+    ids = torch.randint(0, 40, (2, 7))  # [B, T]
+    draft.train()
+    first, second = draft.hidden_states(ids), draft.hidden_states(ids)  # [B, T, H]
+    assert not torch.equal(first, second)  # each call drops other entries
+    assert (first == 0).float().mean() > 0.3  # about half of the final state's entries dropped
+    draft.eval()
+    assert torch.equal(draft.hidden_states(ids), draft.hidden_states(ids))
+    assert config.attention_dropout == 0.0
+    out, _, _, _ = distilled
+    assert json.loads((out / "config.json").read_text())["attention_dropout"] == 0.0
+
+
+@pytest.mark.parametrize(("flag", "value", "message"), [
+    ("--dropout", "1", "--dropout must be at least 0 and below 1, got 1"),
+    ("--dropout", "-0.1", "--dropout must be at least 0 and below 1"),
+    ("--weight-decay", "-1", "--weight-decay must be at least 0, got -1"),
+])  # fmt: skip
+def test_bad_dropout_or_weight_decay_is_refused_before_anything_runs(tiny, tmp_path, capsys, flag, value, message):
+    out = tmp_path / "run"
+    argv = ["--target", tiny[1], "--out", str(out), "--prompts", tiny[2], *DISTILL_FLAGS, flag, value]
+    assert run_distill(parse(argv)) == 1
+    assert message in capsys.readouterr().err
+    assert not out.exists()
 
 
 def test_a_second_run_into_the_same_dir_needs_resume(distilled, tiny, capsys):
