@@ -167,12 +167,76 @@ def test_dropout_acts_in_training_only_and_leaves_the_written_config_at_zero(dis
     assert json.loads((out / "config.json").read_text())["attention_dropout"] == 0.0
 
 
+def _record(prompt: list[int], generated: int, seed: int) -> dict:
+    """A training record of `prompt` plus `generated` tokens (p's top-k filled with noise)."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.cat([torch.tensor(prompt), torch.randint(0, 40, (generated,), generator=g)])
+    return {"ids": ids, "n_prompt": len(prompt), "topk_ids": torch.zeros(generated, 4, dtype=torch.int32),
+            "topk_logp": torch.full((generated, 4), -2.0, dtype=torch.float16)}  # fmt: skip
+
+
+def test_the_calibration_split_keeps_every_sequence_of_a_prompt_on_one_side():
+    prompts = [[i, i + 1, 7] for i in range(20)]
+    records = [_record(prompts[i % 20], 5, seed) for seed, i in enumerate(range(60))]  # 3 sequences per prompt
+    train, calibration = distill_module.split_calibration(records, 0.1)
+    key = distill_module.prompt_key
+    assert len({key(r) for r in calibration}) == 2 and len(calibration) == 6
+    assert not {key(r) for r in calibration} & {key(r) for r in train}
+    assert len(train) + len(calibration) == len(records)
+    # it depends on the data only: the same split from the records in another order
+    again_train, again_calibration = distill_module.split_calibration(records[::-1], 0.1)
+    assert {key(r) for r in again_calibration} == {key(r) for r in calibration}
+    # never every prompt; share 0: no calibration set
+    assert len({key(r) for r in distill_module.split_calibration(records, 0.99)[0]}) == 1
+    assert distill_module.split_calibration(records, 0.0) == (records, [])
+
+
+def test_choose_temperature_finds_the_tau_at_which_q_is_p_and_folding_it_makes_q_equal_p():
+    config = distill_module.draft_llama_config(argparse.Namespace(), hidden=32, layers=1, heads=2, vocab_size=40)
+    torch.manual_seed(0)
+    draft = distill_module.DraftModel(torch.randn(40, 16), config, torch.arange(40))
+    draft.init_from_pca(torch.Generator().manual_seed(0))
+    draft.eval()
+    records = []
+    for seed in range(6):  # p = the draft's own q sharpened by τ = 0.7, over the whole vocabulary (k = V)
+        record = _record([1, 2, 3], 12, seed)
+        with torch.no_grad():
+            logits = draft.logits(draft.hidden_states(record["ids"][None]))[0, 2:-1]  # [n_gen, V]
+        record["topk_logp"], record["topk_ids"] = torch.log_softmax(logits / 0.7, -1).topk(40, -1)
+        records.append(record)
+    temperature, alphas = distill_module.choose_temperature(draft, records, pad_id=0)
+    assert temperature == 0.7
+    assert alphas[0.7] == pytest.approx(1.0, abs=1e-4) and alphas[1.0] < 0.99 and alphas[0.5] < 0.99
+    distill_module.fold_temperature(draft, temperature)
+    assert distill_module.quick_eval(draft, records, pad_id=0)["alpha_topk"] == pytest.approx(1.0, abs=1e-4)
+
+
+def test_the_calibration_prompts_pick_a_temperature_that_is_folded_into_the_written_head(distilled):
+    out, first, second, _ = distilled
+    for card in (first, second):
+        calibration, training = card["calibration"], card["training"]
+        table = {float(t): a for t, a in calibration["alpha_topk_by_temperature"].items()}
+        assert set(table) == set(distill_module.CALIBRATION_TEMPERATURES)
+        assert table[calibration["temperature"]] == max(table.values())
+        assert calibration["prompts"] == 1 and calibration["sequences"] > 0  # ⌈0.04 x 12 training prompts⌉
+        assert calibration["picked_checkpoint_on"] == "calibration"
+        assert training["train_sequences_used"] + calibration["sequences"] == training["train_sequences"]
+        assert all("calibration_alpha_topk" in h for h in training["history"])
+        assert "--calibration-share 0.04" in card["command"]
+    from safetensors.torch import load_file
+
+    best = torch.load(out / CHECKPOINT_NAME, weights_only=False)["best"]["state"]["head"]
+    written = load_file(out / WEIGHTS_NAME)["head"].float()
+    assert torch.allclose(written, best / second["calibration"]["temperature"], rtol=2e-3, atol=1e-4)
+
+
 @pytest.mark.parametrize(("flag", "value", "message"), [
     ("--dropout", "1", "--dropout must be at least 0 and below 1, got 1"),
     ("--dropout", "-0.1", "--dropout must be at least 0 and below 1"),
     ("--weight-decay", "-1", "--weight-decay must be at least 0, got -1"),
+    ("--calibration-share", "1", "--calibration-share must be at least 0 and below 1, got 1"),
 ])  # fmt: skip
-def test_bad_dropout_or_weight_decay_is_refused_before_anything_runs(tiny, tmp_path, capsys, flag, value, message):
+def test_bad_dropout_weight_decay_or_calibration_share_is_refused_before_anything_runs(tiny, tmp_path, capsys, flag, value, message):
     out = tmp_path / "run"
     argv = ["--target", tiny[1], "--out", str(out), "--prompts", tiny[2], *DISTILL_FLAGS, flag, value]
     assert run_distill(parse(argv)) == 1
