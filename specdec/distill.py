@@ -455,11 +455,12 @@ def split_calibration(records: list[dict], share: float) -> tuple[list[dict], li
     text it trained on by heart, so a prompt it trained on would judge it too kindly.
     The split depends only on the data, so a --resume makes the same one.
     """
-    keys = sorted({prompt_key(r) for r in records})
-    count = min(math.ceil(share * len(keys)), len(keys) - 1) if share > 0 else 0
-    chosen = set(keys[:count])
-    train = [r for r in records if prompt_key(r) not in chosen]
-    calibration = [r for r in records if prompt_key(r) in chosen]
+    keys = [prompt_key(r) for r in records]  # one sha1 per record
+    distinct = sorted(set(keys))
+    count = min(math.ceil(share * len(distinct)), len(distinct) - 1) if share > 0 else 0
+    chosen = set(distinct[:count])
+    train = [r for r, key in zip(records, keys) if key not in chosen]
+    calibration = [r for r, key in zip(records, keys) if key in chosen]
     return train, calibration
 
 
@@ -717,6 +718,7 @@ def train(config: DistillConfig, draft: DraftModel, train_records: list[dict], h
     budget = max(deadline - time.monotonic(), 1e-3)
     started = time.monotonic()
     last_eval = last_checkpoint = started
+
     def measure() -> dict:  # held-out figures, and the calibration α that picks the weights kept
         figures = quick_eval(draft, held_out, pad_id)
         if calibration:
