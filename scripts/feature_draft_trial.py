@@ -126,7 +126,7 @@ def evaluate(draft, held_out: list[dict], pad_id: int, width: int) -> dict[str, 
 
     def score(hidden: torch.Tensor, batch: dict, prefix: str) -> None:
         hidden = hidden[batch["rows"], batch["cols"]]  # [N, H]
-        alpha, agree = distill.score_top_k(draft, hidden, batch["top_ids"], batch["top_logp"])
+        alpha, agree = distill.score_top_k(draft, draft.logits(hidden), batch["top_ids"], batch["top_logp"])
         sums["alpha" + prefix] += alpha
         sums["greedy" + prefix] += agree
 

@@ -651,8 +651,9 @@ def quick_eval(draft: DraftModel, held_out: list[dict], pad_id: int, batch: int 
         chunk = held_out[start : start + batch]
         rows, cols, top_ids, top_logp = _gather_targets(chunk)
         hidden = draft.hidden_states(_pad([r["ids"] for r in chunk], pad_id))[rows, cols]  # [N, H]
+        logits = draft.logits(hidden)  # [N, M], once for every τ
         for temperature in temperatures:
-            alpha, agree = score_top_k(draft, hidden, top_ids, top_logp, temperature)
+            alpha, agree = score_top_k(draft, logits, top_ids, top_logp, temperature)
             alpha_sums[temperature] += alpha
         agree_sum, count = agree_sum + agree, count + len(rows)
     draft.train(was_training)
@@ -663,12 +664,12 @@ def quick_eval(draft: DraftModel, held_out: list[dict], pad_id: int, batch: int 
     return figures
 
 
-def score_top_k(draft: DraftModel, hidden: torch.Tensor, top_ids: torch.Tensor,
+def score_top_k(draft: DraftModel, logits: torch.Tensor, top_ids: torch.Tensor,
                 top_logp: torch.Tensor, temperature: float = 1.0) -> tuple[float, float]:  # fmt: skip
     """Sums over N positions of α against p's stored top-k (Σ min(p, q) over those k tokens) and
-    of greedy agreement; hidden [N, H] the draft's final states, top_ids / top_logp [N, k] p's;
-    q = softmax(logits / temperature)."""
-    q = torch.softmax(draft.logits(hidden) / temperature, dim=-1)  # [N, M]
+    of greedy agreement; logits [N, M] the draft's (draft.logits of its final states),
+    top_ids / top_logp [N, k] p's; q = softmax(logits / temperature)."""
+    q = torch.softmax(logits / temperature, dim=-1)  # [N, M]
     top_cols = draft.columns[top_ids]  # [N, k]
     q_top = q.gather(1, top_cols.clamp_min(0)) * (top_cols >= 0)  # [N, k]
     alpha = float(torch.minimum(q_top, top_logp.exp()).sum())
