@@ -20,19 +20,26 @@ from collections.abc import Iterator
 import torch
 
 from specdec.kvcache import SessionState, forward
-from specdec.ngram import DEFAULT_MAX_NGRAM, DEFAULT_MIN_NGRAM, find_continuation
+from specdec.ngram import DEFAULT_MAX_NGRAM, DEFAULT_MIN_NGRAM, find_continuation, lookup_token, mix_lookup
 from specdec.sampling import greedy_token, sample
 from specdec.wire import Sampling, wire_q
 
 
 class ModelDrafter:
-    """Drafts with a causal LM: one forward pass per drafted token, on the session's KV cache."""
+    """Drafts with a causal LM: one forward pass per drafted token, on the session's KV cache.
+
+    With `lookup_weights` (match length n -> λ_n, see specdec.ngram), each token is drawn from
+    q' = (1 − λ_n)·q + λ_n·δ_c, c the token the prompt lookup proposes after the context so
+    far (drafts included), and q' is what travels; greedy, the token is the argmax of q' with
+    q the model's softmax.
+    """
 
     kind = "model"
 
-    def __init__(self, loaded):
+    def __init__(self, loaded, lookup_weights: dict[int, float] | None = None):
         self.loaded = loaded
         self.model = loaded.model
+        self.lookup_weights = dict(lookup_weights or {})
 
     def propose(
         self, state: SessionState, k: int, sampling: Sampling, generator: torch.Generator
@@ -40,12 +47,20 @@ class ModelDrafter:
         for _ in range(k):
             logits = forward(self.model, state.cache, state.pending)  # [1, V]: the last position
             state.feed(state.pending)
+            looked_up, weight = lookup_token(state.tokens(), self.lookup_weights) if self.lookup_weights else (-1, 0.0)
             if sampling.greedy:
                 # Temperature 0: q is the one-hot of the argmax, which is the token; sent as
                 # one-hot, it needs no [V] tensor here, on the wire or at the target.
                 token, draft_probs = greedy_token(logits[-1]), None
+                if weight > 0 and token != looked_up:
+                    q = torch.softmax(logits[-1].float(), -1)  # [V]
+                    if weight + (1 - weight) * float(q[looked_up]) >= (1 - weight) * float(q[token]):
+                        token = looked_up
             else:
-                draft_probs = wire_q(sampling.warp(logits[-1]))  # [V], exactly as it will travel
+                q = sampling.warp(logits[-1])  # [V]
+                if weight > 0:
+                    q = mix_lookup(q, looked_up, weight)
+                draft_probs = wire_q(q)  # [V], exactly as it will travel
                 token = sample(draft_probs, generator)
             state.pending = [token]
             yield token, draft_probs, 0

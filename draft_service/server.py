@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
 
@@ -9,7 +10,7 @@ from draft_service.drafters import ModelDrafter, NgramDrafter
 from specdec import model_service, serving
 from specdec.errors import InvalidArgument, grpc_handler
 from specdec.model_service import ModelService, ModelServiceConfig
-from specdec.ngram import DEFAULT_MAX_NGRAM, DEFAULT_MIN_NGRAM
+from specdec.ngram import DEFAULT_MAX_NGRAM, DEFAULT_MIN_NGRAM, format_lookup_weights, resolve_lookup_weights
 from specdec.rng import DRAFT, cycle_generator
 from specdec.session import SessionStore
 from specdec.v1 import specdec_pb2 as pb
@@ -27,6 +28,9 @@ class DraftConfig(ModelServiceConfig):
     # Longest and shortest suffix n-gram the n-gram drafter looks up.
     max_ngram: int = DEFAULT_MAX_NGRAM
     min_ngram: int = DEFAULT_MIN_NGRAM
+    # A model draft's lookup weights: "auto" (its directory's specdec-lookup.json, if any),
+    # "off", or "N:W,..." (specdec.ngram: q' = (1 − λ_n)·q + λ_n·δ(lookup token)).
+    lookup: str = "auto"
 
 
 class DraftServicer(ModelService, pb_grpc.DraftServicer):
@@ -44,7 +48,12 @@ class DraftServicer(ModelService, pb_grpc.DraftServicer):
             self.info.min_ngram, self.info.max_ngram = self.config.min_ngram, self.config.max_ngram
             self.pool = self.make_pool(lambda: None)
             return
-        self.drafter = ModelDrafter(self.load_model())
+        loaded = self.load_model()
+        weights = resolve_lookup_weights(self.config.lookup, loaded.path)  # a bad file: ValueError, one line
+        if weights:
+            logging.getLogger("specdec").info("the draft mixes in the prompt lookup's token, weights %s",
+                                              format_lookup_weights(weights))
+        self.drafter = ModelDrafter(loaded, weights)
         self.info.kind = "model"
 
     @grpc_handler

@@ -45,6 +45,19 @@ def ngram_first_value(text: str) -> int:
     return n
 
 
+def lookup_value(text: str) -> str:
+    """--lookup: auto, off, or N:W,... (checked here, applied by the draft service)."""
+    from specdec.ngram import parse_lookup_weights
+
+    if text.strip().lower() in ("auto", "off"):
+        return text.strip().lower()
+    try:
+        parse_lookup_weights(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"{exc}; or auto, or off") from None
+    return text
+
+
 def add_ngram_first_flag(p: argparse.ArgumentParser, scope: str = "") -> None:
     """--ngram-first N (SPECDEC_NGRAM_FIRST), for the coordinator, `up` and a local stack."""
     env_flag(p, "--ngram-first", "SPECDEC_NGRAM_FIRST", default=0, type=ngram_first_value, metavar="N",
@@ -187,6 +200,11 @@ def add_draft_flags(p: argparse.ArgumentParser) -> None:
     add_model_flags(p, "SPECDEC_DRAFT", "ngram")
     env_flag(p, "--max-ngram", "SPECDEC_DRAFT_MAX_NGRAM", default=DEFAULT_MAX_NGRAM, type=int, help="longest n-gram to look up (ngram)")
     env_flag(p, "--min-ngram", "SPECDEC_DRAFT_MIN_NGRAM", default=DEFAULT_MIN_NGRAM, type=int, help="shortest n-gram to look up (ngram)")
+    env_flag(p, "--lookup", "SPECDEC_DRAFT_LOOKUP", default="auto", type=lookup_value, metavar="auto|off|N:W,...",
+             help="a model draft's lookup weights: each token is drawn from (1 - W)*q + W*(the prompt lookup's "
+                  "token) when the context's longest earlier n-gram match has length N. auto: those the draft's "
+                  "directory holds (specdec-lookup.json, written by `specdec distill`), none without one; "
+                  "off: the model's q alone; e.g. 2:0.25,3:0.4,4:0.9")  # fmt: skip
 
 
 def add_target_flags(p: argparse.ArgumentParser) -> None:
@@ -351,7 +369,7 @@ def run_serve(args) -> int:
         config = DraftConfig(
             model=args.model, redis_url=args.redis_url, host=args.host, port=args.port, max_k=args.max_k,
             max_sessions=args.max_sessions, dtype=args.dtype, device=args.device,
-            max_ngram=args.max_ngram, min_ngram=args.min_ngram, metrics_port=args.metrics_port,
+            max_ngram=args.max_ngram, min_ngram=args.min_ngram, lookup=args.lookup, metrics_port=args.metrics_port,
             max_cache_mb=args.max_cache_mb, allow_unauthenticated=args.allow_unauthenticated,
             security=server_security(args, load_tokens(args.internal_token_file, INTERNAL_TOKEN_ENV)),
         )  # fmt: skip

@@ -61,6 +61,11 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
+from specdec.ngram import (
+    LOOKUP_MAX_NGRAM, LOOKUP_WEIGHT_GRID, find_continuation, format_lookup_weights, parse_lookup_weights,
+    resolve_lookup_weights, write_lookup_file,
+)  # fmt: skip
+
 DEFAULT_TOP_K = 256
 DEFAULT_PROMPTS = Path(__file__).parent / "data" / "distill_prompts.jsonl"
 CARD_NAME = "specdec-draft.json"
@@ -100,6 +105,7 @@ class DistillConfig:
     dropout: float = 0.1  # training only: on the draft's input, its attention and its final hidden state
     weight_decay: float = 0.1  # AdamW decoupled weight decay (with dropout 0.1: +0.014 held-out α in a 20-minute trial)
     calibration_share: float = 0.04  # share of training prompts whose sequences pick the checkpoint and τ, not train
+    lookup_ngram: int = LOOKUP_MAX_NGRAM  # calibrate lookup weights for match lengths 1..this (0: no lookup mixing)
     seed: int = 0  # seeds sampling, the draft's init and batch order
     eval_every_s: float = 90.0  # held-out α on the progress bar this often
     checkpoint_every_s: float = 120.0  # write the checkpoint this often
@@ -122,7 +128,7 @@ class DistillConfig:
             "--data-share", f"{self.data_share:g}", "--max-new-tokens", str(self.max_new_tokens),
             "--gen-batch-size", str(self.gen_batch_size), "--batch-size", str(self.batch_size),
             "--lr", f"{self.lr:g}", "--dropout", f"{self.dropout:g}", "--weight-decay", f"{self.weight_decay:g}",
-            "--calibration-share", f"{self.calibration_share:g}", "--seed", str(self.seed), "--threads", str(self.threads),
+            "--calibration-share", f"{self.calibration_share:g}", "--lookup-ngram", str(self.lookup_ngram), "--seed", str(self.seed), "--threads", str(self.threads),
             "--precision", self.precision, "--temperatures", ",".join(f"{t:g}" for t in self.temperatures),
         ]  # fmt: skip
         parts.append("--learn-projections" if self.learn_projections else "--no-learn-projections")
@@ -692,6 +698,55 @@ def fold_temperature(draft: DraftModel, temperature: float) -> None:
     draft.head.div_(temperature)
 
 
+def lookup_matches(records: list[dict], max_ngram: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """For each generated position of `records` (in _gather_targets' order): the token the prompt
+    lookup proposes from the context before it (-1: none) and the match length n (0: none),
+    both [N] long; n counts up to max_ngram (specdec.ngram.lookup_token's classes)."""
+    tokens, lengths = [], []
+    for r in records:
+        ids = r["ids"].tolist()
+        for i in range(r["topk_ids"].shape[0]):
+            continuation, n = find_continuation(ids[: r["n_prompt"] + i], 1, max_ngram, 1)
+            tokens.append(continuation[0] if continuation else -1)
+            lengths.append(n if continuation else 0)
+    return torch.tensor(tokens, dtype=torch.long), torch.tensor(lengths, dtype=torch.long)
+
+
+@torch.no_grad()
+def choose_lookup_weights(draft: DraftModel, calibration: list[dict], pad_id: int, max_ngram: int,
+                          batch: int = 8) -> tuple[dict[int, float], dict[str, dict]]:  # fmt: skip
+    """The lookup weight λ_n of each match length n = 1..max_ngram: the λ of LOOKUP_WEIGHT_GRID
+    whose q' = (1 − λ)·q + λ·δ(lookup token) has the highest top-k α on the calibration
+    positions of that length (ties: the smaller λ; none of that length: 0). The lengths
+    partition the positions, so each λ_n is chosen on its own. Also returns, per n, the
+    positions and their α at λ = 0 and at λ_n, for the card."""
+    grid = torch.tensor(LOOKUP_WEIGHT_GRID)  # [G]
+    sums = torch.zeros(max_ngram + 1, len(grid))  # [n, G]: α summed over positions of length n
+    counts = torch.zeros(max_ngram + 1)
+    draft.eval()
+    for start in range(0, len(calibration), batch):
+        chunk = calibration[start : start + batch]
+        rows, cols, top_ids, top_logp = _gather_targets(chunk)
+        q = torch.softmax(draft.logits(draft.hidden_states(_pad([r["ids"] for r in chunk], pad_id))[rows, cols]), -1)  # [N, M]
+        top_cols = draft.columns[top_ids]  # [N, k]
+        q_top = q.gather(1, top_cols.clamp_min(0)) * (top_cols >= 0)  # [N, k]
+        looked_up, lengths = lookup_matches(chunk, max_ngram)  # [N], [N]
+        hit = (top_ids == looked_up[:, None]).float()  # [N, k]: 1 at the lookup's token among p's top k
+        mixed = q_top[:, None, :] * (1 - grid[None, :, None]) + grid[None, :, None] * hit[:, None, :]  # [N, G, k]
+        alpha = torch.minimum(mixed, top_logp.exp()[:, None, :]).sum(-1)  # [N, G]
+        sums.index_add_(0, lengths, alpha)
+        counts += torch.bincount(lengths, minlength=max_ngram + 1).float()
+    weights, report = {}, {}
+    for n in range(1, max_ngram + 1):
+        best = int(sums[n].argmax()) if counts[n] > 0 else 0  # argmax: the first of equal maxima, the smaller λ
+        weights[n] = LOOKUP_WEIGHT_GRID[best]
+        report[str(n)] = {"positions": int(counts[n]), "weight": weights[n],
+                          "alpha_topk_without": round(float(sums[n, 0] / counts[n].clamp_min(1)), 4),
+                          "alpha_topk_with": round(float(sums[n, best] / counts[n].clamp_min(1)), 4)}  # fmt: skip
+    report["0"] = {"positions": int(counts[0]), "alpha_topk": round(float(sums[0, 0] / counts[0].clamp_min(1)), 4)}
+    return weights, report
+
+
 def _lr_at(step: int, fraction: float, peak: float, warmup: int = 30) -> float:
     """Linear warmup, flat, then linear decay to 10% over the last 30% of the time budget."""
     scale = min(1.0, (step + 1) / warmup)
@@ -803,13 +858,18 @@ def _arch(config: DistillConfig) -> dict:
 
 
 @torch.no_grad()
-def agreement(target, draft, records: list[dict], batch: int = 4) -> dict[str, float]:
+def agreement(target, draft, records: list[dict], batch: int = 4,
+              lookup_weights: dict[int, float] | None = None) -> dict[str, Any]:  # fmt: skip
     """α (mean Σ min(p, q), full softmaxes at temperature 1) and greedy agreement (argmax q =
-    argmax p) over the generated positions of `records`; "positions" counts them."""
+    argmax p) over the generated positions of `records`; "positions" counts them. With
+    `lookup_weights`, also "with_lookup": the same two for the q' the draft service drafts
+    from (q' = (1 − λ_n)·q + λ_n·δ(lookup token), specdec.ngram)."""
     from specdec.sampling import acceptance_rate
 
     pad_id = 0
-    alpha_sum = agree_sum = count = 0.0
+    max_ngram = max(lookup_weights, default=0) if lookup_weights else 0
+    table = torch.tensor([0.0] + [lookup_weights.get(n, 0.0) for n in range(1, max_ngram + 1)]) if max_ngram else None
+    alpha_sum = agree_sum = mixed_alpha_sum = mixed_agree_sum = count = 0.0
     for start in range(0, len(records), batch):
         chunk = records[start : start + batch]
         rows, cols, _, _ = _gather_targets(chunk)
@@ -821,21 +881,35 @@ def agreement(target, draft, records: list[dict], batch: int = 4) -> dict[str, f
         q = torch.softmax(draft_logits[:, :vocab], -1)
         alpha_sum += float(acceptance_rate(q, p).sum())
         agree_sum += float((q.argmax(-1) == p.argmax(-1)).sum())
+        if table is not None:
+            looked_up, lengths = lookup_matches(chunk, max_ngram)  # [N], [N]
+            weight = table[lengths] * (looked_up >= 0) * (looked_up < vocab)  # [N]
+            mixed = q * (1 - weight[:, None])  # [N, V]
+            mixed[torch.arange(len(rows)), looked_up.clamp(0, vocab - 1)] += weight
+            mixed_alpha_sum += float(acceptance_rate(mixed, p).sum())
+            mixed_agree_sum += float((mixed.argmax(-1) == p.argmax(-1)).sum())
         count += len(rows)
-    return {"alpha": round(alpha_sum / count, 4), "greedy_agreement": round(agree_sum / count, 4), "positions": int(count)}
+    figures: dict[str, Any] = {"alpha": round(alpha_sum / count, 4), "greedy_agreement": round(agree_sum / count, 4),
+                               "positions": int(count)}  # fmt: skip
+    if table is not None:
+        figures["with_lookup"] = {"alpha": round(mixed_alpha_sum / count, 4), "greedy_agreement": round(mixed_agree_sum / count, 4)}
+    return figures
 
 
 @torch.no_grad()
-def evaluate(target, draft, held_out: HeldOut, *, max_k: int = 12) -> dict[str, Any]:
+def evaluate(target, draft, held_out: HeldOut, *, max_k: int = 12,
+             lookup_weights: dict[int, float] | None = None) -> dict[str, Any]:  # fmt: skip
     """Exact held-out figures: α and greedy agreement on the sampled held-out set (and, under
-    "greedy_path", on the target's greedy continuations), c_q, c_p, best K.
+    "greedy_path", on the target's greedy continuations), c_q, c_p, best K; with
+    `lookup_weights`, "with_lookup" holds the same for the draft mixed with the prompt lookup
+    (what `specdec serve draft` drafts from; the lookup's own cost, µs per token, is left out).
 
     `target` and `draft` are specdec.models.LoadedModel (the draft as written to disk).
     """
     from specdec.kvcache import step_ms
     from specdec.sampling import expected_speedup, expected_tokens_per_cycle
 
-    sampled = agreement(target, draft, held_out.sampled)
+    sampled = agreement(target, draft, held_out.sampled, lookup_weights=lookup_weights)
     alpha = sampled["alpha"]
     prompt = held_out.sampled[0]["ids"][: held_out.sampled[0]["n_prompt"]].tolist()
     threads = torch.get_num_threads()
@@ -846,17 +920,30 @@ def evaluate(target, draft, held_out: HeldOut, *, max_k: int = 12) -> dict[str, 
     finally:
         torch.set_num_threads(threads)
     ratio = c_q / c_p
-    speedups = {k: expected_speedup(min(alpha, 1.0), k, ratio) for k in range(1, max_k + 1)}
-    best_k = max(speedups, key=speedups.get)
-    return {
+
+    def best(alpha: float) -> tuple[int, dict[int, float]]:
+        speedups = {k: expected_speedup(min(alpha, 1.0), k, ratio) for k in range(1, max_k + 1)}
+        return max(speedups, key=speedups.get), speedups
+
+    best_k, speedups = best(alpha)
+    figures = {
         "alpha": alpha, "greedy_agreement": sampled["greedy_agreement"],
         "c_q_ms": round(c_q, 2), "c_p_ms": round(c_p, 2), "cost_ratio": round(ratio, 4),
         "best_k": best_k, "expected_tokens_per_cycle": round(expected_tokens_per_cycle(min(alpha, 1.0), best_k), 3),
         "expected_speedup": round(speedups[best_k], 3), "eval_positions": sampled["positions"],
         "eval_sequences": len(held_out.sampled), "timing": "median single-token step with KV cache, 1 torch thread, fp32",
         # the same held-out prompts, on the target's greedy continuations: what greedy decoding sees
-        "greedy_path": agreement(target, draft, held_out.greedy),
+        "greedy_path": agreement(target, draft, held_out.greedy, lookup_weights=lookup_weights),
     }  # fmt: skip
+    if lookup_weights:
+        mixed = figures.pop("greedy_path")
+        figures["greedy_path"] = {key: value for key, value in mixed.items() if key != "with_lookup"}
+        mixed_k, mixed_speedups = best(sampled["with_lookup"]["alpha"])
+        figures["with_lookup"] = {
+            "weights": format_lookup_weights(lookup_weights), **sampled["with_lookup"], "best_k": mixed_k,
+            "expected_speedup": round(mixed_speedups[mixed_k], 3), "greedy_path": mixed["with_lookup"],
+        }  # fmt: skip
+    return figures
 
 
 def evaluate_draft(config: DistillConfig, draft_name: str) -> dict[str, Any]:
@@ -874,15 +961,19 @@ def evaluate_draft(config: DistillConfig, draft_name: str) -> dict[str, Any]:
     if draft.vocab_fingerprint != target.vocab_fingerprint:
         raise DistillError(f"{draft_name} does not share {config.target}'s vocabulary")
     held_out = HeldOut(*(torch.load(path, weights_only=True) for path in files))
-    return {"draft": draft_name, "target": config.target, "held_out": str(_data_dir(config)), **evaluate(target, draft, held_out)}
+    lookup_weights = resolve_lookup_weights("auto", draft.path)  # those it serves with, if its directory has any
+    return {"draft": draft_name, "target": config.target, "held_out": str(_data_dir(config)),
+            **evaluate(target, draft, held_out, lookup_weights=lookup_weights)}  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------
 # 4. writing: compact weights file -> Hugging Face directory
 
 
-def save_draft_weights(draft: DraftModel, path: str | os.PathLike, *, target_name: str, fingerprint: str) -> Path:
-    """Write the compact weights (fp16; vocab_ids as integers) with the config as metadata."""
+def save_draft_weights(draft: DraftModel, path: str | os.PathLike, *, target_name: str, fingerprint: str,
+                       lookup_weights: dict[int, float] | None = None) -> Path:  # fmt: skip
+    """Write the compact weights (fp16; vocab_ids as integers) with the config, and the lookup
+    weights the draft serves with (if any), as metadata."""
     from safetensors.torch import save_file
 
     config = draft.config
@@ -890,6 +981,8 @@ def save_draft_weights(draft: DraftModel, path: str | os.PathLike, *, target_nam
         "format": WEIGHTS_FORMAT, "target": target_name, "target_vocab_fingerprint": fingerprint,
         "llama_config": json.dumps(config.to_dict()), "target_width": str(draft.embedding.shape[1]),
     }  # fmt: skip
+    if lookup_weights:
+        meta["lookup_weights"] = format_lookup_weights(lookup_weights)
     tensors = {k: (v.to(torch.float16) if v.is_floating_point() else v).contiguous() for k, v in draft.compact_state().items()}
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -906,7 +999,8 @@ def materialize_draft(target: str | Any, draft_weights_path: str | os.PathLike, 
     embedding supplies the input matrix E·P_inᵀ; the [V, H] lm_head holds the learned head's
     rows at vocab_ids and zeros elsewhere, and when the draft predicts fewer than V tokens the
     directory also gets the output-vocabulary file with which `specdec.models.load_model`
-    gives every other token probability 0 (plain `from_pretrained` would give them logit 0).
+    gives every other token probability 0 (plain `from_pretrained` would give them logit 0),
+    and the lookup file (specdec.ngram.LOOKUP_FILE) when the weights carry lookup weights.
     Its tokenizer and generation config are copied. Refuses a target whose vocabulary
     fingerprint differs from the one the weights were trained against.
     """
@@ -951,13 +1045,18 @@ def materialize_draft(target: str | Any, draft_weights_path: str | os.PathLike, 
     save_model(model, loaded.tokenizer, out_dir)
     if len(vocab_ids) < embedding.shape[0]:
         write_output_vocab(out_dir, vocab_ids)
+    if meta.get("lookup_weights"):
+        note = ("specdec serve draft draws each token from (1 - w) * q + w * (the prompt lookup's token), w the "
+                "weight of the match length; chosen by specdec distill on its calibration sequences")  # fmt: skip
+        write_lookup_file(out_dir, parse_lookup_weights(meta["lookup_weights"]), note=note)
     return out_dir
 
 
-def export_draft(config: DistillConfig, draft: DraftModel, target) -> Path:
+def export_draft(config: DistillConfig, draft: DraftModel, target, lookup_weights: dict[int, float] | None = None) -> Path:
     """Write draft-weights.safetensors, then the HF directory built from it, into --out."""
     out = Path(config.out)
-    weights = save_draft_weights(draft, out / WEIGHTS_NAME, target_name=config.target, fingerprint=target.vocab_fingerprint)
+    weights = save_draft_weights(draft, out / WEIGHTS_NAME, target_name=config.target,
+                                 fingerprint=target.vocab_fingerprint, lookup_weights=lookup_weights)  # fmt: skip
     materialize_draft(target, weights, out)
     return weights
 
@@ -1044,6 +1143,8 @@ def distill(config: DistillConfig) -> dict:
         raise DistillError(f"--dropout must be at least 0 and below 1, got {config.dropout:g}")
     if not config.weight_decay >= 0:
         raise DistillError(f"--weight-decay must be at least 0, got {config.weight_decay:g}")
+    if config.lookup_ngram < 0:
+        raise DistillError(f"--lookup-ngram must be at least 0 (0: no lookup mixing), got {config.lookup_ngram}")
     if not 0 <= config.calibration_share < 1:
         raise DistillError(f"--calibration-share must be at least 0 and below 1, got {config.calibration_share:g}")
     began = time.monotonic()
@@ -1100,13 +1201,19 @@ def distill(config: DistillConfig) -> dict:
     # calibration: the τ that sharpens (or flattens) q best on the calibration prompts, folded into the head
     temperature, alpha_by_temperature = choose_temperature(draft, calibration, pad_id) if calibration else (1.0, {})
     fold_temperature(draft, temperature)
+    # ... and the weight of the prompt lookup's token in the q the draft serves, per match length
+    lookup_weights, lookup_report = ({}, {})
+    if calibration and config.lookup_ngram > 0:
+        lookup_weights, lookup_report = choose_lookup_weights(draft, calibration, pad_id, config.lookup_ngram)
+    if not any(lookup_weights.values()):  # no length gained from the lookup: serve q alone
+        lookup_weights = {}
 
     # 4. write (before 3, so the figures are measured on exactly what was written)
-    weights = export_draft(config, draft, target)
+    weights = export_draft(config, draft, target, lookup_weights)
     written = load_model(str(out))
 
     # 3. evaluate the written draft against the target
-    figures = evaluate(target, written, held_out)
+    figures = evaluate(target, written, held_out, lookup_weights=lookup_weights)
     card = {
         "format": WEIGHTS_FORMAT,
         "target": config.target,
@@ -1124,6 +1231,8 @@ def distill(config: DistillConfig) -> dict:
             "temperature": temperature, "alpha_topk_by_temperature": {f"{t:g}": round(a, 4) for t, a in alpha_by_temperature.items()},
             "sequences": len(calibration), "positions": _positions(calibration),
             "prompts": len({prompt_key(r) for r in calibration}), "picked_checkpoint_on": "calibration" if calibration else "held-out",
+            "lookup_weights": format_lookup_weights(lookup_weights) if lookup_weights else "off",
+            "lookup_by_match_length": lookup_report,
         },  # fmt: skip
         "architecture": {**_arch(config), "vocab_size": target.vocab_size, "target_width": int(embedding.shape[1]),
                          "output_vocab": len(vocab_ids), "output_vocab_held_out": coverage,
@@ -1199,6 +1308,10 @@ def add_distill_parser(subparsers) -> argparse.ArgumentParser:
                         help="share of the training prompts whose sampled sequences are kept out of training: they pick "
                         "the checkpoint written and the temperature folded into the draft's head (0: none; then the "
                         "held-out prompts pick the checkpoint and the temperature stays 1; default: %(default)s)")
+    parser.add_argument("--lookup-ngram", type=int, default=defaults.lookup_ngram, metavar="N",
+                        help="choose, on the calibration sequences, the weight of the prompt lookup's token in the "
+                        "draft's q for each match length 1..N (written to specdec-lookup.json; the draft service "
+                        "drafts from (1 - w) * q + w * that token); 0: none (default: %(default)s)")
     parser.add_argument("--seed", type=int, default=defaults.seed, help="random seed (default: %(default)s)")
     parser.add_argument("--threads", type=int, default=defaults.threads, help="torch threads (default: 0 = one per core)")
     parser.add_argument("--precision", choices=["auto", "float32", "bfloat16"], default=defaults.precision,
@@ -1245,7 +1358,7 @@ def config_from_args(args: argparse.Namespace) -> DistillConfig:
         target=args.target, out=args.out, minutes=args.minutes, prompts=args.prompts, eval_prompts=args.eval_prompts,
         layers=args.layers, hidden=args.hidden, heads=args.heads, top_k=args.top_k, data_tokens=args.data_tokens, data_share=args.data_share,
         max_new_tokens=args.max_new_tokens, gen_batch_size=args.gen_batch_size, batch_size=args.batch_size,
-        lr=args.lr, dropout=args.dropout, weight_decay=args.weight_decay, calibration_share=args.calibration_share, seed=args.seed, threads=args.threads, precision=args.precision, temperatures=args.temperatures,
+        lr=args.lr, dropout=args.dropout, weight_decay=args.weight_decay, calibration_share=args.calibration_share, lookup_ngram=args.lookup_ngram, seed=args.seed, threads=args.threads, precision=args.precision, temperatures=args.temperatures,
         learn_projections=args.learn_projections, draft_vocab=args.draft_vocab, eval_every_s=args.eval_every, resume=args.resume,
         progress=not args.no_progress,
     )  # fmt: skip
@@ -1270,7 +1383,13 @@ def run_distill(args: argparse.Namespace) -> int:
         f"greedy agreement {figures['greedy_path']['greedy_agreement']:.3f}, "
         f"expected speedup {figures['expected_speedup']:.2f}x at K={figures['best_k']}; "
         f"temperature folded into the head {card['calibration']['temperature']:g}\n"
-        f"serve it: specdec serve draft --model {args.out}"
+        + (f"with the prompt lookup mixed in ({figures['with_lookup']['weights']}): alpha {figures['with_lookup']['alpha']:.3f}, "
+           f"greedy agreement {figures['with_lookup']['greedy_agreement']:.3f}; on the greedy continuations alpha "
+           f"{figures['with_lookup']['greedy_path']['alpha']:.3f}, greedy agreement "
+           f"{figures['with_lookup']['greedy_path']['greedy_agreement']:.3f}; expected speedup "
+           f"{figures['with_lookup']['expected_speedup']:.2f}x at K={figures['with_lookup']['best_k']}\n"
+           if "with_lookup" in figures else "")
+        + f"serve it: specdec serve draft --model {args.out}"
     )
     return 0
 

@@ -211,6 +211,64 @@ def test_choose_temperature_finds_the_tau_at_which_q_is_p_and_folding_it_makes_q
     assert distill_module.quick_eval(draft, records, pad_id=0)["alpha_topk"] == pytest.approx(1.0, abs=1e-4)
 
 
+def test_choose_lookup_weights_weights_the_match_lengths_whose_lookup_token_p_favours_and_no_other():
+    """p puts 0.9 on the lookup's token where the match is 2 tokens or longer, and 0 on it where
+    the match is 1 token: the calibration weights lengths 2+ heavily and length 1 not at all."""
+    config = distill_module.draft_llama_config(argparse.Namespace(), hidden=32, layers=1, heads=2, vocab_size=40)
+    torch.manual_seed(0)
+    draft = distill_module.DraftModel(torch.randn(40, 16), config, torch.arange(40))
+    draft.init_from_pca(torch.Generator().manual_seed(0))
+    records = []
+    for seed in range(8):
+        g = torch.Generator().manual_seed(seed)
+        motif = torch.randint(4, 40, (5,), generator=g).tolist()
+        record = _record([1, 2, 3], 30, seed)
+        record["ids"] = torch.tensor([1, 2, 3] + (motif * 7)[:30])  # repeats itself: matches of every length
+        looked_up, lengths = distill_module.lookup_matches([record], 4)
+        p = torch.full((30, 40), 1.0)
+        for i, (token, n) in enumerate(zip(looked_up.tolist(), lengths.tolist())):
+            if n >= 2:
+                p[i] = 0.1 / 39
+                p[i, token] = 0.9
+            elif n == 1:
+                p[i, token] = 0.0
+        p = p / p.sum(-1, keepdim=True)
+        record["topk_logp"], record["topk_ids"] = p.log().topk(40, -1)  # k = V: the whole p
+        records.append(record)
+    weights, report = distill_module.choose_lookup_weights(draft, records, pad_id=0, max_ngram=4)
+    assert set(weights) == {1, 2, 3, 4} and weights[1] == 0.0
+    assert all(weights[n] >= 0.8 for n in (2, 3, 4)), weights
+    for n in ("2", "3", "4"):
+        assert report[n]["positions"] > 0 and report[n]["alpha_topk_with"] > report[n]["alpha_topk_without"] + 0.5
+    assert report["1"]["positions"] > 0 and report["1"]["alpha_topk_with"] == report["1"]["alpha_topk_without"]
+
+
+def test_lookup_weights_travel_from_the_weights_file_into_the_directory_the_service_and_evaluate_read(
+        distilled, tiny, tmp_path, capsys):  # fmt: skip
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from specdec.ngram import LOOKUP_FILE, resolve_lookup_weights
+
+    out, _, second, _ = distilled
+    assert "lookup_by_match_length" in second["calibration"] and "--lookup-ngram 4" in second["command"]
+    with safe_open(str(out / WEIGHTS_NAME), framework="pt") as handle:
+        meta, tensors = handle.metadata(), {key: handle.get_tensor(key) for key in handle.keys()}
+    save_file(tensors, str(tmp_path / "w.safetensors"), metadata={**meta, "lookup_weights": "1:0,2:0.5,3:0.9"})
+    built = materialize_draft(tiny[1], tmp_path / "w.safetensors", tmp_path / "with-lookup")
+    assert resolve_lookup_weights("auto", str(built)) == {1: 0.0, 2: 0.5, 3: 0.9}
+    meta.pop("lookup_weights", None)
+    save_file(tensors, str(tmp_path / "plain.safetensors"), metadata=meta)
+    assert not (materialize_draft(tiny[1], tmp_path / "plain.safetensors", tmp_path / "plain") / LOOKUP_FILE).exists()
+    capsys.readouterr()
+    assert run_distill(parse(["--target", tiny[1], "--out", str(out), "--evaluate", str(built)])) == 0
+    figures = json.loads(capsys.readouterr().out)
+    mixed = figures["with_lookup"]
+    assert mixed["weights"] == "1:0,2:0.5,3:0.9" and 0 <= mixed["alpha"] <= 1 and 0 <= mixed["greedy_agreement"] <= 1
+    assert 0 <= mixed["greedy_path"]["alpha"] <= 1 and mixed["best_k"] >= 1
+    assert figures["alpha"] == second["figures"]["alpha"], "the model's own figures are unchanged"
+
+
 def test_the_calibration_prompts_pick_a_temperature_that_is_folded_into_the_written_head(distilled):
     out, first, second, _ = distilled
     for card in (first, second):
@@ -231,12 +289,13 @@ def test_the_calibration_prompts_pick_a_temperature_that_is_folded_into_the_writ
 
 
 @pytest.mark.parametrize(("flag", "value", "message"), [
+    ("--lookup-ngram", "-1", "--lookup-ngram must be at least 0"),
     ("--dropout", "1", "--dropout must be at least 0 and below 1, got 1"),
     ("--dropout", "-0.1", "--dropout must be at least 0 and below 1"),
     ("--weight-decay", "-1", "--weight-decay must be at least 0, got -1"),
     ("--calibration-share", "1", "--calibration-share must be at least 0 and below 1, got 1"),
 ])  # fmt: skip
-def test_bad_dropout_weight_decay_or_calibration_share_is_refused_before_anything_runs(tiny, tmp_path, capsys, flag, value, message):
+def test_bad_dropout_weight_decay_calibration_share_or_lookup_ngram_is_refused_before_anything_runs(tiny, tmp_path, capsys, flag, value, message):
     out = tmp_path / "run"
     argv = ["--target", tiny[1], "--out", str(out), "--prompts", tiny[2], *DISTILL_FLAGS, flag, value]
     assert run_distill(parse(argv)) == 1

@@ -212,6 +212,41 @@ def test_a_greedy_model_draft_sends_one_hot_q_and_the_argmax_and_a_sampled_one_i
     assert all(q is not None and q[token] > 0 and int((q > 0).sum()) <= 5 for token, q, _ in sampled)
 
 
+def test_a_model_draft_with_lookup_weights_draws_from_q_mixed_with_the_lookups_token_and_sends_that(model):
+    """Each drafted token comes from q' = (1 − λ_n)·q + λ_n·δ(c), c the lookup's token after the
+    context so far (drafts included), and q' is the q sent; greedy, a heavy λ makes c the token."""
+    from types import SimpleNamespace
+
+    from draft_service.drafters import ModelDrafter
+    from specdec.kvcache import SessionState
+    from specdec.ngram import lookup_token, mix_lookup
+    from specdec.rng import DRAFT, cycle_generator
+    from specdec.wire import Sampling, wire_q
+
+    weights = {1: 0.0, 2: 0.5, 3: 0.8}
+    drafter = ModelDrafter(SimpleNamespace(model=model), weights)
+    prompt = [3, 9, 14, 2, 5, 3, 9, 14]  # ends in "3 9 14", which was followed by 2
+    sampling = Sampling(1.0, 0, 1.0, 1)
+    state = SessionState("s", pending=list(prompt), cache=new_cache(model.config))
+    proposals = list(drafter.propose(state, 5, sampling, cycle_generator(1, 0, DRAFT)))
+    ids, mixed = list(prompt), 0
+    with torch.inference_mode():
+        for token, q, _ in proposals:
+            expected = sampling.warp(model(torch.tensor([ids])).logits[0, -1])  # [V], by full recomputation
+            looked_up, weight = lookup_token(ids, weights)
+            if weight:
+                expected, mixed = mix_lookup(expected, looked_up, weight), mixed + 1
+            assert torch.allclose(q, wire_q(expected), atol=1e-3) and q[token] > 0
+            ids.append(token)
+    assert mixed >= 1 and proposals[0][1][2] >= 0.8, "the first draft sees the 3-gram match: 0.8 on token 2"
+    state = SessionState("s", pending=list(prompt), cache=new_cache(model.config))
+    greedy = list(drafter.propose(state, 1, Sampling(0.0, 0, 1.0, 1), cycle_generator(1, 0, DRAFT)))
+    plain = list(ModelDrafter(SimpleNamespace(model=model)).propose(
+        SessionState("s", pending=list(prompt), cache=new_cache(model.config)), 1, Sampling(0.0, 0, 1.0, 1),
+        cycle_generator(1, 0, DRAFT)))  # fmt: skip
+    assert greedy == [(2, None, 0)] and plain[0][0] != 2, "the test needs a model whose own argmax is not 2"
+
+
 def test_the_in_place_caches_views_follow_its_buffers_through_a_crop_and_cannot_be_replaced(model):
     cache = new_cache(model.config)
     forward(model, cache, list(range(1, 11)))

@@ -152,6 +152,16 @@ def total_variation(counts: collections.Counter, samples: int, law: dict) -> flo
     return 0.5 * sum(abs(counts[o] / samples - law.get(o, 0.0)) for o in set(counts) | set(law))
 
 
+def assert_the_targets_law_not_the_drafts(tiny_models, prompt_ids, results, temperature, top_k) -> None:
+    """The first two tokens of `results` (draw_first_two's) follow the tiny target's law, not
+    the tiny draft's: 9 outcomes at 3000 draws give an expected TV of ~0.02, so 0.06 is > 4 sigma."""
+    counts = collections.Counter(ids for ids, _ in results)
+    p = first_two_law(tiny_models.target, prompt_ids, temperature, top_k)
+    q = first_two_law(tiny_models.draft, prompt_ids, temperature, top_k)
+    assert total_variation(counts, len(results), p) < 0.06, f"TV to the target's law {total_variation(counts, len(results), p):.3f}"
+    assert total_variation(counts, len(results), q) > 0.2, "the test needs a draft that differs"
+
+
 def test_first_two_tokens_through_the_stack_follow_the_targets_distribution(tiny_stack, tiny_models):
     """Sampled through draft + target services, the joint law of the first two tokens must
     be the target's own (computed exactly from the target model), not the draft's."""
@@ -169,6 +179,34 @@ def test_first_two_tokens_through_the_stack_follow_the_targets_distribution(tiny
     accepted = sum(stats.accepted_tokens for _, stats in results)
     drafted = sum(stats.draft_tokens for _, stats in results)
     assert 0 < accepted < drafted
+
+
+def test_a_draft_mixed_with_the_prompt_lookup_keeps_the_targets_output_and_law(redis_url, tiny_models):
+    """`serve draft --lookup 1:0.3,2:0.8,3:0.9`: the model draft draws from q' = (1 − λ_n)·q +
+    λ_n·δ(lookup token). Greedy output is still the target's own, and sampled, the first two
+    tokens still follow the target's law, not the draft's."""
+    from specdec.launcher import Stack, StackConfig, free_port
+
+    config = StackConfig(port=free_port(), target=tiny_models.target, draft=tiny_models.draft, redis_url=redis_url,
+                         target_threads=1, draft_threads=1, ready_timeout_s=300,
+                         draft_args=["--lookup", "1:0.3,2:0.8,3:0.9"])  # fmt: skip
+    stack = Stack(config, quiet=True).start()
+    try:
+        assert "mixes in the prompt lookup's token, weights 1:0.3,2:0.8,3:0.9" in stack.log_tail("draft")
+        with specdec.Client(stack.address) as client:
+            for prompt in ("abcabcabcab", PROMPT):
+                ids = tiny_models.tokenizer.encode(prompt)
+                result = client.generate(prompt_token_ids=ids, max_new_tokens=40, num_speculative_tokens=3)
+                assert result.token_ids == hf_greedy(tiny_models.target, ids, 40), prompt
+        # "ld" was followed by "b" before: the first draft puts 0.8 on "b" (the target: 27%)
+        prompt_ids = tiny_models.tokenizer.encode("ldb hello world")
+        samples, temperature, top_k = 3000, 1.0, 3
+        results = draw_first_two(stack.address, prompt_ids, samples, temperature, top_k)
+    finally:
+        stack.stop()
+    assert_the_targets_law_not_the_drafts(tiny_models, prompt_ids, results, temperature, top_k)
+    accepted = sum(result.stats.accepted_tokens for _, result in results)
+    assert 0 < accepted < sum(result.stats.draft_tokens for _, result in results)
 
 
 def test_ngram_first_looks_up_repeats_asks_the_model_otherwise_and_keeps_the_targets_output(redis_url, tiny_models):
@@ -205,11 +243,7 @@ def test_ngram_first_looks_up_repeats_asks_the_model_otherwise_and_keeps_the_tar
         assert any(c.looked_up and c.drafted for c in alone.cycles[fault + 1 :]), "lookups should go on in back-off"
     finally:
         stack.stop()
-    counts = collections.Counter(ids for ids, _ in results)
-    p = first_two_law(tiny_models.target, prompt_ids, temperature, top_k)
-    q = first_two_law(tiny_models.draft, prompt_ids, temperature, top_k)
-    assert total_variation(counts, samples, p) < 0.06  # as in the test above: > 4 sigma
-    assert total_variation(counts, samples, q) > 0.2
+    assert_the_targets_law_not_the_drafts(tiny_models, prompt_ids, results, temperature, top_k)
     cycles = [c for _, result in results for c in result.cycles if c.drafted]
     looked_up = [c for c in cycles if c.looked_up]
     assert looked_up and len(looked_up) < len(cycles), "the first two tokens' cycles should mix both kinds"

@@ -8,7 +8,10 @@ import pytest
 import torch
 
 from coordinator.text import TextStream, first_stop
-from specdec.ngram import find_continuation
+from specdec.ngram import (
+    LOOKUP_FILE, find_continuation, lookup_token, mix_lookup, parse_lookup_weights, read_lookup_file,
+    resolve_lookup_weights, write_lookup_file,
+)  # fmt: skip
 from specdec.errors import FailedPrecondition, InvalidArgument, NotFound, OutOfRange, ResourceExhausted
 from specdec.kvcache import SessionPool, SessionState, cache_bytes, new_cache
 from specdec.rng import DRAFT, TARGET, cycle_generator
@@ -46,6 +49,44 @@ def test_ngram_drafter_tags_each_proposal_with_its_match_length_and_the_wire_kee
     assert proposals == [(10, None, 3), (11, None, 3)]
     message = draft_token_to_pb(0, 10, None, match_length=3)
     assert pb.DraftToken.FromString(message.SerializeToString()).match_length == 3
+
+
+def test_the_lookup_token_follows_the_longest_match_and_takes_that_lengths_weight():
+    weights = {1: 0.0, 2: 0.25, 3: 0.9}
+    # ... 4 5 6 | 7 ... 4 5 6: the 3-gram "4 5 6" was followed by 7
+    assert lookup_token([4, 5, 6, 7, 1, 4, 5, 6], weights) == (7, 0.9)
+    assert find_continuation([4, 5, 9, 4], 1, 3, 1) == ([5], 1)
+    assert lookup_token([4, 5, 9, 4], weights) == (-1, 0.0), "a 1-gram match whose weight is 0 mixes nothing"
+    assert lookup_token([1, 2, 3], weights) == (-1, 0.0), "no match"
+    # lengths count up to the largest N given: a 3-gram match is class 2 when 2 is the largest
+    assert lookup_token([4, 5, 6, 7, 1, 4, 5, 6], {2: 0.5}) == (7, 0.5)
+
+
+def test_mixing_the_lookup_token_keeps_a_distribution_and_moves_that_weight_onto_it():
+    q = torch.tensor([0.5, 0.3, 0.2, 0.0])
+    mixed = mix_lookup(q, 3, 0.4)
+    assert torch.allclose(mixed, torch.tensor([0.3, 0.18, 0.12, 0.4])) and float(mixed.sum()) == pytest.approx(1.0)
+    assert torch.equal(q, torch.tensor([0.5, 0.3, 0.2, 0.0])), "q itself is left alone"
+    assert torch.allclose(mix_lookup(q, 0, 1.0), torch.tensor([1.0, 0, 0, 0])), "weight 1 is the n-gram draft's one-hot"
+
+
+@pytest.mark.parametrize(("text", "message"), [
+    ("", "no lookup weights"), ("4", "N:WEIGHT"), ("x:0.5", "N:WEIGHT"), ("0:0.5", "at least 1"), ("2:1.5", "within [0, 1]"),
+])  # fmt: skip
+def test_bad_lookup_weights_are_refused_with_the_reason(text, message):
+    with pytest.raises(ValueError, match=message.replace("[", "\\[")):
+        parse_lookup_weights(text)
+
+
+def test_a_draft_directorys_lookup_file_is_used_on_auto_and_ignored_when_off(tmp_path):
+    assert resolve_lookup_weights("auto", str(tmp_path)) == {}, "no file: no mixing"
+    write_lookup_file(tmp_path, {1: 0.0, 2: 0.25, 4: 0.9}, note="test")
+    assert resolve_lookup_weights("auto", str(tmp_path)) == {1: 0.0, 2: 0.25, 4: 0.9}
+    assert resolve_lookup_weights("off", str(tmp_path)) == {}
+    assert resolve_lookup_weights("3:0.5", str(tmp_path)) == {3: 0.5}, "given weights win over the file"
+    (tmp_path / LOOKUP_FILE).write_text('{"weights": {"2": 7}}')
+    with pytest.raises(ValueError, match=LOOKUP_FILE):
+        read_lookup_file(tmp_path / LOOKUP_FILE)
 
 
 def test_ngram_continuation_is_capped_at_k():
@@ -790,7 +831,10 @@ def test_plain_steps_stop_where_the_context_gets_an_ngram_match_and_match_single
     from types import SimpleNamespace
 
     from specdec.models import build_tiny_model, build_tiny_tokenizer
-    from specdec.ngram import find_continuation
+    from specdec.ngram import (
+    LOOKUP_FILE, find_continuation, lookup_token, mix_lookup, parse_lookup_weights, read_lookup_file,
+    resolve_lookup_weights, write_lookup_file,
+)  # fmt: skip
     from target_service.verifier import Verifier
 
     model = build_tiny_model(build_tiny_tokenizer(), hidden_size=32, num_layers=1, seed=0)
