@@ -46,8 +46,8 @@ class ModelDrafter:
     ) -> Iterator[tuple[int, torch.Tensor | None, int]]:
         for _ in range(k):
             logits = forward(self.model, state.cache, state.pending)  # [1, V]: the last position
-            state.feed(state.pending)
-            looked_up, weight = lookup_token(state.tokens(), self.lookup_weights) if self.lookup_weights else (-1, 0.0)
+            state.feed(state.pending)  # held is now the whole context (pending is reset below)
+            looked_up, weight = lookup_token(state.held, self.lookup_weights) if self.lookup_weights else (-1, 0.0)
             if sampling.greedy:
                 # Temperature 0: q is the one-hot of the argmax, which is the token; sent as
                 # one-hot, it needs no [V] tensor here, on the wire or at the target.

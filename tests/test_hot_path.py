@@ -245,6 +245,15 @@ def test_a_model_draft_with_lookup_weights_draws_from_q_mixed_with_the_lookups_t
         SessionState("s", pending=list(prompt), cache=new_cache(model.config)), 1, Sampling(0.0, 0, 1.0, 1),
         cycle_generator(1, 0, DRAFT)))  # fmt: skip
     assert greedy == [(2, None, 0)] and plain[0][0] != 2, "the test needs a model whose own argmax is not 2"
+    # Weight 1 after every match: greedy, each step copies what followed the match in the context
+    # *including the drafts so far* (2, then 5 after "9 14 2", 3 after "14 2 5", 9 after "2 5 3").
+    copier = ModelDrafter(SimpleNamespace(model=model), {1: 1.0, 2: 1.0, 3: 1.0})
+    state = SessionState("s", pending=list(prompt), cache=new_cache(model.config))
+    copied = [t for t, _, _ in copier.propose(state, 4, Sampling(0.0, 0, 1.0, 1), cycle_generator(1, 0, DRAFT))]
+    assert copied == [2, 5, 3, 9] and state.tokens() == prompt + [2, 5, 3, 9]
+    sampled = SessionState("s", pending=list(prompt), cache=new_cache(model.config))
+    copied = [(t, q) for t, q, _ in copier.propose(sampled, 4, sampling, cycle_generator(1, 0, DRAFT))]
+    assert [t for t, _ in copied] == [2, 5, 3, 9] and all(float(q[t]) == 1.0 for t, q in copied)
 
 
 def test_the_in_place_caches_views_follow_its_buffers_through_a_crop_and_cannot_be_replaced(model):
