@@ -914,6 +914,7 @@ def evaluate(target, draft, held_out: HeldOut, *, max_k: int = 12,
     from specdec.sampling import expected_speedup, expected_tokens_per_cycle
 
     sampled = agreement(target, draft, held_out.sampled, lookup_weights=lookup_weights)
+    greedy = agreement(target, draft, held_out.greedy, lookup_weights=lookup_weights)
     alpha = sampled["alpha"]
     prompt = held_out.sampled[0]["ids"][: held_out.sampled[0]["n_prompt"]].tolist()
     threads = torch.get_num_threads()
@@ -937,15 +938,13 @@ def evaluate(target, draft, held_out: HeldOut, *, max_k: int = 12,
         "expected_speedup": round(speedups[best_k], 3), "eval_positions": sampled["positions"],
         "eval_sequences": len(held_out.sampled), "timing": "median single-token step with KV cache, 1 torch thread, fp32",
         # the same held-out prompts, on the target's greedy continuations: what greedy decoding sees
-        "greedy_path": agreement(target, draft, held_out.greedy, lookup_weights=lookup_weights),
+        "greedy_path": {key: value for key, value in greedy.items() if key != "with_lookup"},
     }  # fmt: skip
     if lookup_weights:
-        mixed = figures.pop("greedy_path")
-        figures["greedy_path"] = {key: value for key, value in mixed.items() if key != "with_lookup"}
         mixed_k, mixed_speedups = best(sampled["with_lookup"]["alpha"])
         figures["with_lookup"] = {
             "weights": format_lookup_weights(lookup_weights), **sampled["with_lookup"], "best_k": mixed_k,
-            "expected_speedup": round(mixed_speedups[mixed_k], 3), "greedy_path": mixed["with_lookup"],
+            "expected_speedup": round(mixed_speedups[mixed_k], 3), "greedy_path": greedy["with_lookup"],
         }  # fmt: skip
     return figures
 

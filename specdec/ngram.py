@@ -1,13 +1,16 @@
 """Prompt lookup: the n-gram match an n-gram draft copies from.
 
-One function, used by the n-gram drafter (which proposes the continuation) and by the
+One function, used by the n-gram drafter (which proposes the continuation), by the
 coordinator's adaptive K (which needs only the match length, the proposal's confidence
-class, to decide whether asking the draft is worth a cycle).
+class, to decide whether asking the draft is worth a cycle), and by lookup mixing (below:
+a model draft's q blended with the lookup's token).
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
+from pathlib import Path
 
 # The n-gram lengths an n-gram draft looks up unless told otherwise (`--max-ngram`, `--min-ngram`).
 DEFAULT_MAX_NGRAM = 3
@@ -89,18 +92,12 @@ def format_lookup_weights(weights: dict[int, float]) -> str:
 
 def write_lookup_file(directory, weights: dict[int, float], **about) -> None:
     """Write a draft directory's LOOKUP_FILE: its weights and what chose them (`about`)."""
-    import json
-    from pathlib import Path
-
     payload = {"weights": {str(n): w for n, w in sorted(weights.items())}, **about}
     (Path(directory) / LOOKUP_FILE).write_text(json.dumps(payload, indent=1) + "\n")
 
 
 def read_lookup_file(path) -> dict[int, float]:
     """The weights of a LOOKUP_FILE; ValueError naming the file if it is malformed."""
-    import json
-    from pathlib import Path
-
     try:
         raw = json.loads(Path(path).read_text())["weights"]
         return parse_lookup_weights(",".join(f"{n}:{w}" for n, w in raw.items()))
@@ -111,8 +108,6 @@ def read_lookup_file(path) -> dict[int, float]:
 def resolve_lookup_weights(setting: str, model_path: str | None) -> dict[int, float]:
     """The lookup weights a model draft serves with. setting: "auto" (those of the model
     directory's LOOKUP_FILE, none without one), "off" (none), or "N:W,..." (these)."""
-    from pathlib import Path
-
     setting = setting.strip().lower()
     if setting == "off":
         return {}
