@@ -47,12 +47,10 @@ def ngram_first_value(text: str) -> int:
 
 def lookup_value(text: str) -> str:
     """--lookup: auto, off, or N:W,... (checked here, applied by the draft service)."""
-    from specdec.ngram import parse_lookup_weights
+    from specdec.ngram import resolve_lookup_weights
 
-    if text.strip().lower() in ("auto", "off"):
-        return text.strip().lower()
     try:
-        parse_lookup_weights(text)
+        resolve_lookup_weights(text, None)  # no model directory yet: this checks the spelling only
     except ValueError as exc:
         raise argparse.ArgumentTypeError(f"{exc}; or auto, or off") from None
     return text

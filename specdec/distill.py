@@ -66,7 +66,7 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from specdec.ngram import (
-    LOOKUP_MAX_NGRAM, LOOKUP_WEIGHT_GRID, find_continuation, format_lookup_weights, parse_lookup_weights,
+    LOOKUP_MAX_NGRAM, LOOKUP_WEIGHT_GRID, find_continuation, format_lookup_weights, mix_lookup, parse_lookup_weights,
     resolve_lookup_weights, write_lookup_file,
 )  # fmt: skip
 
@@ -888,8 +888,7 @@ def agreement(target, draft, records: list[dict], batch: int = 4,
         if table is not None:
             looked_up, lengths = lookup_matches(chunk, max_ngram)  # [N], [N]
             weight = table[lengths] * (looked_up >= 0) * (looked_up < vocab)  # [N]
-            mixed = q * (1 - weight[:, None])  # [N, V]
-            mixed[torch.arange(len(rows)), looked_up.clamp(0, vocab - 1)] += weight
+            mixed = mix_lookup(q, looked_up.clamp(0, vocab - 1), weight)  # [N, V]
             mixed_alpha_sum += float(acceptance_rate(mixed, p).sum())
             mixed_agree_sum += float((mixed.argmax(-1) == p.argmax(-1)).sum())
         count += len(rows)

@@ -62,11 +62,14 @@ def lookup_token(tokens: Sequence[int], weights: dict[int, float]) -> tuple[int,
     return (continuation[0], weight) if weight > 0 else (-1, 0.0)
 
 
-def mix_lookup(q, token: int, weight: float):
-    """q' = (1 − weight)·q + weight·δ_token; q [V] sums to 1, so q' does (torch tensors)."""
-    mixed = q * (1.0 - weight)  # [V]
-    mixed[token] += weight
-    return mixed
+def mix_lookup(q, token, weight):
+    """q' = (1 − weight)·q + weight·δ_token, q [..., V] a torch tensor whose rows sum to 1,
+    so q' does; token and weight are numbers, or [...] tensors (one per row; token ≥ 0)."""
+    import torch
+
+    weight = torch.as_tensor(weight, dtype=q.dtype)[..., None]  # [..., 1]
+    token = torch.as_tensor(token, dtype=torch.long)[..., None]  # [..., 1]
+    return (q * (1.0 - weight)).scatter_add_(-1, token, weight.expand(token.shape))  # [..., V]
 
 
 def parse_lookup_weights(text: str) -> dict[int, float]:
