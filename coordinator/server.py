@@ -27,7 +27,7 @@ from specdec.errors import (
 )
 from specdec.metrics import CoordinatorMetrics
 from specdec.kvcache import check_token_ids
-from specdec.ngram import DEFAULT_MAX_NGRAM, DEFAULT_MIN_NGRAM
+from specdec.ngram import DEFAULT_MAX_NGRAM, DEFAULT_MIN_NGRAM, NGRAM_DRAFT
 from specdec.security import ChannelSecurity, ServerSecurity
 from specdec.session import SessionStore, check_session_id, new_session_id
 from specdec.v1 import specdec_pb2 as pb
@@ -119,7 +119,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         timeout = self.config.startup_timeout_s
         self.target_info = await wait_for_model_info(self.target, "target", self.config.target_address, timeout)
         self.draft_info = await wait_for_model_info(self.draft, "draft", self.config.draft_address, timeout)
-        if self.draft_info.kind != "ngram":
+        if self.draft_info.kind != NGRAM_DRAFT:
             from specdec.models import check_vocab_match
 
             check_vocab_match(
@@ -285,25 +285,25 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             eos_token_ids=eos,
             max_context=max_context,
             draft_model=self.draft_info.model,
-            draft_fingerprint="" if self.draft_info.kind == "ngram" else self.draft_info.vocab_fingerprint,
+            draft_fingerprint="" if self.draft_info.kind == NGRAM_DRAFT else self.draft_info.vocab_fingerprint,
             pipeline=pipeline,
             pipeline_min_keep=min_keep,
             adaptive=adaptive,
             ngram=self.ngram_lengths(),
-            local_ngram=self.draft_info.kind == "ngram" and not cfg.ngram_via_draft_service,
+            local_ngram=self.draft_info.kind == NGRAM_DRAFT and not cfg.ngram_via_draft_service,
             ngram_first=self.ngram_first_lengths(),
         )
 
     def ngram_lengths(self) -> tuple[int, int] | None:
         """An n-gram draft's (min_ngram, max_ngram), for adaptive K's own lookup; None for a model."""
-        if self.draft_info.kind != "ngram":
+        if self.draft_info.kind != NGRAM_DRAFT:
             return None
         return self.draft_info.min_ngram or DEFAULT_MIN_NGRAM, self.draft_info.max_ngram or DEFAULT_MAX_NGRAM
 
     def ngram_first_lengths(self) -> tuple[int, int] | None:
         """(min_ngram, max_ngram) of n-gram first with a model draft; None when off."""
         n = self.config.ngram_first
-        if n <= 0 or self.draft_info.kind == "ngram":
+        if n <= 0 or self.draft_info.kind == NGRAM_DRAFT:
             return None
         return n, max(n, DEFAULT_MAX_NGRAM)
 
@@ -412,7 +412,7 @@ async def wait_for_model_info(stub, name: str, address: str, timeout_s: float) -
     while True:
         try:
             info = await stub.ModelInfo(pb.ModelInfoRequest(), timeout=5.0, wait_for_ready=True)
-            if info.vocab_size or info.kind == "ngram":
+            if info.vocab_size or info.kind == NGRAM_DRAFT:
                 return info
         except grpc.aio.AioRpcError as exc:
             if exc.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):

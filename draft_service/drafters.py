@@ -20,7 +20,7 @@ from collections.abc import Iterator
 import torch
 
 from specdec.kvcache import SessionState, forward
-from specdec.ngram import DEFAULT_MAX_NGRAM, DEFAULT_MIN_NGRAM, find_continuation, lookup_token, mix_lookup
+from specdec.ngram import DEFAULT_MAX_NGRAM, DEFAULT_MIN_NGRAM, NGRAM_DRAFT, find_continuation, lookup_token, mix_lookup
 from specdec.sampling import greedy_token, sample
 from specdec.wire import Sampling, wire_q
 
@@ -71,7 +71,7 @@ class NgramDrafter:
     suffix n-gram of the context and propose the tokens that followed it. One-hot q,
     no weights, no vocabulary of its own."""
 
-    kind = "ngram"
+    kind = NGRAM_DRAFT
 
     def __init__(self, max_ngram: int = DEFAULT_MAX_NGRAM, min_ngram: int = DEFAULT_MIN_NGRAM):
         if not 1 <= min_ngram <= max_ngram:

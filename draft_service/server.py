@@ -10,20 +10,19 @@ from draft_service.drafters import ModelDrafter, NgramDrafter
 from specdec import model_service, serving
 from specdec.errors import InvalidArgument, grpc_handler
 from specdec.model_service import ModelService, ModelServiceConfig
-from specdec.ngram import DEFAULT_MAX_NGRAM, DEFAULT_MIN_NGRAM, format_lookup_weights, resolve_lookup_weights
+from specdec.ngram import DEFAULT_MAX_NGRAM, DEFAULT_MIN_NGRAM, NGRAM_DRAFT, format_lookup_weights, resolve_lookup_weights
 from specdec.rng import DRAFT, cycle_generator
 from specdec.session import SessionStore
 from specdec.v1 import specdec_pb2 as pb
 from specdec.v1 import specdec_pb2_grpc as pb_grpc
 from specdec.wire import draft_token_to_pb
 
-NGRAM = "ngram"
 
 
 @dataclass
 class DraftConfig(ModelServiceConfig):
     # Catalog name, HF directory, .gguf file, or "ngram" for prompt lookup.
-    model: str = NGRAM
+    model: str = NGRAM_DRAFT
     port: int = 50052
     # Longest and shortest suffix n-gram the n-gram drafter looks up.
     max_ngram: int = DEFAULT_MAX_NGRAM
@@ -42,9 +41,9 @@ class DraftServicer(ModelService, pb_grpc.DraftServicer):
 
     def load(self) -> None:
         """Load the drafter (blocking; run off the event loop)."""
-        if self.config.model == NGRAM:
+        if self.config.model == NGRAM_DRAFT:
             self.drafter = NgramDrafter(self.config.max_ngram, self.config.min_ngram)
-            self.info.kind = NGRAM
+            self.info.kind = NGRAM_DRAFT
             self.info.min_ngram, self.info.max_ngram = self.config.min_ngram, self.config.max_ngram
             self.pool = self.make_pool(lambda: None)
             return

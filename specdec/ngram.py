@@ -12,6 +12,8 @@ import json
 from collections.abc import Sequence
 from pathlib import Path
 
+NGRAM_DRAFT = "ngram"  # the name of the n-gram draft (`--draft ngram`), which needs no model, and its DraftInfo.kind
+
 # The n-gram lengths an n-gram draft looks up unless told otherwise (`--max-ngram`, `--min-ngram`).
 DEFAULT_MAX_NGRAM = 3
 DEFAULT_MIN_NGRAM = 1
