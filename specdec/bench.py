@@ -52,8 +52,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from importlib import resources
 
+from specdec.ngram import NGRAM_DRAFT
+
 DEFAULT_PROMPTS = "bench_prompts.jsonl"
-NGRAM = "ngram"
 # Timed rounds of each cost after each prompt (after one untimed round). With one, the costs
 # ran 15-25% above the services' own forward times (a first pass after other work is slow),
 # and a run's efficiency came out above 1 (1.12: ngram, extractive, K = 2); three take the
@@ -85,11 +86,13 @@ def add_bench_parser(commands) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--target", default="smollm2-135m-instruct", help="target model (default: %(default)s)")
-    p.add_argument("--draft", default=NGRAM, help="draft model or `ngram` (default: %(default)s)")
+    p.add_argument("--draft", default="", help="draft model or `ngram` (default: the catalog draft distilled for "
+                   "--target if there is one, smollm2-135m-instruct-draft for the default target; else ngram)")
     p.add_argument("--ngram-first", type=ngram_first_value, default=0, metavar="N",
                    help=f"specdec's coordinator: {NGRAM_FIRST_HELP} (default: %(default)s)")
-    p.add_argument("--k", type=k_value, default=4,
-                   help="tokens drafted per cycle, or `adaptive` (up to --max-k) (default: %(default)s)")  # fmt: skip
+    p.add_argument("--k", type=k_value, default=None,
+                   help="tokens drafted per cycle, or `adaptive` (up to --max-k) (default: the draft's own K for a "
+                   "catalog draft, 2 for smollm2-135m-instruct-draft; else 4, the coordinator's default)")  # fmt: skip
     p.add_argument("--max-k", type=int, default=8, help="largest K with --k adaptive (default: %(default)s)")
     p.add_argument("--prompts", default=None, help='JSONL file, one {"prompt": ...} per line (default: the shipped set)')
     p.add_argument("--kind", default=None,
@@ -311,7 +314,7 @@ def run_interleaved(args, prompts_ids, target, draft, packed_target, packed_draf
     if packed_target is not None:
         systems["hf_assisted_packed"] = (packed_target.model, assisted_kwargs(args, packed_draft and packed_draft.model))
     runs = {name: Run() for name in [*systems, "specdec"]}
-    totals = new_totals(split_looked_up=bool(args.ngram_first) and args.draft != NGRAM)
+    totals = new_totals(split_looked_up=bool(args.ngram_first) and args.draft != NGRAM_DRAFT)
     # every K a cycle may draft: adaptive K's range, or 1..K (a draft may propose fewer)
     ks = range(1, (args.max_k if args.k == "adaptive" else args.k) + 1)
     cost_target = packed_target or target
@@ -612,13 +615,16 @@ def format_compare_k(r: dict) -> str:
 def run_bench(args) -> int:
     import torch
 
-    from specdec.models import load_model
+    from specdec.models import default_draft, draft_default_k, load_model
     from specdec.packed import should_pack
 
+    args.draft = args.draft or default_draft(args.target)
+    if args.k is None:  # what a stack running this draft uses for requests that set no K
+        args.k = draft_default_k(args.draft) or 4
     if args.threads:
         torch.set_num_threads(args.threads)
     prompts = load_prompts(args.prompts, args.kind)
-    progress(f"loading target {args.target}" + ("" if args.draft == NGRAM else f" and draft {args.draft}"))
+    progress(f"loading target {args.target}" + ("" if args.draft == NGRAM_DRAFT else f" and draft {args.draft}"))
     # The baselines run the models exactly as transformers loads them; the costs, like the
     # services, use specdec's loading (packed linear layers on a CPU, specdec.packed).
     if args.compare_k:  # specdec only: the services load the models themselves
@@ -627,7 +633,7 @@ def run_bench(args) -> int:
         tokenizer = load_tokenizer(args.target)
         return run_compare_k(args, [encode(tokenizer, p, not args.no_chat_template) for p in prompts])
     target = load_model(args.target, pack=False)
-    draft = None if args.draft == NGRAM else load_model(args.draft, pack=False)
+    draft = None if args.draft == NGRAM_DRAFT else load_model(args.draft, pack=False)
     prompts_ids = [encode(target.tokenizer, p, not args.no_chat_template) for p in prompts]
     if args.costs:  # a context of ~128 tokens made of the prompts themselves
         context = [t for ids in prompts_ids for t in ids][:128]

@@ -261,8 +261,9 @@ def add_stack_flags(p: argparse.ArgumentParser) -> None:
     env_flag(p, "--host", "SPECDEC_HOST", default="127.0.0.1", help="address the coordinator listens on")
     env_flag(p, "--target", "SPECDEC_TARGET", default="smollm2-135m-instruct",
              help="target model: catalog name, Hugging Face directory or .gguf file")  # fmt: skip
-    env_flag(p, "--draft", "SPECDEC_DRAFT", default="ngram",
-             help="draft model (as --target) or `ngram` for prompt lookup")  # fmt: skip
+    env_flag(p, "--draft", "SPECDEC_DRAFT", default="",
+             help="draft model (as --target) or `ngram` for prompt lookup (default: the catalog draft distilled for "
+                  "the target if there is one, smollm2-135m-instruct-draft for the default target; else ngram)")  # fmt: skip
     add_ngram_first_flag(p)
     env_flag(p, "--redis-url", "SPECDEC_REDIS_URL", default="", secret=True,
              help="Redis URL; empty starts an embedded redis-server on a private port")  # fmt: skip
@@ -295,7 +296,8 @@ def add_generate_flags(p: argparse.ArgumentParser) -> None:
     env_flag(p, "--json", "SPECDEC_JSON", action="store_true", help="print one JSON object instead of text")
     env_flag(p, "--timeout", "SPECDEC_TIMEOUT", default=None, type=float, help="deadline of the call in seconds")
     env_flag(p, "--target", "SPECDEC_TARGET", default="smollm2-135m-instruct", help="target for a local stack")
-    env_flag(p, "--draft", "SPECDEC_DRAFT", default="ngram", help="draft for a local stack")
+    env_flag(p, "--draft", "SPECDEC_DRAFT", default="",
+             help="draft for a local stack (default: the target's distilled catalog draft if it has one, else ngram)")  # fmt: skip
     add_ngram_first_flag(p, "for a local stack: ")
     add_client_security_flags(p)
 
@@ -403,7 +405,7 @@ def run_up(args) -> int:
         auth_token_file=args.auth_token_file,
         ngram_first=args.ngram_first,
     )  # fmt: skip
-    print(f"starting: target {args.target}, draft {args.draft}", file=sys.stderr, flush=True)
+    print(f"starting: target {config.target}, draft {config.draft}", file=sys.stderr, flush=True)
     with Stack(config) as stack:
         for name, port in stack.metrics_ports.items():
             print(f"metrics: {name} http://127.0.0.1:{port}/metrics", file=sys.stderr, flush=True)
@@ -425,11 +427,11 @@ def serving_address(args):
     if args.address is not None or args.tls_ca or is_serving(address):
         yield address
         return
-    print(f"nothing serves on {address}: starting a local stack (target {args.target}, draft {args.draft}) "
-          "for this command", file=sys.stderr, flush=True)  # fmt: skip
     host, port = address.rsplit(":", 1)
-    with Stack(StackConfig(port=int(port), host=host, target=args.target, draft=args.draft,
-                           ngram_first=args.ngram_first)):  # fmt: skip
+    config = StackConfig(port=int(port), host=host, target=args.target, draft=args.draft, ngram_first=args.ngram_first)
+    print(f"nothing serves on {address}: starting a local stack (target {config.target}, draft {config.draft}) "
+          "for this command", file=sys.stderr, flush=True)  # fmt: skip
+    with Stack(config):
         yield address
 
 

@@ -27,13 +27,13 @@ from typing import IO
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from specdec.ngram import NGRAM_DRAFT
 from specdec.redis_server import EmbeddedRedis, free_port
 from specdec.session import REDIS_URL_ENV
 from specdec.security import AUTH_METADATA, BEARER, INTERNAL_TOKEN_ENV, read_pem
 from specdec.serving import COORDINATOR_SERVICE, DRAFT_SERVICE, TARGET_SERVICE
 
 DEFAULT_TARGET = "smollm2-135m-instruct"
-DEFAULT_DRAFT = "ngram"
 STOP_TIMEOUT_S = 10.0
 # What the processes of a stack, which share this machine's cores, run with unless the caller's
 # environment says otherwise. libgomp's idle OpenMP threads spin 300,000 rounds before they
@@ -44,6 +44,7 @@ STOP_TIMEOUT_S = 10.0
 # alone (bench forward_vs_alone) were 1.04 and 0.94 with it, 1.02 and 0.96 without.
 SHARED_MACHINE_ENV = {"GOMP_SPINCOUNT": "10000"}
 LOG_TAIL_LINES = 20  # of a quiet service's output, in the error when it dies while starting
+DEFAULT_K_ENV = "SPECDEC_DEFAULT_K"  # the coordinator's --default-k, when the caller sets it
 
 
 class StackStartError(RuntimeError):
@@ -65,7 +66,7 @@ class StackConfig:
     port: int = 50051
     host: str = "127.0.0.1"
     target: str = DEFAULT_TARGET
-    draft: str = DEFAULT_DRAFT
+    draft: str = ""  # "" = the target's default draft (specdec.models.default_draft)
     # The coordinator's --ngram-first (with a model draft: lookups for repeated n-grams); 0 = off.
     ngram_first: int = 0
     redis_url: str = ""
@@ -86,12 +87,18 @@ class StackConfig:
     # API tokens file for the coordinator (clients must send one); "" = no token check.
     auth_token_file: str = ""
 
+    def __post_init__(self) -> None:
+        if not self.draft:  # the catalog draft distilled for the target, else ngram
+            from specdec.models import default_draft
+
+            self.draft = default_draft(self.target)
+
 
 def default_threads(draft: str = "") -> tuple[int, int]:
     """(target, draft) torch threads: a model draft gets one core and the target the rest,
     so the two really run side by side; an n-gram draft needs no core of its own."""
     cores = os.cpu_count() or 2
-    if draft == DEFAULT_DRAFT:
+    if draft == NGRAM_DRAFT:
         return cores, 1
     return max(1, cores - 1), 1
 
@@ -173,17 +180,29 @@ class Stack:
                        "--threads", str(cfg.draft_threads or draft_threads), *cfg.draft_args)  # fmt: skip
             auth = ["--auth-token-file", cfg.auth_token_file] if cfg.auth_token_file else []
             lookups = ["--ngram-first", str(cfg.ngram_first)] if cfg.ngram_first else []
+            default_k = self.draft_default_k()
+            k_args = ["--default-k", str(default_k)] if default_k else []
             self.spawn(
                 "coordinator", "coordinator",
                 "--draft-address", f"127.0.0.1:{self.ports['draft']}",
                 "--target-address", f"127.0.0.1:{self.ports['target']}",
-                *auth, *lookups, *cfg.coordinator_args,
+                *auth, *lookups, *k_args, *cfg.coordinator_args,
             )  # fmt: skip
             self.wait_ready()
         except BaseException:
             self.stop()
             raise
         return self
+
+    def draft_default_k(self) -> int | None:
+        """--default-k for the coordinator: the draft's own K (specdec.models.draft_default_k)
+        unless the caller sets one (SPECDEC_DEFAULT_K, or --default-k in coordinator_args)."""
+        from specdec.models import draft_default_k
+
+        cfg = self.config
+        if DEFAULT_K_ENV in os.environ or DEFAULT_K_ENV in cfg.env or "--default-k" in cfg.coordinator_args:
+            return None
+        return draft_default_k(cfg.draft)
 
     def spawn(self, name: str, service: str, *args: str) -> None:
         host = self.config.host if name == "coordinator" else "127.0.0.1"

@@ -103,6 +103,24 @@ def draft_catalog() -> dict:
     return {name: entry for name, entry in DRAFT_CATALOG.items() if packaged_weights(entry).is_file()}
 
 
+def default_draft(target: str) -> str:
+    """The draft a stack runs when none is named: the catalog draft distilled for `target`
+    (smollm2-135m-instruct-draft for smollm2-135m-instruct), else `ngram`.
+
+    The distilled draft is the default where it measured faster than `ngram` through the
+    services (README "Make a draft": the default draft)."""
+    from specdec.ngram import NGRAM_DRAFT
+
+    return next((name for name, entry in draft_catalog().items() if entry.target == target), NGRAM_DRAFT)
+
+
+def draft_default_k(draft: str) -> int | None:
+    """The K a stack running `draft` uses for requests that set none: a catalog draft's own
+    (DraftEntry.k, its fastest through the services); None leaves the coordinator's --default-k."""
+    entry = draft_catalog().get(draft)
+    return entry.k if entry is not None else None
+
+
 def list_catalog() -> list[str]:
     """Names of the built-in catalog models (drafts included), sorted."""
     return sorted([*CATALOG, *draft_catalog()])

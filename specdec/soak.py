@@ -76,7 +76,8 @@ def add_soak_parser(commands) -> None:
                    help="with --address: a process on this machine whose RSS to measure, e.g. coordinator=1234 "
                    "(repeatable)")  # fmt: skip
     env_flag(p, "--target", "SPECDEC_TARGET", default="smollm2-135m-instruct", help="target of the local stack")
-    env_flag(p, "--draft", "SPECDEC_DRAFT", default="ngram", help="draft of the local stack, or `ngram`")
+    env_flag(p, "--draft", "SPECDEC_DRAFT", default="",
+             help="draft of the local stack, or `ngram` (default: the target's distilled catalog draft if it has one, else ngram)")  # fmt: skip
     env_flag(p, "--max-new-tokens", "SPECDEC_MAX_NEW_TOKENS", default=64, type=int, help="tokens per request")
     env_flag(p, "--temperature", "SPECDEC_TEMPERATURE", default=0.0, type=float, help="0 = greedy")
     env_flag(p, "--timeout", "SPECDEC_TIMEOUT", default=300.0, type=float,
@@ -202,8 +203,9 @@ def soak_target(args):
     from specdec.launcher import Stack, StackConfig
     from specdec.redis_server import free_port
 
-    print(f"starting a local stack: target {args.target}, draft {args.draft}", file=sys.stderr, flush=True)
     config = StackConfig(port=free_port(), target=args.target, draft=args.draft)
+    args.draft = config.draft  # the report names the draft the stack ran
+    print(f"starting a local stack: target {config.target}, draft {config.draft}", file=sys.stderr, flush=True)
     with Stack(config, quiet=not getattr(args, "verbose", False)) as stack:
         pids = {"redis": stack.redis.process.pid, **{name: p.pid for name, p in stack.processes.items()}}
         yield stack.address, pids

@@ -158,3 +158,31 @@ def test_a_quiet_stack_that_cannot_start_puts_the_service_output_in_its_error(ti
     message = str(error.value)
     assert message.startswith("the draft service exited with code 1 while starting; its last output:")
     assert f"draft: could not load: model '{missing}' not found" in message
+
+
+def test_a_stack_without_a_named_draft_runs_the_targets_distilled_draft_and_ngram_for_other_targets(tmp_path):
+    from specdec.cli import build_parser
+    from specdec.launcher import StackConfig, default_threads
+    from specdec.models import default_draft
+
+    assert default_draft("smollm2-135m-instruct") == "smollm2-135m-instruct-draft"
+    assert default_draft(str(tmp_path / "some-other-model")) == "ngram"
+    assert StackConfig().draft == "smollm2-135m-instruct-draft"
+    assert StackConfig(target=str(tmp_path)).draft == "ngram"
+    assert StackConfig(draft="ngram").draft == "ngram"  # a named draft is kept
+    # the model draft gets a core of its own, the n-gram draft none
+    assert default_threads("smollm2-135m-instruct-draft")[0] < default_threads("ngram")[0] or (os.cpu_count() or 1) == 1
+    assert build_parser().parse_args(["up"]).draft == ""  # resolved against --target when the stack starts
+    assert "smollm2-135m-instruct-draft for the default target" in " ".join(run_cli("up", "--help").stdout.split())
+
+
+def test_a_stack_running_a_catalog_draft_gives_requests_without_k_the_drafts_own_k_unless_the_caller_sets_one():
+    from specdec.launcher import Stack, StackConfig
+    from specdec.models import draft_default_k
+
+    assert draft_default_k("smollm2-135m-instruct-draft") == 2
+    assert draft_default_k("ngram") is None and draft_default_k("/some/model") is None
+    assert Stack(StackConfig()).draft_default_k() == 2
+    assert Stack(StackConfig(draft="ngram")).draft_default_k() is None  # the coordinator's --default-k (4)
+    assert Stack(StackConfig(coordinator_args=["--default-k", "3"])).draft_default_k() is None
+    assert Stack(StackConfig(env={"SPECDEC_DEFAULT_K": "3"})).draft_default_k() is None

@@ -143,22 +143,30 @@ def test_greedy_output_through_the_services_with_the_distilled_draft_equals_tran
 ):
     """`specdec up`'s stack with the shipped distilled draft: lossless, and the draft is
     actually used (some of its tokens are accepted), at fixed K and with pipelining on;
-    with --ngram-first 2, cycles after a repeated 2-gram take looked-up drafts instead."""
+    with --ngram-first 2, cycles after a repeated 2-gram take looked-up drafts instead.
+    Without it, the stack is the default one, started as `specdec up` starts it on the
+    default target with no --draft: the distilled draft, at its own K = 2 for requests that set none."""
     from conftest import start_stack
 
     from specdec.models import ensure_catalog_model
 
-    draft_dir = str(ensure_catalog_model("smollm2-135m-instruct-draft", progress=False))
-    stack = start_stack(redis_url, smollm2_dir, draft_dir, ngram_first=ngram_first)
+    if ngram_first:
+        draft_dir = str(ensure_catalog_model("smollm2-135m-instruct-draft", progress=False))
+        stack = start_stack(redis_url, smollm2_dir, draft_dir, ngram_first=ngram_first)
+    else:
+        stack = start_stack(redis_url, "smollm2-135m-instruct", "")
+        assert stack.config.draft == "smollm2-135m-instruct-draft"
     drafted = accepted = 0
     looked_up = proposed = 0
     try:
         with specdec.Client(stack.address) as client:
-            for k in (2, 4):
+            for k in (2, 4) if ngram_first else (None, 4):  # None: the stack's default K
                 for ids, expected in oracle.items():
                     result = client.generate(prompt_token_ids=list(ids), max_new_tokens=NEW_TOKENS,
                                              num_speculative_tokens=k, pipeline=True)  # fmt: skip
                     assert result.token_ids == expected, f"distilled draft, K={k}, prompt {ids[:6]}..."
+                    if k is None:
+                        assert max(c.drafted for c in result.cycles) == 2, [c.drafted for c in result.cycles]
                     drafted += result.stats.draft_tokens
                     accepted += result.stats.accepted_tokens
                     looked_up += sum(c.drafted for c in result.cycles if c.looked_up)
