@@ -18,7 +18,6 @@ from specdec.v1 import specdec_pb2_grpc as pb_grpc
 from specdec.wire import draft_token_to_pb
 
 
-
 @dataclass
 class DraftConfig(ModelServiceConfig):
     # Catalog name, HF directory, .gguf file, or "ngram" for prompt lookup.

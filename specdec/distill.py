@@ -1075,7 +1075,7 @@ class DraftEntry:
     target: str  # catalog name (or path) of the target it was distilled for
     weights: str  # file name under specdec/data (or an absolute path)
     description: str
-    k: int = 4  # K for requests that set none in a stack running it (its fastest through the services)
+    k: int | None = None  # K for requests that set none in a stack running it (its fastest through the services); None: the coordinator's default
 
 
 DRAFT_CATALOG: dict[str, DraftEntry] = {

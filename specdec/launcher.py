@@ -200,7 +200,8 @@ class Stack:
         from specdec.models import draft_default_k
 
         cfg = self.config
-        if DEFAULT_K_ENV in os.environ or DEFAULT_K_ENV in cfg.env or "--default-k" in cfg.coordinator_args:
+        caller_sets_k = any(arg.split("=", 1)[0] == "--default-k" for arg in cfg.coordinator_args)
+        if DEFAULT_K_ENV in os.environ or DEFAULT_K_ENV in cfg.env or caller_sets_k:
             return None
         return draft_default_k(cfg.draft)
 

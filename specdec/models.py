@@ -42,6 +42,7 @@ from tqdm.auto import tqdm
 import transformers
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 
+from specdec.ngram import NGRAM_DRAFT
 from specdec.packed import pack_model
 from specdec.plain_forward import enable_plain_forward
 
@@ -109,8 +110,6 @@ def default_draft(target: str) -> str:
 
     The distilled draft is the default where it measured faster than `ngram` through the
     services (README "Make a draft": the default draft)."""
-    from specdec.ngram import NGRAM_DRAFT
-
     return next((name for name, entry in draft_catalog().items() if entry.target == target), NGRAM_DRAFT)
 
 
@@ -118,7 +117,7 @@ def draft_default_k(draft: str) -> int | None:
     """The K a stack running `draft` uses for requests that set none: a catalog draft's own
     (DraftEntry.k, its fastest through the services); None leaves the coordinator's --default-k."""
     entry = draft_catalog().get(draft)
-    return entry.k if entry is not None else None
+    return entry.k if entry is not None else None  # DraftEntry.k may itself be None
 
 
 def list_catalog() -> list[str]:

@@ -185,4 +185,5 @@ def test_a_stack_running_a_catalog_draft_gives_requests_without_k_the_drafts_own
     assert Stack(StackConfig()).draft_default_k() == 2
     assert Stack(StackConfig(draft="ngram")).draft_default_k() is None  # the coordinator's --default-k (4)
     assert Stack(StackConfig(coordinator_args=["--default-k", "3"])).draft_default_k() is None
+    assert Stack(StackConfig(coordinator_args=["--default-k=3"])).draft_default_k() is None
     assert Stack(StackConfig(env={"SPECDEC_DEFAULT_K": "3"})).draft_default_k() is None
