@@ -27,7 +27,7 @@ from specdec.errors import (
 )
 from specdec.metrics import CoordinatorMetrics
 from specdec.kvcache import check_token_ids
-from specdec.ngram import DEFAULT_MAX_NGRAM, DEFAULT_MIN_NGRAM, NGRAM_DRAFT
+from specdec.ngram import DEFAULT_K, DEFAULT_MAX_NGRAM, DEFAULT_MIN_NGRAM, NGRAM_DRAFT
 from specdec.security import ChannelSecurity, ServerSecurity
 from specdec.session import SessionStore, check_session_id, new_session_id
 from specdec.v1 import specdec_pb2 as pb
@@ -55,7 +55,7 @@ class CoordinatorConfig:
     # Tokenizer for text prompts; default: the model the target reports.
     tokenizer: str = ""
     # K used when a request does not set one.
-    default_k: int = 4
+    default_k: int = DEFAULT_K
     # Largest K a request may ask for (also bounded by what the services accept).
     max_k: int = 16
     # max_new_tokens when a request does not set one, and the most it may ask for.

@@ -52,7 +52,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from importlib import resources
 
-from specdec.ngram import NGRAM_DRAFT
+from specdec.ngram import DEFAULT_K, NGRAM_DRAFT
 
 DEFAULT_PROMPTS = "bench_prompts.jsonl"
 # Timed rounds of each cost after each prompt (after one untimed round). With one, the costs
@@ -92,7 +92,7 @@ def add_bench_parser(commands) -> None:
                    help=f"specdec's coordinator: {NGRAM_FIRST_HELP} (default: %(default)s)")
     p.add_argument("--k", type=k_value, default=None,
                    help="tokens drafted per cycle, or `adaptive` (up to --max-k) (default: the draft's own K for a "
-                   "catalog draft, 2 for smollm2-135m-instruct-draft; else 4, the coordinator's default)")  # fmt: skip
+                   f"catalog draft, 2 for smollm2-135m-instruct-draft; else {DEFAULT_K}, the coordinator's default)")  # fmt: skip
     p.add_argument("--max-k", type=int, default=8, help="largest K with --k adaptive (default: %(default)s)")
     p.add_argument("--prompts", default=None, help='JSONL file, one {"prompt": ...} per line (default: the shipped set)')
     p.add_argument("--kind", default=None,
@@ -620,7 +620,7 @@ def run_bench(args) -> int:
 
     args.draft = args.draft or default_draft(args.target)
     if args.k is None:  # what a stack running this draft uses for requests that set no K
-        args.k = draft_default_k(args.draft) or 4
+        args.k = draft_default_k(args.draft) or DEFAULT_K
     if args.threads:
         torch.set_num_threads(args.threads)
     prompts = load_prompts(args.prompts, args.kind)

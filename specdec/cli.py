@@ -11,7 +11,7 @@ import logging
 import os
 import sys
 
-from specdec.ngram import DEFAULT_MAX_NGRAM, DEFAULT_MIN_NGRAM
+from specdec.ngram import DEFAULT_K, DEFAULT_MAX_NGRAM, DEFAULT_MIN_NGRAM
 
 DEFAULT_ADDRESS = "127.0.0.1:50051"
 TRUE = {"1", "true", "yes", "on"}
@@ -218,7 +218,7 @@ def add_coordinator_flags(p: argparse.ArgumentParser) -> None:
     env_flag(p, "--draft-address", "SPECDEC_DRAFT_ADDRESS", default="127.0.0.1:50052", help="draft service address")
     env_flag(p, "--target-address", "SPECDEC_TARGET_ADDRESS", default="127.0.0.1:50053", help="target service address")
     env_flag(p, "--tokenizer", "SPECDEC_TOKENIZER", default="", help="tokenizer to use (default: the target's model)")
-    env_flag(p, "--default-k", "SPECDEC_DEFAULT_K", default=4, type=int, help="K when a request sets none")
+    env_flag(p, "--default-k", "SPECDEC_DEFAULT_K", default=DEFAULT_K, type=int, help="K when a request sets none")
     env_flag(p, "--max-k", "SPECDEC_COORDINATOR_MAX_K", default=16, type=int, help="largest K a request may ask for")
     env_flag(p, "--default-max-new-tokens", "SPECDEC_DEFAULT_MAX_NEW_TOKENS", default=128, type=int,
              help="max_new_tokens when a request sets none")  # fmt: skip

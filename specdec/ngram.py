@@ -14,6 +14,10 @@ from pathlib import Path
 
 NGRAM_DRAFT = "ngram"  # the name of the n-gram draft (`--draft ngram`), which needs no model, and its DraftInfo.kind
 
+# The coordinator's K for requests that set none (`--default-k`) when the draft names no K of
+# its own (a catalog draft's DraftEntry.k): the n-gram draft's fastest (README "The default draft").
+DEFAULT_K = 4
+
 # The n-gram lengths an n-gram draft looks up unless told otherwise (`--max-ngram`, `--min-ngram`).
 DEFAULT_MAX_NGRAM = 3
 DEFAULT_MIN_NGRAM = 1
