@@ -521,6 +521,9 @@ def test_precision_flag_picks_bfloat16_only_where_the_cpu_multiplies_it(capsys):
     config = distill_module.config_from_args(args)
     assert config.temperatures == (1.0, 0.6, 0.0) and config.precision == "float32"
     assert "--precision float32 --temperatures 1,0.6,0" in config.command()
+    default = distill_module.config_from_args(parse(["--target", "t", "--out", "o"]))
+    assert default.temperatures == (1.0, 1.0, 1.0, 0.0)  # the shipped draft's recipe: every fourth batch greedy
+    assert "--temperatures 1,1,1,0" in default.command()
     with pytest.raises(SystemExit):
         parse(["--target", "t", "--out", "o", "--temperatures", "1,-0.5"])
     assert "expected comma-separated temperatures >= 0" in capsys.readouterr().err
