@@ -77,7 +77,7 @@ class Run:
 
 
 def add_bench_parser(commands) -> None:
-    from specdec.cli import NGRAM_FIRST_HELP, ngram_first_value
+    from specdec.cli import DEFAULT_DRAFT_HELP, NGRAM_FIRST_HELP, ngram_first_value
 
     p = commands.add_parser(
         "bench",
@@ -86,8 +86,7 @@ def add_bench_parser(commands) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--target", default="smollm2-135m-instruct", help="target model (default: %(default)s)")
-    p.add_argument("--draft", default="", help="draft model or `ngram` (default: the catalog draft distilled for "
-                   "--target if there is one, smollm2-135m-instruct-draft for the default target; else ngram)")
+    p.add_argument("--draft", default="", help=f"draft model or `ngram` ({DEFAULT_DRAFT_HELP})")
     p.add_argument("--ngram-first", type=ngram_first_value, default=0, metavar="N",
                    help=f"specdec's coordinator: {NGRAM_FIRST_HELP} (default: %(default)s)")
     p.add_argument("--k", type=k_value, default=None,

@@ -32,6 +32,9 @@ NGRAM_FIRST_HELP = (
     "context drafts the tokens that followed it, looked up in the coordinator (free, and right more often "
     "on text that repeats its input), instead of asking the draft model; 0 = off"
 )
+# The --draft flags of the commands that start a stack or run one (specdec.models.default_draft).
+DEFAULT_DRAFT_HELP = ("default: the catalog draft distilled for the target if there is one, "
+                      "smollm2-135m-instruct-draft for the default target; else ngram")
 
 
 def ngram_first_value(text: str) -> int:
@@ -262,8 +265,7 @@ def add_stack_flags(p: argparse.ArgumentParser) -> None:
     env_flag(p, "--target", "SPECDEC_TARGET", default="smollm2-135m-instruct",
              help="target model: catalog name, Hugging Face directory or .gguf file")  # fmt: skip
     env_flag(p, "--draft", "SPECDEC_DRAFT", default="",
-             help="draft model (as --target) or `ngram` for prompt lookup (default: the catalog draft distilled for "
-                  "the target if there is one, smollm2-135m-instruct-draft for the default target; else ngram)")  # fmt: skip
+             help=f"draft model (as --target) or `ngram` for prompt lookup ({DEFAULT_DRAFT_HELP})")  # fmt: skip
     add_ngram_first_flag(p)
     env_flag(p, "--redis-url", "SPECDEC_REDIS_URL", default="", secret=True,
              help="Redis URL; empty starts an embedded redis-server on a private port")  # fmt: skip
@@ -297,7 +299,7 @@ def add_generate_flags(p: argparse.ArgumentParser) -> None:
     env_flag(p, "--timeout", "SPECDEC_TIMEOUT", default=None, type=float, help="deadline of the call in seconds")
     env_flag(p, "--target", "SPECDEC_TARGET", default="smollm2-135m-instruct", help="target for a local stack")
     env_flag(p, "--draft", "SPECDEC_DRAFT", default="",
-             help="draft for a local stack (default: the target's distilled catalog draft if it has one, else ngram)")  # fmt: skip
+             help=f"draft for a local stack ({DEFAULT_DRAFT_HELP})")  # fmt: skip
     add_ngram_first_flag(p, "for a local stack: ")
     add_client_security_flags(p)
 

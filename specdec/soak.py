@@ -55,7 +55,7 @@ class Tally:
 
 
 def add_soak_parser(commands) -> None:
-    from specdec.cli import add_client_security_flags, env_flag
+    from specdec.cli import DEFAULT_DRAFT_HELP, add_client_security_flags, env_flag
 
     p = commands.add_parser(
         "soak",
@@ -77,7 +77,7 @@ def add_soak_parser(commands) -> None:
                    "(repeatable)")  # fmt: skip
     env_flag(p, "--target", "SPECDEC_TARGET", default="smollm2-135m-instruct", help="target of the local stack")
     env_flag(p, "--draft", "SPECDEC_DRAFT", default="",
-             help="draft of the local stack, or `ngram` (default: the target's distilled catalog draft if it has one, else ngram)")  # fmt: skip
+             help=f"draft of the local stack, or `ngram` ({DEFAULT_DRAFT_HELP})")  # fmt: skip
     env_flag(p, "--max-new-tokens", "SPECDEC_MAX_NEW_TOKENS", default=64, type=int, help="tokens per request")
     env_flag(p, "--temperature", "SPECDEC_TEMPERATURE", default=0.0, type=float, help="0 = greedy")
     env_flag(p, "--timeout", "SPECDEC_TIMEOUT", default=300.0, type=float,
