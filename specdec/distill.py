@@ -1015,7 +1015,8 @@ def materialize_draft(target: str | Any, draft_weights_path: str | os.PathLike, 
 
     from specdec.models import VocabMismatchError, load_model, save_model, write_output_vocab
 
-    loaded = load_model(target) if isinstance(target, (str, os.PathLike)) else target
+    # the target as transformers loads it: only its embedding, tokenizer and generation config are used
+    loaded = load_model(target, pack=False) if isinstance(target, (str, os.PathLike)) else target
     with safe_open(str(draft_weights_path), framework="pt") as handle:
         meta = handle.metadata() or {}
         tensors = {key: handle.get_tensor(key) for key in handle.keys()}
