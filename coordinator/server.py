@@ -54,8 +54,9 @@ class CoordinatorConfig:
     redis_url: str = ""
     # Tokenizer for text prompts; default: the model the target reports.
     tokenizer: str = ""
-    # K used when a request does not set one.
-    default_k: int = DEFAULT_K
+    # K used when a request does not set one; None = the draft's own K, as the draft service
+    # reports it (a catalog draft's), else specdec.ngram.DEFAULT_K. See pick_default_k.
+    default_k: int | None = None
     # Largest K a request may ask for (also bounded by what the services accept).
     max_k: int = 16
     # max_new_tokens when a request does not set one, and the most it may ask for.
@@ -95,6 +96,13 @@ class CoordinatorConfig:
     # tokens draft its continuation by lookup here, the others ask the model (coordinator.cycles:
     # n-gram first); 0 = off.
     ngram_first: int = 0
+
+
+def pick_default_k(configured: int | None, draft_k: int, max_k: int) -> int:
+    """K for requests that set none: the coordinator's --default-k (`configured`) when set,
+    else the K the draft service reports for its draft (`draft_k`, ModelInfoResponse.default_k:
+    a catalog draft's fastest; 0 = none), else DEFAULT_K; never above max_k."""
+    return min(configured or draft_k or DEFAULT_K, max_k)
 
 
 class CoordinatorServicer(pb_grpc.CoordinatorServicer):
@@ -142,6 +150,9 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
 
     def max_k(self) -> int:
         return min(self.config.max_k, self.draft_info.max_k or self.config.max_k, self.target_info.max_k)
+
+    def default_k(self) -> int:
+        return pick_default_k(self.config.default_k, self.draft_info.default_k, self.max_k())
 
     @grpc_handler
     async def Generate(self, request: pb.GenerateRequest, context):
@@ -261,7 +272,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         if spec.HasField("num_speculative_tokens"):
             k = spec.num_speculative_tokens
         else:
-            k = self.max_k() if adaptive else min(cfg.default_k, self.max_k())
+            k = self.max_k() if adaptive else self.default_k()
         if not spec.disabled and not 1 <= k <= self.max_k():
             raise InvalidArgument(f"num_speculative_tokens (K) must be between 1 and {self.max_k()}, got {k}")
         if any(not s for s in request.stop):
@@ -352,7 +363,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         return pb.InfoResponse(
             target=self.target_info,
             draft=self.draft_info,
-            default_num_speculative_tokens=min(self.config.default_k, self.max_k()),
+            default_num_speculative_tokens=self.default_k(),
             max_new_tokens_limit=self.config.max_new_tokens_limit,
         )
 

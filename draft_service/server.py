@@ -10,6 +10,7 @@ from draft_service.drafters import ModelDrafter, NgramDrafter
 from specdec import model_service, serving
 from specdec.errors import InvalidArgument, grpc_handler
 from specdec.model_service import ModelService, ModelServiceConfig
+from specdec.models import draft_default_k
 from specdec.ngram import DEFAULT_MAX_NGRAM, DEFAULT_MIN_NGRAM, NGRAM_DRAFT, format_lookup_weights, resolve_lookup_weights
 from specdec.rng import DRAFT, cycle_generator
 from specdec.session import SessionStore
@@ -53,6 +54,7 @@ class DraftServicer(ModelService, pb_grpc.DraftServicer):
                                               format_lookup_weights(weights))
         self.drafter = ModelDrafter(loaded, weights)
         self.info.kind = "model"
+        self.info.default_k = draft_default_k(self.config.model) or 0  # the coordinator's K for requests without one
 
     @grpc_handler
     async def Propose(self, request: pb.ProposeRequest, context):

@@ -48,6 +48,17 @@ def ngram_first_value(text: str) -> int:
     return n
 
 
+def default_k_value(text: str) -> int:
+    """--default-k K: a K of at least 1."""
+    try:
+        k = int(text)
+    except ValueError:
+        k = 0
+    if k < 1:
+        raise argparse.ArgumentTypeError(f"--default-k takes a K of at least 1, got {text!r}")
+    return k
+
+
 def lookup_value(text: str) -> str:
     """--lookup: auto, off, or N:W,... (checked here, applied by the draft service)."""
     from specdec.ngram import resolve_lookup_weights
@@ -221,7 +232,9 @@ def add_coordinator_flags(p: argparse.ArgumentParser) -> None:
     env_flag(p, "--draft-address", "SPECDEC_DRAFT_ADDRESS", default="127.0.0.1:50052", help="draft service address")
     env_flag(p, "--target-address", "SPECDEC_TARGET_ADDRESS", default="127.0.0.1:50053", help="target service address")
     env_flag(p, "--tokenizer", "SPECDEC_TOKENIZER", default="", help="tokenizer to use (default: the target's model)")
-    env_flag(p, "--default-k", "SPECDEC_DEFAULT_K", default=DEFAULT_K, type=int, help="K when a request sets none")
+    env_flag(p, "--default-k", "SPECDEC_DEFAULT_K", type=default_k_value, metavar="K",
+             help="K when a request sets none (default: the K the draft service reports for its draft, "
+                  f"e.g. 2 for smollm2-135m-instruct-draft; else {DEFAULT_K})")  # fmt: skip
     env_flag(p, "--max-k", "SPECDEC_COORDINATOR_MAX_K", default=16, type=int, help="largest K a request may ask for")
     env_flag(p, "--default-max-new-tokens", "SPECDEC_DEFAULT_MAX_NEW_TOKENS", default=128, type=int,
              help="max_new_tokens when a request sets none")  # fmt: skip

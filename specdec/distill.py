@@ -1080,7 +1080,9 @@ class DraftEntry:
     target: str  # catalog name (or path) of the target it was distilled for
     weights: str  # file name under specdec/data (or an absolute path)
     description: str
-    k: int | None = None  # K for requests that set none in a stack running it (its fastest through the services); None: the coordinator's default
+    # K for requests that set none (its fastest through the services): its draft service reports
+    # it (ModelInfoResponse.default_k) and a coordinator without --default-k takes it; None: 4.
+    k: int | None = None
 
 
 DRAFT_CATALOG: dict[str, DraftEntry] = {

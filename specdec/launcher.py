@@ -44,7 +44,6 @@ STOP_TIMEOUT_S = 10.0
 # alone (bench forward_vs_alone) were 1.04 and 0.94 with it, 1.02 and 0.96 without.
 SHARED_MACHINE_ENV = {"GOMP_SPINCOUNT": "10000"}
 LOG_TAIL_LINES = 20  # of a quiet service's output, in the error when it dies while starting
-DEFAULT_K_ENV = "SPECDEC_DEFAULT_K"  # the coordinator's --default-k, when the caller sets it
 
 
 class StackStartError(RuntimeError):
@@ -180,30 +179,17 @@ class Stack:
                        "--threads", str(cfg.draft_threads or draft_threads), *cfg.draft_args)  # fmt: skip
             auth = ["--auth-token-file", cfg.auth_token_file] if cfg.auth_token_file else []
             lookups = ["--ngram-first", str(cfg.ngram_first)] if cfg.ngram_first else []
-            default_k = self.draft_default_k()
-            k_args = ["--default-k", str(default_k)] if default_k else []
             self.spawn(
                 "coordinator", "coordinator",
                 "--draft-address", f"127.0.0.1:{self.ports['draft']}",
                 "--target-address", f"127.0.0.1:{self.ports['target']}",
-                *auth, *lookups, *k_args, *cfg.coordinator_args,
+                *auth, *lookups, *cfg.coordinator_args,
             )  # fmt: skip
             self.wait_ready()
         except BaseException:
             self.stop()
             raise
         return self
-
-    def draft_default_k(self) -> int | None:
-        """--default-k for the coordinator: the draft's own K (specdec.models.draft_default_k)
-        unless the caller sets one (SPECDEC_DEFAULT_K, or --default-k in coordinator_args)."""
-        from specdec.models import draft_default_k
-
-        cfg = self.config
-        caller_sets_k = any(arg.split("=", 1)[0] == "--default-k" for arg in cfg.coordinator_args)
-        if DEFAULT_K_ENV in os.environ or DEFAULT_K_ENV in cfg.env or caller_sets_k:
-            return None
-        return draft_default_k(cfg.draft)
 
     def spawn(self, name: str, service: str, *args: str) -> None:
         host = self.config.host if name == "coordinator" else "127.0.0.1"

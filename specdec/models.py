@@ -115,7 +115,7 @@ def default_draft(target: str) -> str:
 
 def draft_default_k(draft: str) -> int | None:
     """The K a stack running `draft` uses for requests that set none: a catalog draft's own
-    (DraftEntry.k, its fastest through the services); None leaves the coordinator's --default-k."""
+    (DraftEntry.k, its fastest through the services), as its draft service reports it; None: none."""
     entry = draft_catalog().get(draft)
     return entry.k if entry is not None else None  # DraftEntry.k may itself be None
 

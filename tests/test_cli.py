@@ -176,14 +176,20 @@ def test_a_stack_without_a_named_draft_runs_the_targets_distilled_draft_and_ngra
     assert "smollm2-135m-instruct-draft for the default target" in " ".join(run_cli("up", "--help").stdout.split())
 
 
-def test_a_stack_running_a_catalog_draft_gives_requests_without_k_the_drafts_own_k_unless_the_caller_sets_one():
-    from specdec.launcher import Stack, StackConfig
+def test_requests_without_k_get_the_coordinators_default_k_else_the_drafts_own_else_four():
+    from coordinator.server import pick_default_k
+    from specdec.cli import build_parser
     from specdec.models import draft_default_k
 
-    assert draft_default_k("smollm2-135m-instruct-draft") == 2
+    assert draft_default_k("smollm2-135m-instruct-draft") == 2  # what its draft service reports
     assert draft_default_k("ngram") is None and draft_default_k("/some/model") is None
-    assert Stack(StackConfig()).draft_default_k() == 2
-    assert Stack(StackConfig(draft="ngram")).draft_default_k() is None  # the coordinator's --default-k (4)
-    assert Stack(StackConfig(coordinator_args=["--default-k", "3"])).draft_default_k() is None
-    assert Stack(StackConfig(coordinator_args=["--default-k=3"])).draft_default_k() is None
-    assert Stack(StackConfig(env={"SPECDEC_DEFAULT_K": "3"})).draft_default_k() is None
+    assert pick_default_k(None, 2, 16) == 2  # the draft's own
+    assert pick_default_k(3, 2, 16) == 3  # --default-k / SPECDEC_DEFAULT_K wins
+    assert pick_default_k(None, 0, 16) == 4  # a draft without one: specdec.ngram.DEFAULT_K
+    assert pick_default_k(None, 0, 3) == 3 and pick_default_k(8, 2, 5) == 5  # never above what the services take
+    parser = build_parser()
+    assert parser.parse_args(["serve", "coordinator"]).default_k is None
+    assert parser.parse_args(["serve", "coordinator", "--default-k", "3"]).default_k == 3
+    for bad in ("0", "-1", "two"):
+        refused = run_cli("serve", "coordinator", "--default-k", bad)
+        assert refused.returncode == 2 and "--default-k takes a K of at least 1" in refused.stderr, refused.stderr

@@ -160,6 +160,9 @@ def test_greedy_output_through_the_services_with_the_distilled_draft_equals_tran
     looked_up = proposed = 0
     try:
         with specdec.Client(stack.address) as client:
+            if not ngram_first:  # the draft service reports the catalog draft's K; the coordinator takes it
+                info = client.info()
+                assert info.draft.default_k == 2 and info.default_num_speculative_tokens == 2, info
             for k in (2, 4) if ngram_first else (None, 4):  # None: the stack's default K
                 for ids, expected in oracle.items():
                     result = client.generate(prompt_token_ids=list(ids), max_new_tokens=NEW_TOKENS,

@@ -369,6 +369,14 @@ def test_a_session_id_in_use_is_refused_and_the_session_is_left_alone(client, re
     assert store.hgetall(meta_key("taken-1")) == before and before["status"] == "finished"
 
 
+def test_a_draft_directory_without_a_k_of_its_own_leaves_requests_without_k_at_the_coordinators_default(client):
+    info = client.info()
+    assert info.draft.kind == "model" and info.draft.default_k == 0  # not a catalog draft
+    assert info.default_num_speculative_tokens == 4  # specdec.ngram.DEFAULT_K
+    result = client.generate(PROMPT, max_new_tokens=12, temperature=0.0)
+    assert max(c.drafted for c in result.cycles) == 4, [c.drafted for c in result.cycles]
+
+
 def test_internal_calls_for_unknown_sessions_are_not_found(tiny_stack):
     sampling = pb.SamplingParams(temperature=0.0, seed=1)
     with pytest.raises(grpc.RpcError) as info:

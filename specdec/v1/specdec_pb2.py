@@ -24,15 +24,15 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18specdec/v1/specdec.proto\x12\nspecdec.v1\"\x83\x01\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\r\n\x05top_k\x18\x02 \x01(\x05\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x01\x88\x01\x01\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x02\x88\x01\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x07\n\x05_seed\")\n\x0bSparseProbs\x12\x0b\n\x03ids\x18\x01 \x03(\x05\x12\r\n\x05probs\x18\x02 \x03(\x02\")\n\nDenseProbs\x12\r\n\x05probs\x18\x01 \x03(\x02\x12\x0c\n\x04\x66p16\x18\x02 \x01(\x0c\"\x08\n\x06OneHot\".\n\nFixedProbs\x12\x0f\n\x07id_gaps\x18\x01 \x03(\r\x12\x0f\n\x07weights\x18\x02 \x03(\r\"\x12\n\x10ModelInfoRequest\"\xa4\x02\n\x11ModelInfoResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0c\n\x04kind\x18\x02 \x01(\t\x12\x12\n\nvocab_size\x18\x03 \x01(\x05\x12\x19\n\x11vocab_fingerprint\x18\x04 \x01(\t\x12\x13\n\x0bmax_context\x18\x05 \x01(\x05\x12\x15\n\reos_token_ids\x18\x06 \x03(\x05\x12\x0e\n\x06\x64\x65vice\x18\x07 \x01(\t\x12\r\n\x05\x64type\x18\x08 \x01(\t\x12\r\n\x05max_k\x18\t \x01(\x05\x12\x15\n\rsessions_held\x18\n \x01(\x05\x12\x13\n\x0b\x63\x61\x63he_bytes\x18\x0b \x01(\x04\x12\x17\n\x0f\x63\x61\x63he_evictions\x18\x0c \x01(\x04\x12\x11\n\tmin_ngram\x18\r \x01(\x05\x12\x11\n\tmax_ngram\x18\x0e \x01(\x05\"$\n\x0eReleaseRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"#\n\x0fReleaseResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\"\x9b\x01\n\x11SpeculationParams\x12#\n\x16num_speculative_tokens\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x10\n\x08\x64isabled\x18\x02 \x01(\x08\x12\x15\n\x08pipeline\x18\x03 \x01(\x08H\x01\x88\x01\x01\x12\x10\n\x08\x61\x64\x61ptive\x18\x04 \x01(\x08\x42\x19\n\x17_num_speculative_tokensB\x0b\n\t_pipeline\"\x83\x02\n\x0fGenerateRequest\x12\x0e\n\x06prompt\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x1b\n\x0emax_new_tokens\x18\x03 \x01(\x05H\x00\x88\x01\x01\x12,\n\x08sampling\x18\x04 \x01(\x0b\x32\x1a.specdec.v1.SamplingParams\x12\x0c\n\x04stop\x18\x05 \x03(\t\x12\x32\n\x0bspeculation\x18\x06 \x01(\x0b\x32\x1d.specdec.v1.SpeculationParams\x12\x12\n\nsession_id\x18\x07 \x01(\t\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x42\x11\n\x0f_max_new_tokens\"\xde\x01\n\tCycleInfo\x12\r\n\x05index\x18\x01 \x01(\r\x12\x0f\n\x07\x64rafted\x18\x02 \x01(\r\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x03 \x01(\r\x12\r\n\x05\x62onus\x18\x04 \x01(\x08\x12\x10\n\x08\x64raft_ms\x18\x05 \x01(\x02\x12\x11\n\tverify_ms\x18\x06 \x01(\x02\x12\t\n\x01k\x18\x07 \x01(\r\x12\x13\n\x0b\x64raft_bytes\x18\x08 \x01(\r\x12\x11\n\tpipelined\x18\t \x01(\x08\x12\x12\n\nforward_ms\x18\n \x01(\x02\x12\x11\n\tcommit_ms\x18\x0b \x01(\x02\x12\x11\n\tlooked_up\x18\x0c \x01(\x08\"\xde\x01\n\rGenerateStats\x12\x0e\n\x06\x63ycles\x18\x01 \x01(\r\x12\x14\n\x0c\x64raft_tokens\x18\x02 \x01(\x04\x12\x17\n\x0f\x61\x63\x63\x65pted_tokens\x18\x03 \x01(\x04\x12\x1d\n\x15\x61\x63\x63\x65pted_per_position\x18\x04 \x03(\x04\x12\x15\n\rprompt_tokens\x18\x05 \x01(\r\x12\x18\n\x10generated_tokens\x18\x06 \x01(\r\x12\x11\n\telapsed_s\x18\x07 \x01(\x01\x12\x15\n\rfirst_token_s\x18\x08 \x01(\x01\x12\x14\n\x0c\x64raft_cycles\x18\t \x01(\r\"\xc5\x01\n\rGenerateChunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12/\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x18.specdec.v1.FinishReason\x12(\n\x05stats\x18\x04 \x01(\x0b\x32\x19.specdec.v1.GenerateStats\x12$\n\x05\x63ycle\x18\x05 \x01(\x0b\x32\x15.specdec.v1.CycleInfo\x12\x12\n\nsession_id\x18\x06 \x01(\t\"\r\n\x0bInfoRequest\"\xb1\x01\n\x0cInfoResponse\x12-\n\x06target\x18\x01 \x01(\x0b\x32\x1d.specdec.v1.ModelInfoResponse\x12,\n\x05\x64raft\x18\x02 \x01(\x0b\x32\x1d.specdec.v1.ModelInfoResponse\x12&\n\x1e\x64\x65\x66\x61ult_num_speculative_tokens\x18\x03 \x01(\x05\x12\x1c\n\x14max_new_tokens_limit\x18\x04 \x01(\x05\"\x92\x01\n\x0eProposeRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x10\n\x08position\x18\x02 \x01(\x05\x12\x12\n\nnew_tokens\x18\x03 \x03(\x05\x12\t\n\x01k\x18\x04 \x01(\x05\x12,\n\x08sampling\x18\x05 \x01(\x0b\x32\x1a.specdec.v1.SamplingParams\x12\r\n\x05\x63ycle\x18\x06 \x01(\r\"\x86\x02\n\nDraftToken\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12)\n\x06sparse\x18\x02 \x01(\x0b\x32\x17.specdec.v1.SparseProbsH\x00\x12\'\n\x05\x64\x65nse\x18\x03 \x01(\x0b\x32\x16.specdec.v1.DenseProbsH\x00\x12%\n\x07one_hot\x18\x04 \x01(\x0b\x32\x12.specdec.v1.OneHotH\x00\x12\'\n\x05\x66ixed\x18\x06 \x01(\x0b\x32\x16.specdec.v1.FixedProbsH\x00\x12\x18\n\x0e\x66ixed_deflated\x18\x08 \x01(\x0cH\x00\x12\r\n\x05index\x18\x05 \x01(\r\x12\x14\n\x0cmatch_length\x18\x07 \x01(\rB\x03\n\x01q\"\xc6\x02\n\rVerifyRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x10\n\x08position\x18\x02 \x01(\x05\x12\x12\n\nnew_tokens\x18\x03 \x03(\x05\x12&\n\x06\x64rafts\x18\x04 \x03(\x0b\x32\x16.specdec.v1.DraftToken\x12,\n\x08sampling\x18\x05 \x01(\x0b\x32\x1a.specdec.v1.SamplingParams\x12\r\n\x05\x63ycle\x18\x06 \x01(\r\x12\x19\n\x11\x64raft_fingerprint\x18\x07 \x01(\t\x12\x13\n\x0b\x64raft_model\x18\x08 \x01(\t\x12\r\n\x05steps\x18\t \x01(\r\x12\x12\n\ndraft_busy\x18\n \x01(\x08\x12,\n\rstop_at_ngram\x18\x0b \x01(\x0b\x32\x15.specdec.v1.NgramStop\x12\x15\n\rawaits_commit\x18\x0c \x01(\x08\"1\n\tNgramStop\x12\x11\n\tmin_ngram\x18\x01 \x01(\r\x12\x11\n\tmax_ngram\x18\x02 \x01(\r\"\x85\x01\n\x0eVerifyResponse\x12\x14\n\x0cnum_accepted\x18\x01 \x01(\x05\x12\x12\n\nnext_token\x18\x02 \x01(\x05\x12\r\n\x05\x62onus\x18\x03 \x01(\x08\x12\x12\n\nforward_ms\x18\x04 \x01(\x02\x12\x11\n\taccept_ms\x18\x05 \x01(\x02\x12\x13\n\x0bmore_tokens\x18\x06 \x03(\x05*v\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x01\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x02\x12\x15\n\x11\x46INISH_REASON_EOS\x10\x03\x32\x8e\x01\n\x0b\x43oordinator\x12\x44\n\x08Generate\x12\x1b.specdec.v1.GenerateRequest\x1a\x19.specdec.v1.GenerateChunk0\x01\x12\x39\n\x04Info\x12\x17.specdec.v1.InfoRequest\x1a\x18.specdec.v1.InfoResponse2\xd6\x01\n\x05\x44raft\x12?\n\x07Propose\x12\x1a.specdec.v1.ProposeRequest\x1a\x16.specdec.v1.DraftToken0\x01\x12\x42\n\x07Release\x12\x1a.specdec.v1.ReleaseRequest\x1a\x1b.specdec.v1.ReleaseResponse\x12H\n\tModelInfo\x12\x1c.specdec.v1.ModelInfoRequest\x1a\x1d.specdec.v1.ModelInfoResponse2\xd7\x01\n\x06Target\x12?\n\x06Verify\x12\x19.specdec.v1.VerifyRequest\x1a\x1a.specdec.v1.VerifyResponse\x12\x42\n\x07Release\x12\x1a.specdec.v1.ReleaseRequest\x1a\x1b.specdec.v1.ReleaseResponse\x12H\n\tModelInfo\x12\x1c.specdec.v1.ModelInfoRequest\x1a\x1d.specdec.v1.ModelInfoResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18specdec/v1/specdec.proto\x12\nspecdec.v1\"\x83\x01\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\r\n\x05top_k\x18\x02 \x01(\x05\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x01\x88\x01\x01\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x02\x88\x01\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x07\n\x05_seed\")\n\x0bSparseProbs\x12\x0b\n\x03ids\x18\x01 \x03(\x05\x12\r\n\x05probs\x18\x02 \x03(\x02\")\n\nDenseProbs\x12\r\n\x05probs\x18\x01 \x03(\x02\x12\x0c\n\x04\x66p16\x18\x02 \x01(\x0c\"\x08\n\x06OneHot\".\n\nFixedProbs\x12\x0f\n\x07id_gaps\x18\x01 \x03(\r\x12\x0f\n\x07weights\x18\x02 \x03(\r\"\x12\n\x10ModelInfoRequest\"\xb7\x02\n\x11ModelInfoResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0c\n\x04kind\x18\x02 \x01(\t\x12\x12\n\nvocab_size\x18\x03 \x01(\x05\x12\x19\n\x11vocab_fingerprint\x18\x04 \x01(\t\x12\x13\n\x0bmax_context\x18\x05 \x01(\x05\x12\x15\n\reos_token_ids\x18\x06 \x03(\x05\x12\x0e\n\x06\x64\x65vice\x18\x07 \x01(\t\x12\r\n\x05\x64type\x18\x08 \x01(\t\x12\r\n\x05max_k\x18\t \x01(\x05\x12\x15\n\rsessions_held\x18\n \x01(\x05\x12\x13\n\x0b\x63\x61\x63he_bytes\x18\x0b \x01(\x04\x12\x17\n\x0f\x63\x61\x63he_evictions\x18\x0c \x01(\x04\x12\x11\n\tmin_ngram\x18\r \x01(\x05\x12\x11\n\tmax_ngram\x18\x0e \x01(\x05\x12\x11\n\tdefault_k\x18\x0f \x01(\x05\"$\n\x0eReleaseRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"#\n\x0fReleaseResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\"\x9b\x01\n\x11SpeculationParams\x12#\n\x16num_speculative_tokens\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x10\n\x08\x64isabled\x18\x02 \x01(\x08\x12\x15\n\x08pipeline\x18\x03 \x01(\x08H\x01\x88\x01\x01\x12\x10\n\x08\x61\x64\x61ptive\x18\x04 \x01(\x08\x42\x19\n\x17_num_speculative_tokensB\x0b\n\t_pipeline\"\x83\x02\n\x0fGenerateRequest\x12\x0e\n\x06prompt\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x1b\n\x0emax_new_tokens\x18\x03 \x01(\x05H\x00\x88\x01\x01\x12,\n\x08sampling\x18\x04 \x01(\x0b\x32\x1a.specdec.v1.SamplingParams\x12\x0c\n\x04stop\x18\x05 \x03(\t\x12\x32\n\x0bspeculation\x18\x06 \x01(\x0b\x32\x1d.specdec.v1.SpeculationParams\x12\x12\n\nsession_id\x18\x07 \x01(\t\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x42\x11\n\x0f_max_new_tokens\"\xde\x01\n\tCycleInfo\x12\r\n\x05index\x18\x01 \x01(\r\x12\x0f\n\x07\x64rafted\x18\x02 \x01(\r\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x03 \x01(\r\x12\r\n\x05\x62onus\x18\x04 \x01(\x08\x12\x10\n\x08\x64raft_ms\x18\x05 \x01(\x02\x12\x11\n\tverify_ms\x18\x06 \x01(\x02\x12\t\n\x01k\x18\x07 \x01(\r\x12\x13\n\x0b\x64raft_bytes\x18\x08 \x01(\r\x12\x11\n\tpipelined\x18\t \x01(\x08\x12\x12\n\nforward_ms\x18\n \x01(\x02\x12\x11\n\tcommit_ms\x18\x0b \x01(\x02\x12\x11\n\tlooked_up\x18\x0c \x01(\x08\"\xde\x01\n\rGenerateStats\x12\x0e\n\x06\x63ycles\x18\x01 \x01(\r\x12\x14\n\x0c\x64raft_tokens\x18\x02 \x01(\x04\x12\x17\n\x0f\x61\x63\x63\x65pted_tokens\x18\x03 \x01(\x04\x12\x1d\n\x15\x61\x63\x63\x65pted_per_position\x18\x04 \x03(\x04\x12\x15\n\rprompt_tokens\x18\x05 \x01(\r\x12\x18\n\x10generated_tokens\x18\x06 \x01(\r\x12\x11\n\telapsed_s\x18\x07 \x01(\x01\x12\x15\n\rfirst_token_s\x18\x08 \x01(\x01\x12\x14\n\x0c\x64raft_cycles\x18\t \x01(\r\"\xc5\x01\n\rGenerateChunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12/\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x18.specdec.v1.FinishReason\x12(\n\x05stats\x18\x04 \x01(\x0b\x32\x19.specdec.v1.GenerateStats\x12$\n\x05\x63ycle\x18\x05 \x01(\x0b\x32\x15.specdec.v1.CycleInfo\x12\x12\n\nsession_id\x18\x06 \x01(\t\"\r\n\x0bInfoRequest\"\xb1\x01\n\x0cInfoResponse\x12-\n\x06target\x18\x01 \x01(\x0b\x32\x1d.specdec.v1.ModelInfoResponse\x12,\n\x05\x64raft\x18\x02 \x01(\x0b\x32\x1d.specdec.v1.ModelInfoResponse\x12&\n\x1e\x64\x65\x66\x61ult_num_speculative_tokens\x18\x03 \x01(\x05\x12\x1c\n\x14max_new_tokens_limit\x18\x04 \x01(\x05\"\x92\x01\n\x0eProposeRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x10\n\x08position\x18\x02 \x01(\x05\x12\x12\n\nnew_tokens\x18\x03 \x03(\x05\x12\t\n\x01k\x18\x04 \x01(\x05\x12,\n\x08sampling\x18\x05 \x01(\x0b\x32\x1a.specdec.v1.SamplingParams\x12\r\n\x05\x63ycle\x18\x06 \x01(\r\"\x86\x02\n\nDraftToken\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12)\n\x06sparse\x18\x02 \x01(\x0b\x32\x17.specdec.v1.SparseProbsH\x00\x12\'\n\x05\x64\x65nse\x18\x03 \x01(\x0b\x32\x16.specdec.v1.DenseProbsH\x00\x12%\n\x07one_hot\x18\x04 \x01(\x0b\x32\x12.specdec.v1.OneHotH\x00\x12\'\n\x05\x66ixed\x18\x06 \x01(\x0b\x32\x16.specdec.v1.FixedProbsH\x00\x12\x18\n\x0e\x66ixed_deflated\x18\x08 \x01(\x0cH\x00\x12\r\n\x05index\x18\x05 \x01(\r\x12\x14\n\x0cmatch_length\x18\x07 \x01(\rB\x03\n\x01q\"\xc6\x02\n\rVerifyRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x10\n\x08position\x18\x02 \x01(\x05\x12\x12\n\nnew_tokens\x18\x03 \x03(\x05\x12&\n\x06\x64rafts\x18\x04 \x03(\x0b\x32\x16.specdec.v1.DraftToken\x12,\n\x08sampling\x18\x05 \x01(\x0b\x32\x1a.specdec.v1.SamplingParams\x12\r\n\x05\x63ycle\x18\x06 \x01(\r\x12\x19\n\x11\x64raft_fingerprint\x18\x07 \x01(\t\x12\x13\n\x0b\x64raft_model\x18\x08 \x01(\t\x12\r\n\x05steps\x18\t \x01(\r\x12\x12\n\ndraft_busy\x18\n \x01(\x08\x12,\n\rstop_at_ngram\x18\x0b \x01(\x0b\x32\x15.specdec.v1.NgramStop\x12\x15\n\rawaits_commit\x18\x0c \x01(\x08\"1\n\tNgramStop\x12\x11\n\tmin_ngram\x18\x01 \x01(\r\x12\x11\n\tmax_ngram\x18\x02 \x01(\r\"\x85\x01\n\x0eVerifyResponse\x12\x14\n\x0cnum_accepted\x18\x01 \x01(\x05\x12\x12\n\nnext_token\x18\x02 \x01(\x05\x12\r\n\x05\x62onus\x18\x03 \x01(\x08\x12\x12\n\nforward_ms\x18\x04 \x01(\x02\x12\x11\n\taccept_ms\x18\x05 \x01(\x02\x12\x13\n\x0bmore_tokens\x18\x06 \x03(\x05*v\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x01\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x02\x12\x15\n\x11\x46INISH_REASON_EOS\x10\x03\x32\x8e\x01\n\x0b\x43oordinator\x12\x44\n\x08Generate\x12\x1b.specdec.v1.GenerateRequest\x1a\x19.specdec.v1.GenerateChunk0\x01\x12\x39\n\x04Info\x12\x17.specdec.v1.InfoRequest\x1a\x18.specdec.v1.InfoResponse2\xd6\x01\n\x05\x44raft\x12?\n\x07Propose\x12\x1a.specdec.v1.ProposeRequest\x1a\x16.specdec.v1.DraftToken0\x01\x12\x42\n\x07Release\x12\x1a.specdec.v1.ReleaseRequest\x1a\x1b.specdec.v1.ReleaseResponse\x12H\n\tModelInfo\x12\x1c.specdec.v1.ModelInfoRequest\x1a\x1d.specdec.v1.ModelInfoResponse2\xd7\x01\n\x06Target\x12?\n\x06Verify\x12\x19.specdec.v1.VerifyRequest\x1a\x1a.specdec.v1.VerifyResponse\x12\x42\n\x07Release\x12\x1a.specdec.v1.ReleaseRequest\x1a\x1b.specdec.v1.ReleaseResponse\x12H\n\tModelInfo\x12\x1c.specdec.v1.ModelInfoRequest\x1a\x1d.specdec.v1.ModelInfoResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'specdec.v1.specdec_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=2903
-  _globals['_FINISHREASON']._serialized_end=3021
+  _globals['_FINISHREASON']._serialized_start=2922
+  _globals['_FINISHREASON']._serialized_end=3040
   _globals['_SAMPLINGPARAMS']._serialized_start=41
   _globals['_SAMPLINGPARAMS']._serialized_end=172
   _globals['_SPARSEPROBS']._serialized_start=174
@@ -46,39 +46,39 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_MODELINFOREQUEST']._serialized_start=318
   _globals['_MODELINFOREQUEST']._serialized_end=336
   _globals['_MODELINFORESPONSE']._serialized_start=339
-  _globals['_MODELINFORESPONSE']._serialized_end=631
-  _globals['_RELEASEREQUEST']._serialized_start=633
-  _globals['_RELEASEREQUEST']._serialized_end=669
-  _globals['_RELEASERESPONSE']._serialized_start=671
-  _globals['_RELEASERESPONSE']._serialized_end=706
-  _globals['_SPECULATIONPARAMS']._serialized_start=709
-  _globals['_SPECULATIONPARAMS']._serialized_end=864
-  _globals['_GENERATEREQUEST']._serialized_start=867
-  _globals['_GENERATEREQUEST']._serialized_end=1126
-  _globals['_CYCLEINFO']._serialized_start=1129
-  _globals['_CYCLEINFO']._serialized_end=1351
-  _globals['_GENERATESTATS']._serialized_start=1354
-  _globals['_GENERATESTATS']._serialized_end=1576
-  _globals['_GENERATECHUNK']._serialized_start=1579
-  _globals['_GENERATECHUNK']._serialized_end=1776
-  _globals['_INFOREQUEST']._serialized_start=1778
-  _globals['_INFOREQUEST']._serialized_end=1791
-  _globals['_INFORESPONSE']._serialized_start=1794
-  _globals['_INFORESPONSE']._serialized_end=1971
-  _globals['_PROPOSEREQUEST']._serialized_start=1974
-  _globals['_PROPOSEREQUEST']._serialized_end=2120
-  _globals['_DRAFTTOKEN']._serialized_start=2123
-  _globals['_DRAFTTOKEN']._serialized_end=2385
-  _globals['_VERIFYREQUEST']._serialized_start=2388
-  _globals['_VERIFYREQUEST']._serialized_end=2714
-  _globals['_NGRAMSTOP']._serialized_start=2716
-  _globals['_NGRAMSTOP']._serialized_end=2765
-  _globals['_VERIFYRESPONSE']._serialized_start=2768
-  _globals['_VERIFYRESPONSE']._serialized_end=2901
-  _globals['_COORDINATOR']._serialized_start=3024
-  _globals['_COORDINATOR']._serialized_end=3166
-  _globals['_DRAFT']._serialized_start=3169
-  _globals['_DRAFT']._serialized_end=3383
-  _globals['_TARGET']._serialized_start=3386
-  _globals['_TARGET']._serialized_end=3601
+  _globals['_MODELINFORESPONSE']._serialized_end=650
+  _globals['_RELEASEREQUEST']._serialized_start=652
+  _globals['_RELEASEREQUEST']._serialized_end=688
+  _globals['_RELEASERESPONSE']._serialized_start=690
+  _globals['_RELEASERESPONSE']._serialized_end=725
+  _globals['_SPECULATIONPARAMS']._serialized_start=728
+  _globals['_SPECULATIONPARAMS']._serialized_end=883
+  _globals['_GENERATEREQUEST']._serialized_start=886
+  _globals['_GENERATEREQUEST']._serialized_end=1145
+  _globals['_CYCLEINFO']._serialized_start=1148
+  _globals['_CYCLEINFO']._serialized_end=1370
+  _globals['_GENERATESTATS']._serialized_start=1373
+  _globals['_GENERATESTATS']._serialized_end=1595
+  _globals['_GENERATECHUNK']._serialized_start=1598
+  _globals['_GENERATECHUNK']._serialized_end=1795
+  _globals['_INFOREQUEST']._serialized_start=1797
+  _globals['_INFOREQUEST']._serialized_end=1810
+  _globals['_INFORESPONSE']._serialized_start=1813
+  _globals['_INFORESPONSE']._serialized_end=1990
+  _globals['_PROPOSEREQUEST']._serialized_start=1993
+  _globals['_PROPOSEREQUEST']._serialized_end=2139
+  _globals['_DRAFTTOKEN']._serialized_start=2142
+  _globals['_DRAFTTOKEN']._serialized_end=2404
+  _globals['_VERIFYREQUEST']._serialized_start=2407
+  _globals['_VERIFYREQUEST']._serialized_end=2733
+  _globals['_NGRAMSTOP']._serialized_start=2735
+  _globals['_NGRAMSTOP']._serialized_end=2784
+  _globals['_VERIFYRESPONSE']._serialized_start=2787
+  _globals['_VERIFYRESPONSE']._serialized_end=2920
+  _globals['_COORDINATOR']._serialized_start=3043
+  _globals['_COORDINATOR']._serialized_end=3185
+  _globals['_DRAFT']._serialized_start=3188
+  _globals['_DRAFT']._serialized_end=3402
+  _globals['_TARGET']._serialized_start=3405
+  _globals['_TARGET']._serialized_end=3620
 # @@protoc_insertion_point(module_scope)

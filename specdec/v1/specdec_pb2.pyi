@@ -63,7 +63,7 @@ class ModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfoResponse(_message.Message):
-    __slots__ = ("model", "kind", "vocab_size", "vocab_fingerprint", "max_context", "eos_token_ids", "device", "dtype", "max_k", "sessions_held", "cache_bytes", "cache_evictions", "min_ngram", "max_ngram")
+    __slots__ = ("model", "kind", "vocab_size", "vocab_fingerprint", "max_context", "eos_token_ids", "device", "dtype", "max_k", "sessions_held", "cache_bytes", "cache_evictions", "min_ngram", "max_ngram", "default_k")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -78,6 +78,7 @@ class ModelInfoResponse(_message.Message):
     CACHE_EVICTIONS_FIELD_NUMBER: _ClassVar[int]
     MIN_NGRAM_FIELD_NUMBER: _ClassVar[int]
     MAX_NGRAM_FIELD_NUMBER: _ClassVar[int]
+    DEFAULT_K_FIELD_NUMBER: _ClassVar[int]
     model: str
     kind: str
     vocab_size: int
@@ -92,7 +93,8 @@ class ModelInfoResponse(_message.Message):
     cache_evictions: int
     min_ngram: int
     max_ngram: int
-    def __init__(self, model: _Optional[str] = ..., kind: _Optional[str] = ..., vocab_size: _Optional[int] = ..., vocab_fingerprint: _Optional[str] = ..., max_context: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., max_k: _Optional[int] = ..., sessions_held: _Optional[int] = ..., cache_bytes: _Optional[int] = ..., cache_evictions: _Optional[int] = ..., min_ngram: _Optional[int] = ..., max_ngram: _Optional[int] = ...) -> None: ...
+    default_k: int
+    def __init__(self, model: _Optional[str] = ..., kind: _Optional[str] = ..., vocab_size: _Optional[int] = ..., vocab_fingerprint: _Optional[str] = ..., max_context: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., max_k: _Optional[int] = ..., sessions_held: _Optional[int] = ..., cache_bytes: _Optional[int] = ..., cache_evictions: _Optional[int] = ..., min_ngram: _Optional[int] = ..., max_ngram: _Optional[int] = ..., default_k: _Optional[int] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
     __slots__ = ("session_id",)
