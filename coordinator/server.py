@@ -142,6 +142,9 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         self.tokenizer = await asyncio.to_thread(load_tokenizer, name)
         if (lengths := self.ngram_first_lengths()) is not None:  # looked-up drafts cost adaptive K nothing
             self.shared_k.free_classes = frozenset(range(lengths[0], lengths[1] + 1))
+        source = "--default-k" if self.config.default_k else "the draft's own" if self.draft_info.default_k else "default"
+        log.info("draft %s, target %s; requests that set no K get K = %d (%s)",
+                 self.draft_info.model, self.target_info.model, self.default_k(), source)  # fmt: skip
 
     async def close(self) -> None:
         await self.draft_channel.close()

@@ -290,7 +290,8 @@ def test_references_resolve(overlay):
                 ref = env.get("valueFrom", {})
                 if "configMapKeyRef" in ref:
                     cm = ref["configMapKeyRef"]
-                    assert cm["key"] in configmaps.get(cm["name"], {}), f"{name}: {env['name']} <- {cm}"
+                    assert cm["name"] in configmaps, f"{name}: {env['name']} <- {cm}"
+                    assert cm["key"] in configmaps[cm["name"]] or cm.get("optional"), f"{name}: {env['name']} <- {cm}"
                 if "secretKeyRef" in ref:
                     sk = ref["secretKeyRef"]
                     if sk["name"] in external:
@@ -366,6 +367,8 @@ def resolve_env(r: Render, container: dict) -> dict[str, str]:
             )
         elif "configMapKeyRef" in item["valueFrom"]:
             ref = item["valueFrom"]["configMapKeyRef"]
+            if ref.get("optional") and ref["key"] not in configmaps[ref["name"]]:
+                continue  # the kubelet leaves the variable unset
             env[item["name"]] = configmaps[ref["name"]][ref["key"]]
         elif "secretKeyRef" in item["valueFrom"]:
             env[item["name"]] = "0123456789abcdef"  # the content is checked in test_redis_url
@@ -403,6 +406,14 @@ def models_constant(name: str):
         if any(isinstance(t, ast.Name) and t.id == name for t in targets):
             return ast.literal_eval(node.value) if name != "CATALOG" else [ast.literal_eval(k) for k in node.value.keys]
     raise AssertionError(f"specdec/models.py defines no {name}")
+
+
+def draft_catalog_names() -> list[str]:
+    """Names of the catalog drafts (specdec.distill.DRAFT_CATALOG's keys, read like models_constant)."""
+    for node in ast.parse((ROOT / "specdec" / "distill.py").read_text()).body:
+        if isinstance(node, ast.AnnAssign) and getattr(node.target, "id", "") == "DRAFT_CATALOG":
+            return [ast.literal_eval(key) for key in node.value.keys]
+    raise AssertionError("specdec/distill.py defines no DRAFT_CATALOG")
 
 
 def parse_service(monkeypatch, service: str, container: dict, env: dict[str, str]) -> argparse.Namespace:
@@ -467,7 +478,8 @@ def test_services_match_the_cli(overlay, monkeypatch):
         assert ports.get(svc_port["targetPort"], svc_port["targetPort"]) == parsed[service].port
     # sampling limits agree: the coordinator never asks for more than the services accept
     coordinator = parsed["coordinator"]
-    assert 1 <= coordinator.default_k <= coordinator.max_k <= min(parsed["draft"].max_k, parsed["target"].max_k)
+    assert 1 <= coordinator.max_k <= min(parsed["draft"].max_k, parsed["target"].max_k)
+    assert coordinator.default_k is None or 1 <= coordinator.default_k <= coordinator.max_k
     assert 1 <= coordinator.default_max_new_tokens <= coordinator.max_new_tokens_limit
     # the coordinator loads the tokenizer of the model the target reports: it must see it too
     target_model = parsed["target"].model
@@ -485,7 +497,8 @@ def check_model_placement(r: Render, service: str, args: argparse.Namespace, con
     if args.model.startswith("/"):
         assert any(args.model.startswith(p.rstrip("/") + "/") for p in mounts), f"{service}: {args.model} not mounted"
     elif args.model != "ngram":
-        assert args.model in models_constant("CATALOG"), f"{service}: {args.model!r} is no catalog name"
+        catalog = models_constant("CATALOG") + (draft_catalog_names() if service == "draft" else [])
+        assert args.model in catalog, f"{service}: {args.model!r} is no catalog name"
         cache = mounts[resolve_env(r, container)[models_constant("CACHE_ENV")]]
         assert not cache.get("readOnly"), f"{service}: catalog model {args.model} needs a writable cache"
     if args.model != "ngram" and gpus:
