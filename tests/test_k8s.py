@@ -395,25 +395,26 @@ def env_names(service: str) -> frozenset[str]:
 
 
 @functools.cache
-def models_source() -> ast.Module:
-    # specdec.models imports transformers and torch (seconds); its constants are literals, so read them
-    return ast.parse((ROOT / "specdec" / "models.py").read_text())
+def module_source(module: str) -> ast.Module:
+    # specdec.models and specdec.distill import transformers and torch (seconds); their constants
+    # are literals, or dicts keyed by literals, so read them
+    return ast.parse((ROOT / "specdec" / f"{module}.py").read_text())
+
+
+def module_constant(module: str, name: str):
+    """Constant `name` of specdec/`module`.py: its value; for the catalogs (CATALOG,
+    DRAFT_CATALOG), whose values are no literals, their names."""
+    for node in module_source(module).body:
+        targets = [node.target] if isinstance(node, ast.AnnAssign) else getattr(node, "targets", [])
+        if any(isinstance(t, ast.Name) and t.id == name for t in targets):
+            if name in ("CATALOG", "DRAFT_CATALOG"):
+                return [ast.literal_eval(k) for k in node.value.keys]
+            return ast.literal_eval(node.value)
+    raise AssertionError(f"specdec/{module}.py defines no {name}")
 
 
 def models_constant(name: str):
-    for node in models_source().body:
-        targets = [node.target] if isinstance(node, ast.AnnAssign) else getattr(node, "targets", [])
-        if any(isinstance(t, ast.Name) and t.id == name for t in targets):
-            return ast.literal_eval(node.value) if name != "CATALOG" else [ast.literal_eval(k) for k in node.value.keys]
-    raise AssertionError(f"specdec/models.py defines no {name}")
-
-
-def draft_catalog_names() -> list[str]:
-    """Names of the catalog drafts (specdec.distill.DRAFT_CATALOG's keys, read like models_constant)."""
-    for node in ast.parse((ROOT / "specdec" / "distill.py").read_text()).body:
-        if isinstance(node, ast.AnnAssign) and getattr(node.target, "id", "") == "DRAFT_CATALOG":
-            return [ast.literal_eval(key) for key in node.value.keys]
-    raise AssertionError("specdec/distill.py defines no DRAFT_CATALOG")
+    return module_constant("models", name)
 
 
 def parse_service(monkeypatch, service: str, container: dict, env: dict[str, str]) -> argparse.Namespace:
@@ -497,7 +498,7 @@ def check_model_placement(r: Render, service: str, args: argparse.Namespace, con
     if args.model.startswith("/"):
         assert any(args.model.startswith(p.rstrip("/") + "/") for p in mounts), f"{service}: {args.model} not mounted"
     elif args.model != "ngram":
-        catalog = models_constant("CATALOG") + (draft_catalog_names() if service == "draft" else [])
+        catalog = models_constant("CATALOG") + (module_constant("distill", "DRAFT_CATALOG") if service == "draft" else [])
         assert args.model in catalog, f"{service}: {args.model!r} is no catalog name"
         cache = mounts[resolve_env(r, container)[models_constant("CACHE_ENV")]]
         assert not cache.get("readOnly"), f"{service}: catalog model {args.model} needs a writable cache"
