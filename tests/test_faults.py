@@ -5,6 +5,7 @@ where a request must fail. Timings are printed (pytest -s) and bounded generousl
 machine running the tests may be busy."""
 
 import asyncio
+import contextlib
 import os
 import signal
 import threading
@@ -29,6 +30,8 @@ OPTIONS = dict(ignore_eos=True, num_speculative_tokens=3)
 DRAFT_TIMEOUT_S = 0.5
 # How long the draft stays stopped; chunks must keep coming meanwhile.
 DRAFT_STALL_S = 5.0
+# Cycles with drafts the stalled-draft test waits to see, a second after SIGCONT, before it stops.
+SPECULATED_CHUNKS_TO_SEE = 3
 
 
 @pytest.fixture(scope="module")
@@ -115,42 +118,49 @@ def test_a_draft_call_may_take_the_draft_timeout_or_a_quarter_of_the_time_left()
 def test_a_stalled_draft_is_abandoned_and_the_stream_goes_on_target_only(stack):
     """SIGSTOP the draft mid-request: every Propose call now hangs. Each cycle gives up on
     it after --draft-timeout and runs target-only, drafting backs off; after SIGCONT
-    speculation resumes. The greedy output is the no-fault output (pipelining is on,
-    so the speculative calls obey the same budget)."""
-    # Long enough that, on a machine several times faster than CI's, tokens are still to come
-    # once the draft is back and the longest back-off (32 cycles of up to 4 plain steps) is
-    # over: CI's 2 cores made ~500 tokens target-only during the 5 s stall.
+    speculation resumes, and the test stops reading there (closing the stream cancels it).
+    What was streamed is the no-fault greedy output's prefix (pipelining is on, so the
+    speculative calls obey the same budget)."""
+    # A cap the test never reaches: on CI's 2 cores ~500 tokens came target-only during the 5 s
+    # stall, and the longest back-off after it is 32 cycles of up to 4 plain steps.
     options = dict(max_new_tokens=1800, **OPTIONS)
     pid = stack.processes["draft"].pid
+    chunks, arrivals = [], []
+    stopped_at = None
     with specdec.Client(stack.address) as client:
-        expected = client.generate(PROMPT, **options).token_ids
-        chunks, arrivals = [], []
         resume = threading.Timer(DRAFT_STALL_S, os.kill, (pid, signal.SIGCONT))
         try:
-            for chunk in client.generate_stream(PROMPT, **options):
-                chunks.append(chunk)
-                arrivals.append(time.monotonic())
-                if len(chunks) == 3:
-                    os.kill(pid, signal.SIGSTOP)
-                    stopped_at = time.monotonic()
-                    resume.start()
+            with contextlib.closing(client.generate_stream(PROMPT, **options)) as stream:
+                for chunk in stream:
+                    chunks.append(chunk)
+                    arrivals.append(time.monotonic())
+                    if len(chunks) == 3:
+                        os.kill(pid, signal.SIGSTOP)
+                        stopped_at = time.monotonic()
+                        resume.start()
+                    speculated_since_resume = stopped_at is not None and sum(
+                        c.cycle.drafted > 0 for c, t in zip(chunks, arrivals) if t > stopped_at + DRAFT_STALL_S + 1.0
+                    )
+                    if speculated_since_resume >= SPECULATED_CHUNKS_TO_SEE:
+                        break
         finally:
             resume.cancel()
             os.kill(pid, signal.SIGCONT)
-    assert generated(chunks) == expected
-    assert chunks[-1].finish_reason == "length" and chunks[-1].stats.generated_tokens == options["max_new_tokens"]
+        streamed = generated(chunks)
+        assert chunks[-1].finish_reason is None, "the stream ended before speculation resumed"
+        expected = client.generate(PROMPT, **{**options, "max_new_tokens": len(streamed)}).token_ids
+    assert streamed == expected
 
     resumed_at = stopped_at + DRAFT_STALL_S
     during = [i for i, t in enumerate(arrivals) if stopped_at < t < resumed_at]
-    after = [i for i, t in enumerate(arrivals) if t > resumed_at + 1.0]
     gaps = [arrivals[i] - arrivals[i - 1] for i in during[1:]]
-    print(f"\ndraft stopped {DRAFT_STALL_S:.0f} s: {len(during)} chunks meanwhile, longest gap {max(gaps):.2f} s")
+    print(f"\ndraft stopped {DRAFT_STALL_S:.0f} s: {len(during)} chunks meanwhile, longest gap {max(gaps):.2f} s; "
+          f"{len(streamed)} tokens read")  # fmt: skip
     # The stream kept flowing while the draft was stopped; a waiting loop would show one gap.
     assert len(during) >= 10
     assert max(gaps) < DRAFT_TIMEOUT_S + 2.5 < DRAFT_STALL_S
     # Those cycles ran target-only (the first ones may use drafts that arrived before the stop).
     assert sum(chunks[i].cycle.drafted == 0 for i in during) >= len(during) - 2
-    assert any(chunks[i].cycle.drafted > 0 for i in after), "speculation never resumed"
     stack.wait_ready(("draft",))
 
 
