@@ -10,7 +10,7 @@ from draft_service.drafters import ModelDrafter, NgramDrafter
 from specdec import model_service, serving
 from specdec.errors import InvalidArgument, grpc_handler
 from specdec.model_service import ModelService, ModelServiceConfig
-from specdec.models import draft_default_k
+from specdec.catalog import draft_default_k
 from specdec.ngram import DEFAULT_MAX_NGRAM, DEFAULT_MIN_NGRAM, NGRAM_DRAFT, format_lookup_weights, resolve_lookup_weights
 from specdec.rng import DRAFT, cycle_generator
 from specdec.session import SessionStore

@@ -612,17 +612,20 @@ def format_compare_k(r: dict) -> str:
 
 
 def run_bench(args) -> int:
-    import torch
+    from specdec.catalog import default_draft, draft_default_k
 
-    from specdec.models import default_draft, draft_default_k, load_model
-    from specdec.packed import should_pack
-
+    prompts = load_prompts(args.prompts, args.kind)  # a bad file is refused before torch loads
     args.draft = args.draft or default_draft(args.target)
     if args.k is None:  # what a stack running this draft uses for requests that set no K
         args.k = draft_default_k(args.draft) or DEFAULT_K
+
+    import torch
+
+    from specdec.models import load_model
+    from specdec.packed import should_pack
+
     if args.threads:
         torch.set_num_threads(args.threads)
-    prompts = load_prompts(args.prompts, args.kind)
     progress(f"loading target {args.target}" + ("" if args.draft == NGRAM_DRAFT else f" and draft {args.draft}"))
     # The baselines run the models exactly as transformers loads them; the costs, like the
     # services, use specdec's loading (packed linear layers on a CPU, specdec.packed).

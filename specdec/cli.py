@@ -11,7 +11,7 @@ import logging
 import os
 import sys
 
-from specdec.ngram import DEFAULT_K, DEFAULT_MAX_NGRAM, DEFAULT_MIN_NGRAM
+from specdec.ngram import DEFAULT_K, DEFAULT_MAX_NGRAM, DEFAULT_MIN_NGRAM, NGRAM_DRAFT
 
 DEFAULT_ADDRESS = "127.0.0.1:50051"
 TRUE = {"1", "true", "yes", "on"}
@@ -32,7 +32,7 @@ NGRAM_FIRST_HELP = (
     "context drafts the tokens that followed it, looked up in the coordinator (free, and right more often "
     "on text that repeats its input), instead of asking the draft model; 0 = off"
 )
-# The --draft flags of the commands that start a stack or run one (specdec.models.default_draft).
+# The --draft flags of the commands that start a stack or run one (specdec.catalog.default_draft).
 DEFAULT_DRAFT_HELP = ("default: the catalog draft distilled for the target if there is one, "
                       "smollm2-135m-instruct-draft for the default target; else ngram")
 
@@ -356,12 +356,28 @@ def internal_token(args) -> str:
     return tokens[0] if tokens else ""
 
 
+def refuse_missing_model(service: str, model: str) -> None:
+    """Exit at once with the line a failed load would print seconds later (after importing
+    torch and transformers) when --model names no file, folder or catalog model."""
+    from specdec.catalog import ModelNotFoundError, check_model
+    from specdec.serving import load_failed
+
+    if service == "draft" and model == NGRAM_DRAFT:
+        return
+    try:
+        check_model(model)
+    except ModelNotFoundError as exc:
+        raise SystemExit(load_failed(service, exc)) from None
+
+
 def run_serve(args) -> int:
     from specdec.security import AUTH_TOKEN_ENV, INTERNAL_TOKEN_ENV, ChannelSecurity, load_tokens
 
     logging.basicConfig(level=args.log_level.upper(), format=f"%(asctime)s {args.service} %(levelname)s %(message)s")
     if not args.redis_url:
         raise SystemExit("--redis-url (or SPECDEC_REDIS_URL) is required: sessions live in Redis")
+    if args.service != "coordinator":
+        refuse_missing_model(args.service, args.model)
     if args.service == "coordinator":
         from coordinator.server import CoordinatorConfig, serve
 
@@ -536,17 +552,19 @@ def format_stats(stats, finish_reason) -> str:
 
 
 def run_models(args) -> int:
-    from specdec import models
+    from specdec import catalog  # light: listing the catalog loads no torch
 
     if args.models_command == "list":
-        for name in models.list_catalog():
-            state = "cached" if models.is_cached(name) else "not cached"
-            print(f"{name}\t{state}\t{models.describe(name)}")
+        for name in catalog.list_catalog():
+            state = "cached" if catalog.is_cached(name) else "not cached"
+            print(f"{name}\t{state}\t{catalog.describe(name)}")
         return 0
-    if args.name not in models.list_catalog():
-        print(f"error: {args.name!r} is not in the catalog; known: {', '.join(models.list_catalog())}", file=sys.stderr)
+    if not catalog.is_catalog_name(args.name):
+        print(f"error: {args.name!r} is not in the catalog; known: {', '.join(catalog.list_catalog())}", file=sys.stderr)
         return 2
-    print(models.ensure_catalog_model(args.name))
+    from specdec.models import ensure_catalog_model
+
+    print(ensure_catalog_model(args.name))
     return 0
 
 

