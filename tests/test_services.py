@@ -152,13 +152,25 @@ def total_variation(counts: collections.Counter, samples: int, law: dict) -> flo
     return 0.5 * sum(abs(counts[o] / samples - law.get(o, 0.0)) for o in set(counts) | set(law))
 
 
+# The first two tokens of the tiny target (top-k 3) have 17-18 outcomes. Simulated, 20,000
+# empirical laws of 3000 draws from its exact law had TV 0.018 on average (sd 0.005, largest
+# 0.046), so 0.06 is ~8 sd out; the limit scales as 1/sqrt(draws) to stay that far out at
+# other counts (1500 draws: 0.085, where a law moved 10% of the way to the draft's is ~0.095).
+TV_LIMIT_AT_3000 = 0.06
+
+
+def tv_limit(samples: int) -> float:
+    return TV_LIMIT_AT_3000 * math.sqrt(3000 / samples)
+
+
 def assert_the_targets_law_not_the_drafts(tiny_models, prompt_ids, results, temperature, top_k) -> None:
-    """The first two tokens of `results` (draw_first_two's) follow the tiny target's law, not
-    the tiny draft's: 9 outcomes at 3000 draws give an expected TV of ~0.02, so 0.06 is > 4 sigma."""
+    """The first two tokens of `results` (draw_first_two's) follow the tiny target's law
+    (TV below tv_limit), not the tiny draft's."""
     counts = collections.Counter(ids for ids, _ in results)
     p = first_two_law(tiny_models.target, prompt_ids, temperature, top_k)
     q = first_two_law(tiny_models.draft, prompt_ids, temperature, top_k)
-    assert total_variation(counts, len(results), p) < 0.06, f"TV to the target's law {total_variation(counts, len(results), p):.3f}"
+    tv = total_variation(counts, len(results), p)
+    assert tv < tv_limit(len(results)), f"TV to the target's law {tv:.3f} over {len(results)} draws"
     assert total_variation(counts, len(results), q) > 0.2, "the test needs a draft that differs"
 
 
@@ -172,8 +184,7 @@ def test_first_two_tokens_through_the_stack_follow_the_targets_distribution(tiny
     p = first_two_law(tiny_models.target, prompt_ids, temperature, top_k)
     q = first_two_law(tiny_models.draft, prompt_ids, temperature, top_k)
     tv = lambda law: total_variation(counts, samples, law)
-    # 9 outcomes at 3000 draws: the expected TV of the empirical law is ~0.02; 0.06 is > 4 sigma.
-    assert tv(p) < 0.06, f"TV to the target's law {tv(p):.3f}"
+    assert tv(p) < tv_limit(samples), f"TV to the target's law {tv(p):.3f}"
     assert tv(q) > 0.2, f"TV to the draft's law {tv(q):.3f} (the test needs a draft that differs)"
     # Both branches of the rejection rule ran: some drafts accepted, some rejected.
     accepted = sum(stats.accepted_tokens for _, stats in results)
@@ -200,7 +211,7 @@ def test_a_draft_mixed_with_the_prompt_lookup_keeps_the_targets_output_and_law(r
                 assert result.token_ids == hf_greedy(tiny_models.target, ids, 40), prompt
         # "ld" was followed by "b" before: the first draft puts 0.8 on "b" (the target: 27%)
         prompt_ids = tiny_models.tokenizer.encode("ldb hello world")
-        samples, temperature, top_k = 3000, 1.0, 3
+        samples, temperature, top_k = 1500, 1.0, 3  # the wiring of a variant; the law itself: the test above
         results = draw_first_two(stack.address, prompt_ids, samples, temperature, top_k)
     finally:
         stack.stop()
@@ -229,7 +240,7 @@ def test_ngram_first_looks_up_repeats_asks_the_model_otherwise_and_keeps_the_tar
                 assert result.token_ids == expected, prompt
             kinds = collections.Counter(c.looked_up for c in result.cycles if c.drafted)
             assert kinds[True] and kinds[False], f"both kinds of cycle should run: {kinds}"
-        samples, temperature, top_k = 3000, 1.0, 3
+        samples, temperature, top_k = 1500, 1.0, 3  # the wiring of a variant; the law itself: the test above
         # Three tokens: the second cycle, after a rejected lookup, then drafts (with the model).
         results = draw_first_two(stack.address, prompt_ids, samples, temperature, top_k, max_new_tokens=3)
         # With the draft service gone, model cycles fail into back-off and lookups go on.
