@@ -181,7 +181,8 @@ def draft_from_pb(msg: pb.DraftToken, vocab_size: int) -> Draft:
         if form is None or form == "one_hot":
             return Draft(token, None)
         if form == "sparse":
-            q = sampling_math.sparse_to_dense(list(msg.sparse.ids), list(msg.sparse.probs), vocab_size)
+            q = sampling_math.sparse_to_dense(repeated_to_tensor(msg.sparse.ids, np.int64),
+                                              repeated_to_tensor(msg.sparse.probs, np.float64), vocab_size)  # fmt: skip
         elif form == "fixed":
             q = fixed_from_pb(msg.fixed, vocab_size)
         elif form == "fixed_deflated":
@@ -217,10 +218,16 @@ def inflate_fixed(data: bytes, vocab_size: int) -> pb.FixedProbs:
         raise ValueError(f"fixed_deflated q does not inflate to a FixedProbs: {exc}") from None
 
 
+def repeated_to_tensor(values, dtype) -> torch.Tensor:
+    """A protobuf repeated number field as a 1-D tensor, through numpy: a q's few thousand
+    ids and weights in ~0.03 ms each, where torch.tensor(list(values)) took ~1.4 ms."""
+    return torch.from_numpy(np.array(values, dtype=dtype))
+
+
 def fixed_from_pb(msg: pb.FixedProbs, vocab_size: int) -> torch.Tensor:
     """float32 [V] from a fixed-point q; ValueError unless ids ascend and weights sum to FIXED_ONE."""
-    gaps = torch.tensor(list(msg.id_gaps), dtype=torch.int64)  # [S]
-    weights = torch.tensor(list(msg.weights), dtype=torch.int64)  # [S]
+    gaps = repeated_to_tensor(msg.id_gaps, np.int64)  # [S]
+    weights = repeated_to_tensor(msg.weights, np.int64)  # [S]
     if len(gaps) != len(weights):
         raise ValueError(f"fixed q has {len(gaps)} ids but {len(weights)} weights")
     if len(gaps) > 1 and int(gaps[1:].min()) == 0:
@@ -249,7 +256,7 @@ def dense_from_pb(msg: pb.DenseProbs, vocab_size: int) -> torch.Tensor:
         return q / total
     if len(msg.probs) != vocab_size:
         raise ValueError(f"dense q has {len(msg.probs)} entries; the vocabulary has {vocab_size}")
-    return torch.tensor(msg.probs, dtype=torch.float32)
+    return repeated_to_tensor(msg.probs, np.float32)
 
 
 def stack_draft_probs(drafts: Sequence[Draft]) -> torch.Tensor | None:
