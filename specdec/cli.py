@@ -376,8 +376,6 @@ def run_serve(args) -> int:
     logging.basicConfig(level=args.log_level.upper(), format=f"%(asctime)s {args.service} %(levelname)s %(message)s")
     if not args.redis_url:
         raise SystemExit("--redis-url (or SPECDEC_REDIS_URL) is required: sessions live in Redis")
-    if args.service != "coordinator":
-        refuse_missing_model(args.service, args.model)
     if args.service == "coordinator":
         from coordinator.server import CoordinatorConfig, serve
 
@@ -394,6 +392,7 @@ def run_serve(args) -> int:
                                      internal_token(args)),
         )  # fmt: skip
     elif args.service == "draft":
+        refuse_missing_model("draft", args.model)
         from draft_service.server import DraftConfig, serve
 
         set_threads(args.threads)
@@ -405,6 +404,7 @@ def run_serve(args) -> int:
             security=server_security(args, load_tokens(args.internal_token_file, INTERNAL_TOKEN_ENV)),
         )  # fmt: skip
     else:
+        refuse_missing_model("target", args.model)
         from target_service.server import TargetConfig, serve
 
         set_threads(args.threads)
