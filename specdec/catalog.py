@@ -81,6 +81,7 @@ DRAFT_CATALOG: dict[str, DraftEntry] = {
     ),
 }
 
+
 def packaged_weights(entry: DraftEntry) -> Path:
     """The compact weights file of a catalog draft (an absolute entry.weights wins)."""
     return Path(__file__).parent / "data" / entry.weights
@@ -187,12 +188,14 @@ def is_catalog_name(name: str) -> bool:
     return name in CATALOG or name in draft_catalog()
 
 
-def check_model(name_or_path: str) -> None:
-    """Raise ModelNotFoundError unless `name_or_path` is a model on disk (local_model) or a
-    catalog name; what it says is what loading it would say, only without loading torch."""
-    if local_model(name_or_path) is None and not is_catalog_name(name_or_path):
+def check_model(name_or_path: str) -> tuple[Path, Path | None] | None:
+    """local_model(name_or_path) for a model on disk, None for a catalog name; else
+    ModelNotFoundError, saying what loading it would say, only without loading torch."""
+    found = local_model(name_or_path)
+    if found is None and not is_catalog_name(name_or_path):
         raise ModelNotFoundError(
             f"model {name_or_path!r} not found: no file or directory at {Path(name_or_path).expanduser().resolve()} "
             f"and not a catalog name. Catalog: {', '.join(list_catalog())}. Pass a catalog name, a Hugging Face "
             "model directory (config.json + safetensors) or a .gguf file."
         )
+    return found

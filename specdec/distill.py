@@ -65,9 +65,7 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
-from specdec.catalog import (  # the catalog drafts are defined there; these names stay importable here
-    CACHE_MARKER, CATALOG, DRAFT_CATALOG, DraftEntry, catalog_model_dir, packaged_weights, sha256,
-)  # fmt: skip
+from specdec.catalog import CACHE_MARKER, CATALOG, DRAFT_CATALOG, catalog_model_dir, packaged_weights, sha256
 from specdec.ngram import (
     LOOKUP_MAX_NGRAM, LOOKUP_WEIGHT_GRID, find_continuation, format_lookup_weights, mix_lookup, parse_lookup_weights,
     resolve_lookup_weights, write_lookup_file,

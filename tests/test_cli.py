@@ -209,7 +209,7 @@ def test_a_quiet_stack_that_cannot_start_puts_the_service_output_in_its_error(ti
 def test_a_stack_without_a_named_draft_runs_the_targets_distilled_draft_and_ngram_for_other_targets(tmp_path):
     from specdec.cli import build_parser
     from specdec.launcher import StackConfig, default_threads
-    from specdec.models import default_draft
+    from specdec.catalog import default_draft
 
     assert default_draft("smollm2-135m-instruct") == "smollm2-135m-instruct-draft"
     assert default_draft(str(tmp_path / "some-other-model")) == "ngram"
@@ -225,7 +225,7 @@ def test_a_stack_without_a_named_draft_runs_the_targets_distilled_draft_and_ngra
 def test_requests_without_k_get_the_coordinators_default_k_else_the_drafts_own_else_four():
     from coordinator.server import pick_default_k
     from specdec.cli import build_parser
-    from specdec.models import draft_default_k
+    from specdec.catalog import draft_default_k
 
     assert draft_default_k("smollm2-135m-instruct-draft") == 2  # what its draft service reports
     assert draft_default_k("ngram") is None and draft_default_k("/some/model") is None

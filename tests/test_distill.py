@@ -25,7 +25,9 @@ from specdec.distill import (
     materialize_draft,
     run_distill,
 )
-from specdec.models import VocabMismatchError, build_tiny_model, build_tiny_tokenizer, is_cached, load_model, save_model
+from specdec import catalog
+from specdec.catalog import is_cached
+from specdec.models import VocabMismatchError, build_tiny_model, build_tiny_tokenizer, load_model, save_model
 
 from conftest import TINY_INIT_RANGE, start_stack
 
@@ -416,8 +418,8 @@ def test_default_prompt_set_is_varied_and_holds_out_distinct_prompts():
 
 
 def test_catalog_draft_entry_points_at_a_packaged_weights_file():
-    for entry in distill_module.DRAFT_CATALOG.values():
-        path = Path(distill_module.__file__).parent / "data" / entry.weights
+    for entry in catalog.DRAFT_CATALOG.values():
+        path = catalog.packaged_weights(entry)
         if not path.exists():
             pytest.skip(f"{path.name} not built yet (run the README's `specdec distill` command)")
         assert path.stat().st_size < 20 * 2**20
@@ -426,8 +428,8 @@ def test_catalog_draft_entry_points_at_a_packaged_weights_file():
 def test_a_catalog_draft_is_built_on_first_use_and_cached(distilled, tiny, tmp_path, monkeypatch):
     out, _, _, _ = distilled
     monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path / "cache"))
-    entry = distill_module.DraftEntry(name="tiny-draft", target=tiny[1], weights=str(out / WEIGHTS_NAME), description="")
-    monkeypatch.setitem(distill_module.DRAFT_CATALOG, "tiny-draft", entry)
+    entry = catalog.DraftEntry(name="tiny-draft", target=tiny[1], weights=str(out / WEIGHTS_NAME), description="")
+    monkeypatch.setitem(catalog.DRAFT_CATALOG, "tiny-draft", entry)
     built = distill_module.ensure_distilled_draft("tiny-draft", progress=False)
     assert (built / "specdec-model.json").is_file()
     assert load_model(str(built)).vocab_fingerprint == load_model(tiny[1]).vocab_fingerprint
@@ -444,7 +446,7 @@ def test_a_catalog_draft_is_built_on_first_use_and_cached(distilled, tiny, tmp_p
     first = sorted(tensors)[0]
     tensors[first] = tensors[first] + 0.01
     save_file(tensors, str(tmp_path / "newer.safetensors"), metadata=metadata)
-    monkeypatch.setitem(distill_module.DRAFT_CATALOG, "tiny-draft", dataclasses.replace(entry, weights=str(tmp_path / "newer.safetensors")))
+    monkeypatch.setitem(catalog.DRAFT_CATALOG, "tiny-draft", dataclasses.replace(entry, weights=str(tmp_path / "newer.safetensors")))
     assert not is_cached("tiny-draft")
     assert distill_module.ensure_distilled_draft("tiny-draft", progress=False) == built and is_cached("tiny-draft")
     assert (built / "model.safetensors").stat().st_mtime_ns != stamp

@@ -20,21 +20,16 @@ import pytest
 import torch
 
 from specdec import models
+from specdec.catalog import CACHE_MARKER, CATALOG, ModelNotFoundError, cache_dir, is_cached, list_catalog
 from specdec.models import (
-    CATALOG,
-    CACHE_MARKER,
     OUTPUT_VOCAB_FILE,
     CatalogFetchError,
     LoadedModel,
-    ModelNotFoundError,
     VocabMismatchError,
     build_tiny_model,
     build_tiny_tokenizer,
-    cache_dir,
     check_vocab_match,
     ensure_catalog_model,
-    is_cached,
-    list_catalog,
     load_model,
     load_tokenizer,
     save_model,
