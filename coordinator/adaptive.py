@@ -48,7 +48,7 @@ import copy
 import math
 from dataclasses import dataclass, field
 
-from specdec.sampling import expected_tokens_by_position
+from specdec.speedup import expected_tokens_by_position
 
 DECAY = 0.95
 PRIOR_ACCEPTED = 1.0  # a Beta(1, 1) prior on α̂_0 ...

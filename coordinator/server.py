@@ -26,13 +26,12 @@ from specdec.errors import (
     status_for,
 )
 from specdec.metrics import CoordinatorMetrics
-from specdec.kvcache import check_token_ids
 from specdec.ngram import DEFAULT_K, DEFAULT_MAX_NGRAM, DEFAULT_MIN_NGRAM, NGRAM_DRAFT
 from specdec.security import ChannelSecurity, ServerSecurity
 from specdec.session import SessionStore, check_session_id, new_session_id
 from specdec.v1 import specdec_pb2 as pb
 from specdec.v1 import specdec_pb2_grpc as pb_grpc
-from specdec.wire import Sampling, sampling_from_pb
+from specdec.wire import Sampling, check_token_ids, sampling_from_pb
 
 log = logging.getLogger("specdec.coordinator")
 
@@ -128,7 +127,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         self.target_info = await wait_for_model_info(self.target, "target", self.config.target_address, timeout)
         self.draft_info = await wait_for_model_info(self.draft, "draft", self.config.draft_address, timeout)
         if self.draft_info.kind != NGRAM_DRAFT:
-            from specdec.models import check_vocab_match
+            from specdec.vocab import check_vocab_match
 
             check_vocab_match(
                 self.draft_info.model,
@@ -136,7 +135,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
                 self.target_info.model,
                 self.target_info.vocab_fingerprint,
             )
-        from specdec.models import load_tokenizer
+        from specdec.vocab import load_tokenizer
 
         name = self.config.tokenizer or self.target_info.model
         self.tokenizer = await asyncio.to_thread(load_tokenizer, name)

@@ -22,7 +22,8 @@ import torch
 from specdec.kvcache import SessionState, forward
 from specdec.ngram import DEFAULT_MAX_NGRAM, DEFAULT_MIN_NGRAM, NGRAM_DRAFT, find_continuation, lookup_token, mix_lookup
 from specdec.sampling import greedy_token, sample
-from specdec.wire import Sampling, wire_q
+from specdec.draft_wire import wire_q
+from specdec.wire import Sampling
 
 
 class ModelDrafter:

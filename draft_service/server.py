@@ -16,7 +16,7 @@ from specdec.rng import DRAFT, cycle_generator
 from specdec.session import SessionStore
 from specdec.v1 import specdec_pb2 as pb
 from specdec.v1 import specdec_pb2_grpc as pb_grpc
-from specdec.wire import draft_token_to_pb
+from specdec.draft_wire import draft_token_to_pb
 
 
 @dataclass

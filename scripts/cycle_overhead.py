@@ -18,7 +18,7 @@ import time
 import specdec
 from specdec.bench import encode, load_prompts
 from specdec.launcher import Stack, StackConfig
-from specdec.models import load_tokenizer
+from specdec.vocab import load_tokenizer
 from specdec.redis_server import free_port
 
 

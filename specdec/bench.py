@@ -347,7 +347,7 @@ def required_alpha(speedup: float, k: int, c_q: float, c_verify: float, c_p: flo
     """The smallest α at which K drafts per cycle make `speedup` × the target alone's
     tokens/s (1 / c_p), by the seed's model: E[tokens](α, K) / (K·c_q + c_verify), or
     / max(K·c_q, c_verify) when pipelined. None when even α = 1 falls short."""
-    from specdec.sampling import expected_tokens_per_cycle
+    from specdec.speedup import expected_tokens_per_cycle
 
     cycle_ms = max(k * c_q, c_verify) if pipelined else k * c_q + c_verify
     needed = speedup * cycle_ms / c_p  # tokens per cycle
@@ -378,7 +378,7 @@ def analytic_rates(alpha: float, cycles_by_k: dict[int, int], plain_tokens: int,
     c_p (and c_q). The seed's formula is one of decoding: without this term the prefills a
     run measures count against its efficiency.
     """
-    from specdec.sampling import expected_tokens_per_cycle
+    from specdec.speedup import expected_tokens_per_cycle
 
     groups = [(alpha, cycles_by_k, c_q)] + ([(looked_up[0], looked_up[1], 0.0)] if looked_up else [])
     tokens = plain_tokens + sum(n * expected_tokens_per_cycle(a, k) for a, by_k, _ in groups for k, n in by_k.items())
@@ -630,7 +630,7 @@ def run_bench(args) -> int:
     # The baselines run the models exactly as transformers loads them; the costs, like the
     # services, use specdec's loading (packed linear layers on a CPU, specdec.packed).
     if args.compare_k:  # specdec only: the services load the models themselves
-        from specdec.models import load_tokenizer
+        from specdec.vocab import load_tokenizer
 
         tokenizer = load_tokenizer(args.target)
         return run_compare_k(args, [encode(tokenizer, p, not args.no_chat_template) for p in prompts])

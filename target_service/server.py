@@ -9,12 +9,12 @@ from opentelemetry import trace
 from specdec import model_service, serving
 from specdec.errors import FailedPrecondition, InvalidArgument, grpc_handler
 from specdec.model_service import ModelService, ModelServiceConfig
-from specdec.models import VocabMismatchError, check_vocab_match
+from specdec.vocab import VocabMismatchError, check_vocab_match
 from specdec.rng import TARGET, cycle_generator
 from specdec.session import SessionStore
 from specdec.v1 import specdec_pb2 as pb
 from specdec.v1 import specdec_pb2_grpc as pb_grpc
-from specdec.wire import draft_from_pb
+from specdec.draft_wire import draft_from_pb
 from target_service.verifier import Verifier
 
 

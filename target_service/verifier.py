@@ -18,7 +18,8 @@ from specdec.errors import OutOfRange
 from specdec.kvcache import SessionState, forward
 from specdec.ngram import find_continuation
 from specdec.sampling import greedy_token, greedy_verdict, rejection_sample, sample
-from specdec.wire import Draft, Sampling, stack_draft_probs
+from specdec.draft_wire import Draft, stack_draft_probs
+from specdec.wire import Sampling
 
 
 def use_threads(threads: int) -> None:

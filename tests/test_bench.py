@@ -157,7 +157,7 @@ def test_bench_costs_prints_each_ks_cost_and_the_alpha_it_needs(tiny_models, tmp
 
 def test_required_alpha_is_where_the_seeds_rate_reaches_the_speedup():
     from specdec.bench import required_alpha
-    from specdec.sampling import expected_tokens_per_cycle
+    from specdec.speedup import expected_tokens_per_cycle
 
     c_p, c_q, c_verify = 100.0, 10.0, 180.0
     alpha = required_alpha(1.3, 4, c_q, c_verify, c_p)

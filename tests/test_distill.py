@@ -27,7 +27,8 @@ from specdec.distill import (
 )
 from specdec import catalog
 from specdec.catalog import is_cached
-from specdec.models import VocabMismatchError, build_tiny_model, build_tiny_tokenizer, load_model, save_model
+from specdec.models import build_tiny_model, build_tiny_tokenizer, load_model, save_model
+from specdec.vocab import VocabMismatchError
 
 from conftest import TINY_INIT_RANGE, start_stack
 

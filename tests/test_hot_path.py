@@ -221,7 +221,8 @@ def test_a_model_draft_with_lookup_weights_draws_from_q_mixed_with_the_lookups_t
     from specdec.kvcache import SessionState
     from specdec.ngram import lookup_token, mix_lookup
     from specdec.rng import DRAFT, cycle_generator
-    from specdec.wire import Sampling, wire_q
+    from specdec.draft_wire import wire_q
+    from specdec.wire import Sampling
 
     weights = {1: 0.0, 2: 0.5, 3: 0.8}
     drafter = ModelDrafter(SimpleNamespace(model=model), weights)

@@ -11,7 +11,9 @@ import json
 import math
 import shutil
 import socket
+import subprocess
 import tempfile
+import sys
 import time
 import zipfile
 from pathlib import Path
@@ -25,17 +27,14 @@ from specdec.models import (
     OUTPUT_VOCAB_FILE,
     CatalogFetchError,
     LoadedModel,
-    VocabMismatchError,
     build_tiny_model,
     build_tiny_tokenizer,
-    check_vocab_match,
     ensure_catalog_model,
     load_model,
-    load_tokenizer,
     save_model,
-    vocab_fingerprint,
     write_output_vocab,
 )
+from specdec.vocab import VocabMismatchError, check_vocab_match, load_tokenizer, vocab_fingerprint
 
 SMOLLM2 = "smollm2-135m-instruct"
 PLAIN_TEXT = ["hello world", "the quick brown fox, jumps!  two spaces", "a\nnew line: ok?", " leading and trailing "]
@@ -258,6 +257,49 @@ def test_check_vocab_match(tiny_tokenizer):
     message = str(caught.value)
     for part in ("draft-a", "target-b", other[:12], fingerprint[:12], "tokenizer"):
         assert part in message
+
+
+TOKENIZER_TEXTS = ["hello world", "a\nnew line: ok?", " leading and trailing ", "caf\u00e9 \u00fcber \u65e5\u672c \U0001f680",
+                   "def f(x):\n    return x  # code", "<s>ab</s><|im_start|>user\nhi<|im_end|>"]
+
+
+def tokenizer_behaviour(tokenizer) -> list:
+    """What the coordinator asks of a tokenizer, over TOKENIZER_TEXTS: ids, and the text decoded back."""
+    ids = [tokenizer.encode(text) for text in TOKENIZER_TEXTS]
+    return [ids, [tokenizer.decode(i, skip_special_tokens=True) for i in ids], [tokenizer.decode(i) for i in ids]]
+
+
+def test_a_llama_directory_with_the_generic_fast_tokenizer_loads_it_as_autotokenizer_would(tiny_dir):
+    from transformers import AutoTokenizer
+
+    from specdec.vocab import generic_fast_tokenizer
+
+    directory, _ = tiny_dir
+    assert generic_fast_tokenizer(directory)
+    light, auto = load_tokenizer(str(directory)), AutoTokenizer.from_pretrained(str(directory), local_files_only=True)
+    assert type(light) is type(auto)
+    assert tokenizer_behaviour(light) == tokenizer_behaviour(auto)
+    assert vocab_fingerprint(light) == vocab_fingerprint(auto)
+    assert light.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True, tokenize=False) \
+        == "user: hi\nassistant: "
+
+
+def test_a_tokenizer_of_another_class_or_with_custom_code_goes_through_autotokenizer(tiny_dir):
+    from specdec.vocab import generic_fast_tokenizer
+
+    directory, _ = tiny_dir
+    config_path = directory / "tokenizer_config.json"
+    original = json.loads(config_path.read_text())
+    for change in ({"tokenizer_class": "GPT2Tokenizer"}, {"auto_map": {"AutoTokenizer": ["x.X", None]}}):
+        config_path.write_text(json.dumps({**original, **change}))
+        assert not generic_fast_tokenizer(directory), change
+    config_path.write_text(json.dumps(original))
+    model_config = json.loads((directory / "config.json").read_text())
+    (directory / "config.json").write_text(json.dumps({**model_config, "model_type": "qwen2"}))
+    assert not generic_fast_tokenizer(directory)
+    (directory / "config.json").write_text(json.dumps(model_config))
+    (directory / "tokenizer.json").unlink()
+    assert not generic_fast_tokenizer(directory)
 
 
 # ---------------------------------------------------------------------------------------
@@ -486,6 +528,35 @@ def test_smollm2_gguf_file_loads_directly_and_matches_the_cache(smollm2, tmp_pat
     torch.testing.assert_close(
         next_token_logits(direct.model, prompt), next_token_logits(converted.model, prompt), rtol=0, atol=1e-5
     )
+
+
+LIGHT_TOKENIZER_CHECK = """
+import json, sys
+from specdec.vocab import load_tokenizer, vocab_fingerprint
+tokenizer = load_tokenizer(sys.argv[1])
+torch_modules = sorted(m for m in sys.modules if m.split(".")[0] == "torch")
+sys.path.insert(0, "tests")
+from test_models import tokenizer_behaviour  # (imports torch itself: after the count)
+print(json.dumps([type(tokenizer).__name__, tokenizer_behaviour(tokenizer), vocab_fingerprint(tokenizer), torch_modules]))
+"""
+
+
+@pytest.mark.slow
+def test_smollm2_tokenizer_loads_without_torch_and_encodes_as_autotokenizer_does(smollm2):
+    """The coordinator's tokenizer for the default target: no torch imported, and the same ids
+    and text as AutoTokenizer (which the model services use) on plain, Unicode, code and chat text."""
+    from transformers import AutoTokenizer
+
+    directory = str(smollm2[0] / "models" / SMOLLM2)
+    out = subprocess.run([sys.executable, "-c", LIGHT_TOKENIZER_CHECK, directory], capture_output=True, text=True,
+                         timeout=120, cwd=Path(__file__).parent.parent)  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    name, behaviour, fingerprint, torch_modules = json.loads(out.stdout)
+    auto = AutoTokenizer.from_pretrained(directory, local_files_only=True)
+    assert torch_modules == []
+    assert name == type(auto).__name__
+    assert behaviour == json.loads(json.dumps(tokenizer_behaviour(auto)))
+    assert fingerprint == vocab_fingerprint(auto)
 
 
 @pytest.mark.slow

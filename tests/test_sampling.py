@@ -23,14 +23,13 @@ from specdec.sampling import (
     acceptance_rate,
     check_distribution,
     check_draft,
-    expected_speedup,
-    expected_tokens_per_cycle,
     rejection_sample,
     rejection_sample_batch,
     sample,
     sparse_to_dense,
     warp,
 )
+from specdec.speedup import expected_speedup, expected_tokens_per_cycle
 
 # Probability that one statistical check fails although the sampler is correct.
 FAILURE_PROB = 1e-6

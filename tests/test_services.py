@@ -308,6 +308,16 @@ def test_the_stacks_model_services_let_idle_openmp_threads_sleep_soon_unless_the
     assert service_environment({}, {"X": "1"}) == {"GOMP_SPINCOUNT": "10000", "X": "1"}
 
 
+def test_the_coordinator_serves_text_without_loading_torch_and_the_model_services_load_it(tiny_stack, client):
+    """The coordinator needs a tokenizer, never a model: after a text request and a sampled
+    request with adaptive K, its process has mapped no libtorch (the model services have)."""
+    assert client.generate(PROMPT, max_new_tokens=8, num_speculative_tokens=2).text
+    client.generate(PROMPT, max_new_tokens=8, temperature=1.0, seed=3, adaptive_k=True)
+    for name in ("coordinator", "draft", "target"):
+        with open(f"/proc/{tiny_stack.processes[name].pid}/maps") as f:
+            assert ("libtorch" in f.read()) == (name != "coordinator"), name
+
+
 def test_finished_requests_release_their_sessions_and_record_them_in_redis(tiny_stack, client, redis_url):
     result = client.generate(PROMPT, max_new_tokens=12, ignore_eos=True, session_id="done-1")
     assert wait_until(lambda: sessions_held(tiny_stack, "target") == 0)

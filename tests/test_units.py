@@ -16,9 +16,10 @@ from specdec.errors import FailedPrecondition, InvalidArgument, NotFound, OutOfR
 from specdec.kvcache import SessionPool, SessionState, cache_bytes, new_cache
 from specdec.rng import DRAFT, TARGET, cycle_generator
 from specdec.v1 import specdec_pb2 as pb
-from specdec import wire
+from specdec import draft_wire
 from specdec.sampling import warp
-from specdec.wire import Sampling, draft_from_pb, draft_token_to_pb, sampling_from_pb, stack_draft_probs
+from specdec.draft_wire import draft_from_pb, draft_token_to_pb, stack_draft_probs
+from specdec.wire import Sampling, sampling_from_pb
 
 
 # ---------------------------------------------------------------- n-gram lookup
@@ -222,17 +223,17 @@ def test_fixed_point_rounding_sums_exactly_and_moves_each_token_by_at_most_one_u
     generator = torch.Generator().manual_seed(5)
     for scale in (0.5, 3.0, 8.0):
         q = torch.softmax(torch.randn(5000, generator=generator) * scale, -1)
-        fixed = wire.to_fixed_point(q)
-        weights = wire.fixed_weights(fixed)
-        assert weights is not None and int(weights.sum()) == wire.FIXED_ONE and int(weights.min()) >= 0
-        assert float((fixed.double() - q.double()).abs().max()) <= 1 / wire.FIXED_ONE + 1e-9
-        assert wire.fixed_weights(q) is None  # a float q is not mistaken for fixed point
+        fixed = draft_wire.to_fixed_point(q)
+        weights = draft_wire.fixed_weights(fixed)
+        assert weights is not None and int(weights.sum()) == draft_wire.FIXED_ONE and int(weights.min()) >= 0
+        assert float((fixed.double() - q.double()).abs().max()) <= 1 / draft_wire.FIXED_ONE + 1e-9
+        assert draft_wire.fixed_weights(q) is None  # a float q is not mistaken for fixed point
 
 
 def test_any_q_round_trips_exactly_through_the_wire_whatever_its_form():
     generator = torch.Generator().manual_seed(6)
     for vocab, scale, top_k in ((50, 1.0, 0), (49152, 0.01, 0), (49152, 3.0, 50), (49152, 2.0, 0)):
-        sent = wire.wire_q(warp(torch.randn(vocab, generator=generator) * scale, 1.0, top_k=top_k))
+        sent = draft_wire.wire_q(warp(torch.randn(vocab, generator=generator) * scale, 1.0, top_k=top_k))
         token = int(torch.multinomial(sent, 1, generator=generator))
         received = draft_from_pb(draft_token_to_pb(0, token, sent), vocab).q
         # exactly what the draft sampled from, up to float16 dense's renormalisation
@@ -241,7 +242,7 @@ def test_any_q_round_trips_exactly_through_the_wire_whatever_its_form():
 
 def test_a_flat_full_support_q_travels_as_float16_dense_not_lossy_fixed_point():
     q = torch.softmax(torch.randn(49152, generator=torch.Generator().manual_seed(0)) * 0.01, -1)
-    sent = wire.wire_q(q)  # ~2e-5 per token: fixed point would move ~25% of the mass
+    sent = draft_wire.wire_q(q)  # ~2e-5 per token: fixed point would move ~25% of the mass
     msg = draft_token_to_pb(1, 4, sent)
     assert msg.WhichOneof("q") == "dense" and len(msg.dense.fp16) == 2 * 49152 and not msg.dense.probs
     one_hot = draft_token_to_pb(2, 4, None)
@@ -264,14 +265,14 @@ def test_a_flat_draft_at_top_p_or_top_k_costs_under_a_fiftieth_of_dense_float32(
     for top_k, top_p in ((50, 1.0), (0, 0.9)):
         logits = torch.randn(49152, generator=generator) * 3.2
         q = warp(logits, 1.0, top_k=top_k, top_p=top_p)
-        sent = wire.wire_q(q)
+        sent = draft_wire.wire_q(q)
         msg = draft_token_to_pb(0, int(logits.argmax()), sent)
         assert msg.WhichOneof("q") == ("fixed" if top_k == 50 else "fixed_deflated")
         assert torch.equal(draft_from_pb(msg, 49152).q, sent)  # exact either way
         support = int((q > 0).sum())
         assert (top_k == 50 and support == 50) or 700 < support < 3000
         assert msg.ByteSize() * 50 < float32_dense, (support, msg.ByteSize())
-        assert float((sent - q).abs().sum()) <= wire.FIXED_MAX_L1  # costs ≤ 0.005 of α
+        assert float((sent - q).abs().sum()) <= draft_wire.FIXED_MAX_L1  # costs ≤ 0.005 of α
 
 
 def test_stacked_q_of_a_mixed_cycle_makes_one_hot_rows_explicit():
@@ -570,7 +571,7 @@ def test_pool_refuses_sessions_the_store_does_not_know():
 # ---------------------------------------------------------------- adaptive K
 
 from coordinator.adaptive import MAX_PROBE_EVERY, PROBE_EVERY, AdaptiveK
-from specdec.sampling import expected_tokens_per_cycle
+from specdec.speedup import expected_tokens_per_cycle
 
 
 def feed(controller, cycles, alpha_draws, draft_ms_per_token, verify_ms):
@@ -673,7 +674,7 @@ def test_adaptive_k_learns_that_a_draft_once_right_stays_right():
 
 
 def test_expected_tokens_by_position_is_the_seeds_formula_at_one_alpha():
-    from specdec.sampling import expected_tokens_by_position
+    from specdec.speedup import expected_tokens_by_position
 
     for alpha in (0.0, 0.3, 0.9, 1.0):
         for k in range(6):
@@ -773,7 +774,7 @@ def test_the_target_takes_all_its_solo_threads_unless_the_draft_drafts_beside_it
     from types import SimpleNamespace
 
     from specdec.models import build_tiny_model, build_tiny_tokenizer
-    from specdec.wire import Draft
+    from specdec.draft_wire import Draft
     from target_service.verifier import Verifier
 
     model = build_tiny_model(build_tiny_tokenizer(), hidden_size=32, num_layers=1, seed=0)

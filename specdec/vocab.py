@@ -1,0 +1,104 @@
+"""Tokenizers and vocabularies, without torch where the model's tokenizer allows.
+
+`load_tokenizer` reads the tokenizer of a catalog name, a Hugging Face directory or a
+`.gguf` file; `vocab_fingerprint` hashes its vocabulary; `check_vocab_match` refuses a
+draft whose fingerprint differs from the target's.
+
+Why here and not in specdec.models: the coordinator needs a tokenizer (text prompts in,
+text out) but never a model. transformers' AutoTokenizer imports torch (its config
+classes do), ~10 s of CPU at start on this project's 2-core machine; the generic fast
+tokenizer class it would pick for most Llama checkpoints (`TokenizersBackend`, alias
+`PreTrainedTokenizerFast`) imports no torch. `load_tokenizer` builds that class directly
+where AutoTokenizer would pick it for certain (`generic_fast_tokenizer`), and goes through
+AutoTokenizer for anything else (another class, custom code, a `.gguf` file).
+
+Terms:
+    fingerprint  sha256 of every (id, token string) pair of a vocabulary; equal
+                 fingerprints mean a token id names the same string on both sides.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+from specdec.catalog import catalog_model_dir, check_model, is_cached
+
+# The tokenizer classes AutoTokenizer builds from tokenizer.json as they are (in transformers
+# 5 both names are one class), and the model types whose tokenizer it takes from that
+# declaration without a fix-up table of its own: the Llama family specdec serves.
+GENERIC_TOKENIZER_CLASSES = frozenset({"TokenizersBackend", "PreTrainedTokenizerFast"})
+GENERIC_TOKENIZER_MODEL_TYPES = frozenset({"llama"})
+
+
+class VocabMismatchError(ValueError):
+    """Draft and target do not share a tokenizer, so their token ids mean different things."""
+
+
+def load_tokenizer(name_or_path: str):
+    """Load only the tokenizer of a catalog name, model directory, or `.gguf` file (no
+    weights; a catalog model not yet in the cache is fetched and converted first).
+    Returns a transformers tokenizer (PreTrainedTokenizerBase)."""
+    path, gguf_file = tokenizer_source(name_or_path)
+    if gguf_file is None and generic_fast_tokenizer(path):
+        from transformers import PreTrainedTokenizerFast  # no torch
+
+        return PreTrainedTokenizerFast.from_pretrained(str(path), local_files_only=True)
+    from transformers import AutoTokenizer  # imports torch
+
+    if gguf_file is None:
+        return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    return AutoTokenizer.from_pretrained(str(gguf_file.parent), gguf_file=gguf_file.name, local_files_only=True)
+
+
+def tokenizer_source(name_or_path: str) -> tuple[Path, Path | None]:
+    """(directory or .gguf path, GGUF file or None) to read a tokenizer from; ModelNotFoundError
+    for a name that is neither a path nor in the catalog."""
+    found = check_model(name_or_path)
+    if found is not None:
+        return found
+    if is_cached(name_or_path):
+        return catalog_model_dir(name_or_path), None
+    from specdec.models import ensure_catalog_model  # fetch and convert: torch
+
+    return ensure_catalog_model(name_or_path), None
+
+
+def generic_fast_tokenizer(directory: Path) -> bool:
+    """Whether AutoTokenizer would build the generic fast class from `directory`'s
+    tokenizer.json: a Llama config, a tokenizer_config naming a generic class, no custom code."""
+    try:
+        tokenizer_config = json.loads((directory / "tokenizer_config.json").read_text())
+        model_type = json.loads((directory / "config.json").read_text()).get("model_type")
+    except (OSError, ValueError):
+        return False
+    return (
+        (directory / "tokenizer.json").is_file()
+        and tokenizer_config.get("tokenizer_class") in GENERIC_TOKENIZER_CLASSES
+        and "auto_map" not in tokenizer_config
+        and model_type in GENERIC_TOKENIZER_MODEL_TYPES
+    )
+
+
+def vocab_fingerprint(tokenizer) -> str:
+    """sha256 hex of the vocabulary: every (id, token string) pair, added tokens included, sorted by id.
+
+    Two tokenizers with the same fingerprint map every token id to the same string, which
+    is what lets a draft's token ids be fed to a target.
+    """
+    pairs = sorted((int(index), token) for token, index in tokenizer.get_vocab().items())
+    # JSON keeps token strings with tabs/newlines/quotes unambiguous
+    encoded = json.dumps(pairs, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
+    return hashlib.sha256(encoded).hexdigest()
+
+
+def check_vocab_match(draft_name: str, draft_fingerprint: str, target_name: str, target_fingerprint: str) -> None:
+    """Raise VocabMismatchError unless the draft and target vocabulary fingerprints are equal."""
+    if draft_fingerprint == target_fingerprint:
+        return
+    raise VocabMismatchError(
+        f"draft model {draft_name!r} (vocabulary {draft_fingerprint[:12]}) and target model {target_name!r} "
+        f"(vocabulary {target_fingerprint[:12]}) do not share a tokenizer; speculative decoding needs the draft "
+        "and the target to use the same tokenizer. Pick a draft from the target's model family, or the n-gram drafter."
+    )
