@@ -10,6 +10,7 @@ import json
 import logging
 import os
 import sys
+from typing import NoReturn
 
 from specdec.ngram import DEFAULT_K, DEFAULT_MAX_NGRAM, DEFAULT_MIN_NGRAM, NGRAM_DRAFT
 
@@ -416,7 +417,17 @@ def run_serve(args) -> int:
             security=server_security(args, load_tokens(args.internal_token_file, INTERNAL_TOKEN_ENV)),
         )  # fmt: skip
     asyncio.run(serve(config))
-    return 0
+    exit_without_teardown(0)
+
+
+def exit_without_teardown(code: int) -> NoReturn:
+    """End a service that has shut down cleanly (server stopped, sessions and Redis closed,
+    traces flushed) without the interpreter's teardown: its garbage collection of torch's
+    bindings took 1.2-1.7 s per model service here, on every stop and every restart."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def run_up(args) -> int:
