@@ -67,12 +67,36 @@ def tiny_models(tmp_path_factory):
     )
 
 
+@pytest.fixture(scope="session", autouse=True)
+def model_cache(tmp_path_factory):
+    """This run's own model cache (SPECDEC_CACHE, which every service a test starts inherits):
+    it starts empty, so the catalog model is fetched and converted once per run, and the
+    user's cache is never read or written."""
+    folder = tmp_path_factory.mktemp("specdec-cache")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("SPECDEC_CACHE", str(folder))
+        yield folder
+
+
 @pytest.fixture(scope="session")
-def smollm2_dir():
-    """The real SmolLM2-135M-Instruct, fetched and converted once into the user's cache."""
+def smollm2_fetch(model_cache):
+    """Fetch and convert the real SmolLM2-135M-Instruct into this run's empty cache, once:
+    (its directory, seconds that took)."""
+    import time
+
+    from specdec.catalog import is_cached
     from specdec.models import ensure_catalog_model
 
-    return str(ensure_catalog_model("smollm2-135m-instruct", progress=False))
+    assert not is_cached("smollm2-135m-instruct"), "the run's cache starts empty"
+    started = time.perf_counter()
+    directory = ensure_catalog_model("smollm2-135m-instruct", progress=False)
+    return directory, time.perf_counter() - started
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir(smollm2_fetch):
+    """The real SmolLM2-135M-Instruct's converted directory (in this run's cache)."""
+    return str(smollm2_fetch[0])
 
 
 def start_stack(redis_url, target, draft, **kw) -> Stack:
@@ -83,9 +107,11 @@ def start_stack(redis_url, target, draft, **kw) -> Stack:
     return Stack(config).start()
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def tiny_stack(redis_url, tiny_models):
-    """Draft, target and coordinator processes on loopback serving the tiny models."""
+    """Draft, target and coordinator processes on loopback serving the tiny models, one stack
+    for every module that needs no settings of its own (a test that restarts one of its
+    services waits until it serves again)."""
     stack = start_stack(redis_url, tiny_models.target, tiny_models.draft)
     yield stack
     stack.stop()

@@ -12,7 +12,6 @@ import math
 import shutil
 import socket
 import subprocess
-import tempfile
 import sys
 import time
 import zipfile
@@ -65,23 +64,15 @@ def empty_cache(tmp_path, monkeypatch):
 
 
 @pytest.fixture(scope="module")
-def smollm2():
-    """Fetch, convert and load the real SmolLM2 into a fresh temporary cache, once for this module.
-
-    Yields (cache folder, LoadedModel, seconds for fetch+convert, seconds for the first cached load).
-    """
-    with pytest.MonkeyPatch.context() as patch:
-        with tempfile.TemporaryDirectory(prefix="specdec-cache-") as folder:
-            patch.setenv("SPECDEC_CACHE", folder)
-            assert not is_cached(SMOLLM2)
-            started = time.perf_counter()
-            ensure_catalog_model(SMOLLM2, progress=False)
-            convert_s = time.perf_counter() - started
-            started = time.perf_counter()
-            loaded = load_model(SMOLLM2)
-            load_s = time.perf_counter() - started
-            print(f"\nsmollm2: fetch+convert {convert_s:.1f}s, cached load {load_s:.2f}s")
-            yield Path(folder), loaded, convert_s, load_s
+def smollm2(smollm2_fetch, model_cache):
+    """The real SmolLM2 fetched and converted into the run's empty cache (conftest), then loaded
+    by name. (cache folder, LoadedModel, seconds for fetch+convert, seconds for the cached load)."""
+    _, convert_s = smollm2_fetch
+    started = time.perf_counter()
+    loaded = load_model(SMOLLM2)
+    load_s = time.perf_counter() - started
+    print(f"\nsmollm2: fetch+convert {convert_s:.1f}s, cached load {load_s:.2f}s")
+    return model_cache, loaded, convert_s, load_s
 
 
 def next_token_logits(model, input_ids: list[int]) -> torch.Tensor:
