@@ -371,7 +371,7 @@ def refuse_missing_model(service: str, model: str) -> None:
         raise SystemExit(load_failed(service, exc)) from None
 
 
-def run_serve(args) -> int:
+def run_serve(args) -> NoReturn:
     from specdec.security import AUTH_TOKEN_ENV, INTERNAL_TOKEN_ENV, ChannelSecurity, load_tokens
 
     logging.basicConfig(level=args.log_level.upper(), format=f"%(asctime)s {args.service} %(levelname)s %(message)s")

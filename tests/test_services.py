@@ -483,10 +483,11 @@ def test_an_ngram_draft_looked_up_in_the_coordinator_changes_nothing_but_the_hop
 
     prompt = "abcabcabcab"  # repetitive: the lookup finds matches
     options = [dict(temperature=0.0), dict(temperature=1.0, seed=11)]
-    results = {}
+    results, exit_codes = {}, {}
     for via_service in (False, True):
         args = ["--ngram-via-draft-service"] if via_service else []
         stack = start_stack(redis_url, tiny_models.target, "ngram", coordinator_args=args)
+        processes = dict(stack.processes)
         try:
             with specdec.Client(stack.address) as client:
                 results[via_service] = [
@@ -501,6 +502,10 @@ def test_an_ngram_draft_looked_up_in_the_coordinator_changes_nothing_but_the_hop
                     assert [c.drafted for c in again.cycles] == [c.drafted for c in results[False][0].cycles]
         finally:
             stack.stop()
+        exit_codes[via_service] = {name: process.returncode for name, process in processes.items()}
+    # SIGTERM stops each service cleanly, with status 0 (the draft killed above: -9).
+    assert exit_codes == {False: {"coordinator": 0, "draft": -9, "target": 0},
+                          True: {"coordinator": 0, "draft": 0, "target": 0}}  # fmt: skip
     for local, served in zip(results[False], results[True]):
         assert local.token_ids == served.token_ids
         assert [(c.drafted, c.accepted) for c in local.cycles] == [(c.drafted, c.accepted) for c in served.cycles]
