@@ -781,9 +781,9 @@ def pack_loaded(loaded):
 def load_vocab_size(name: str) -> int:
     from transformers import AutoConfig
 
-    from specdec.models import _resolve
+    from specdec.catalog import resolve_model
 
-    path, gguf = _resolve(name)
+    path, gguf = resolve_model(name)
     return AutoConfig.from_pretrained(str(path), local_files_only=True).vocab_size if gguf is None else 0
 
 

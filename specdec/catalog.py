@@ -199,3 +199,17 @@ def check_model(name_or_path: str) -> tuple[Path, Path | None] | None:
             "model directory (config.json + safetensors) or a .gguf file."
         )
     return found
+
+
+def resolve_model(name_or_path: str) -> tuple[Path, Path | None]:
+    """(directory or .gguf path to load, GGUF file or None) for a path or catalog name;
+    ModelNotFoundError for neither. A catalog model not in the cache yet is fetched and
+    converted first (specdec.models, which imports torch); a cached one is found here."""
+    found = check_model(name_or_path)
+    if found is not None:
+        return found
+    if is_cached(name_or_path):
+        return catalog_model_dir(name_or_path), None
+    from specdec.models import ensure_catalog_model
+
+    return ensure_catalog_model(name_or_path), None

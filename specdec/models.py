@@ -44,8 +44,8 @@ import transformers
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerBase
 
 from specdec.catalog import (  # the catalog itself (names, cache folder, checks): light to import
-    CACHE_MARKER, CATALOG, CatalogEntry, ModelNotFoundError, catalog_model_dir, check_model, draft_catalog, is_cached,
-    list_catalog, sha256,
+    CACHE_MARKER, CATALOG, CatalogEntry, ModelNotFoundError, catalog_model_dir, draft_catalog, is_cached,
+    list_catalog, resolve_model, sha256,
 )  # fmt: skip
 from specdec.packed import pack_model
 from specdec.plain_forward import enable_plain_forward
@@ -326,7 +326,7 @@ def load_model(name_or_path: str, *, dtype: str = "float32", device: str = "cpu"
     """
     torch_dtype = _parse_dtype(dtype)
     device = resolve_device(device)
-    path, gguf_file = _resolve(name_or_path)
+    path, gguf_file = resolve_model(name_or_path)
     tokenizer = load_tokenizer(str(path))
     if gguf_file is None:
         model = AutoModelForCausalLM.from_pretrained(str(path), local_files_only=True, **_dtype_kwarg(torch_dtype))
@@ -433,12 +433,6 @@ def eos_token_ids(model, tokenizer) -> list[int]:
             if value is not None and int(value) not in found:
                 found.append(int(value))
     return found
-
-
-def _resolve(name_or_path: str) -> tuple[Path, Path | None]:
-    """Return (path to load, GGUF file or None) for a path or catalog name, or raise ModelNotFoundError."""
-    found = check_model(name_or_path)  # raises for a name that is neither a path nor in the catalog
-    return found if found is not None else (ensure_catalog_model(name_or_path), None)
 
 
 def _parse_dtype(dtype: str) -> torch.dtype | str:

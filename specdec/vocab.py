@@ -23,7 +23,7 @@ import hashlib
 import json
 from pathlib import Path
 
-from specdec.catalog import catalog_model_dir, check_model, is_cached
+from specdec.catalog import resolve_model
 
 # The tokenizer classes AutoTokenizer builds from tokenizer.json as they are (in transformers
 # 5 both names are one class), and the model types whose tokenizer it takes from that
@@ -40,7 +40,7 @@ def load_tokenizer(name_or_path: str):
     """Load only the tokenizer of a catalog name, model directory, or `.gguf` file (no
     weights; a catalog model not yet in the cache is fetched and converted first).
     Returns a transformers tokenizer (PreTrainedTokenizerBase)."""
-    path, gguf_file = tokenizer_source(name_or_path)
+    path, gguf_file = resolve_model(name_or_path)
     if gguf_file is None and generic_fast_tokenizer(path):
         from transformers import PreTrainedTokenizerFast  # no torch
 
@@ -50,19 +50,6 @@ def load_tokenizer(name_or_path: str):
     if gguf_file is None:
         return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
     return AutoTokenizer.from_pretrained(str(gguf_file.parent), gguf_file=gguf_file.name, local_files_only=True)
-
-
-def tokenizer_source(name_or_path: str) -> tuple[Path, Path | None]:
-    """(directory or .gguf path, GGUF file or None) to read a tokenizer from; ModelNotFoundError
-    for a name that is neither a path nor in the catalog."""
-    found = check_model(name_or_path)
-    if found is not None:
-        return found
-    if is_cached(name_or_path):
-        return catalog_model_dir(name_or_path), None
-    from specdec.models import ensure_catalog_model  # fetch and convert: torch
-
-    return ensure_catalog_model(name_or_path), None
 
 
 def generic_fast_tokenizer(directory: Path) -> bool:
