@@ -22,6 +22,8 @@ that do not share a tokenizer be refused before they serve) are specdec.vocab.
 from __future__ import annotations
 
 import contextlib
+import copy
+import functools
 import json
 import os
 import shutil
@@ -236,10 +238,11 @@ def _convert_gguf(gguf_path: Path):
     from the same config minus `quantization_config` (on the meta device: no allocation,
     no random init), which saves normally.
     """
-    tokenizer = load_tokenizer(str(gguf_path))
-    gguf_model = AutoModelForCausalLM.from_pretrained(
-        str(gguf_path.parent), gguf_file=gguf_path.name, local_files_only=True, **_dtype_kwarg(torch.float32)
-    )
+    with gguf_parsed_once():
+        tokenizer = load_tokenizer(str(gguf_path))
+        gguf_model = AutoModelForCausalLM.from_pretrained(
+            str(gguf_path.parent), gguf_file=gguf_path.name, local_files_only=True, **_dtype_kwarg(torch.float32)
+        )
     config_dict = gguf_model.config.to_dict()
     config_dict.pop("quantization_config", None)
     config = type(gguf_model.config).from_dict(config_dict)
@@ -252,6 +255,57 @@ def _convert_gguf(gguf_path: Path):
     if config.max_position_embeddings:
         tokenizer.model_max_length = config.max_position_embeddings
     return model, tokenizer
+
+
+@contextlib.contextmanager
+def gguf_parsed_once():
+    """While open, transformers parses a GGUF file's header once per file instead of three times.
+
+    transformers loads a `.gguf` by reading its metadata for the tokenizer's config, again for
+    the model's config and again with the tensors (`load_gguf_checkpoint`, a `gguf.GGUFReader`
+    each: ~13 s apiece for SmolLM2's 49k-token vocabulary here, most of it field-by-field
+    parsing), and builds gguf's tensor-name map once per parameter (397 times for SmolLM2,
+    ~13 s). Inside this block the metadata-only result is kept per file (callers get a deep
+    copy), readers are shared per file, and the name map is built once per (architecture,
+    layers): the same transformers code converts the same values, once. Process-wide while
+    open; where transformers or gguf lack these names (another version) it changes nothing.
+    """
+    try:
+        import gguf
+        from transformers import modeling_gguf_pytorch_utils as hf_gguf
+    except ImportError:
+        yield
+        return
+    names = (getattr(gguf, "GGUFReader", None), getattr(gguf, "get_tensor_name_map", None),
+             getattr(hf_gguf, "load_gguf_checkpoint", None))  # fmt: skip
+    if not all(names):
+        yield
+        return
+    reader_class, name_map, load_checkpoint = names
+    readers: dict[tuple, Any] = {}
+    metadata: dict[str, dict] = {}
+
+    def shared_reader(path, *args, **kwargs):
+        key = (os.fspath(path), args, tuple(sorted(kwargs.items())))
+        if key not in readers:
+            readers[key] = reader_class(path, *args, **kwargs)
+        return readers[key]
+
+    def load_checkpoint_once(path, return_tensors=False, *args, **kwargs):
+        if return_tensors or args or kwargs:
+            return load_checkpoint(path, return_tensors, *args, **kwargs)
+        key = os.fspath(path)
+        if key not in metadata:
+            metadata[key] = load_checkpoint(path, False)
+        return copy.deepcopy(metadata[key])
+
+    gguf.GGUFReader, gguf.get_tensor_name_map = shared_reader, functools.lru_cache(maxsize=None)(name_map)
+    hf_gguf.load_gguf_checkpoint = load_checkpoint_once
+    try:
+        yield
+    finally:
+        gguf.GGUFReader, gguf.get_tensor_name_map = reader_class, name_map
+        hf_gguf.load_gguf_checkpoint = load_checkpoint
 
 
 @contextlib.contextmanager
@@ -327,13 +381,15 @@ def load_model(name_or_path: str, *, dtype: str = "float32", device: str = "cpu"
     torch_dtype = _parse_dtype(dtype)
     device = resolve_device(device)
     path, gguf_file = resolve_model(name_or_path)
-    tokenizer = load_tokenizer(str(path))
     if gguf_file is None:
+        tokenizer = load_tokenizer(str(path))
         model = AutoModelForCausalLM.from_pretrained(str(path), local_files_only=True, **_dtype_kwarg(torch_dtype))
     else:
-        model = AutoModelForCausalLM.from_pretrained(
-            str(gguf_file.parent), gguf_file=gguf_file.name, local_files_only=True, **_dtype_kwarg(torch_dtype)
-        )
+        with gguf_parsed_once():
+            tokenizer = load_tokenizer(str(path))
+            model = AutoModelForCausalLM.from_pretrained(
+                str(gguf_file.parent), gguf_file=gguf_file.name, local_files_only=True, **_dtype_kwarg(torch_dtype)
+            )
     if gguf_file is None and (path / OUTPUT_VOCAB_FILE).exists():
         restrict_output_vocab(model, read_output_vocab(path / OUTPUT_VOCAB_FILE, _embedding_rows(model)))
     model.to(device)

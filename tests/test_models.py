@@ -521,6 +521,88 @@ def test_smollm2_gguf_file_loads_directly_and_matches_the_cache(smollm2, tmp_pat
     )
 
 
+
+def write_tiny_gguf(path: Path, *, layers: int = 2, hidden: int = 16, heads: int = 4, kv_heads: int = 2) -> Path:
+    """A tiny random Llama as a float32 GGUF file, with a byte-level BPE vocabulary of 31 tokens."""
+    import gguf
+    import numpy as np
+
+    tokens = ["<|endoftext|>", "<s>"] + [chr(c) for c in range(ord("a"), ord("z") + 1)] + ["Ġ", "ab", "Ġa"]
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_name("tiny")
+    writer.add_context_length(64)
+    writer.add_embedding_length(hidden)
+    writer.add_block_count(layers)
+    writer.add_feed_forward_length(2 * hidden)
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(kv_heads)
+    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_rope_dimension_count(hidden // heads)
+    writer.add_vocab_size(len(tokens))
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(tokens)
+    writer.add_token_types([gguf.TokenType.CONTROL] * 2 + [gguf.TokenType.NORMAL] * (len(tokens) - 2))
+    writer.add_token_merges(["a b", "Ġ a"])
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(0)
+    rng = np.random.default_rng(0)
+    kv_width = kv_heads * hidden // heads
+    shapes = {"token_embd.weight": (len(tokens), hidden), "output_norm.weight": (hidden,)}
+    for i in range(layers):
+        shapes |= {f"blk.{i}.attn_norm.weight": (hidden,), f"blk.{i}.ffn_norm.weight": (hidden,),
+                   f"blk.{i}.attn_q.weight": (hidden, hidden), f"blk.{i}.attn_k.weight": (kv_width, hidden),
+                   f"blk.{i}.attn_v.weight": (kv_width, hidden), f"blk.{i}.attn_output.weight": (hidden, hidden),
+                   f"blk.{i}.ffn_gate.weight": (2 * hidden, hidden), f"blk.{i}.ffn_up.weight": (2 * hidden, hidden),
+                   f"blk.{i}.ffn_down.weight": (hidden, 2 * hidden)}  # fmt: skip
+    for name, shape in shapes.items():
+        writer.add_tensor(name, rng.standard_normal(shape).astype(np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def test_a_gguf_loads_exactly_as_transformers_loads_it_with_its_header_parsed_once(tmp_path, monkeypatch):
+    """load_model reads a .gguf's metadata once (transformers alone: three times, ~13 s each for
+    SmolLM2) and builds gguf's tensor-name map once, and loads the same weights, config and
+    tokenizer as transformers does; the patched names are restored afterwards."""
+    import gguf
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = write_tiny_gguf(tmp_path / "tiny.gguf")
+    readers, name_maps = [], []
+    reader_class, name_map = gguf.GGUFReader, gguf.get_tensor_name_map
+
+    def counting_reader(*args, **kwargs):
+        readers.append(args[0])
+        return reader_class(*args, **kwargs)
+
+    def counting_name_map(*args, **kwargs):
+        name_maps.append(args)
+        return name_map(*args, **kwargs)
+
+    monkeypatch.setattr(gguf, "GGUFReader", counting_reader)
+    monkeypatch.setattr(gguf, "get_tensor_name_map", counting_name_map)
+    plain_tokenizer = AutoTokenizer.from_pretrained(str(tmp_path), gguf_file=path.name, local_files_only=True)
+    plain = AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file=path.name, local_files_only=True,
+                                                 dtype=torch.float32)  # fmt: skip
+    plain_counts = (len(readers), len(name_maps))
+    readers.clear(), name_maps.clear()
+
+    loaded = load_model(str(path), pack=False)
+
+    assert plain_counts[0] == 3 and plain_counts[1] > 1  # tokenizer's config, model's config, tensors; a map per parameter
+    assert (len(readers), len(name_maps)) == (1, 1)
+    assert gguf.GGUFReader is counting_reader and gguf.get_tensor_name_map is counting_name_map
+    a, b = plain.state_dict(), loaded.model.state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[key], b[key]) for key in a)
+    assert loaded.model.config.to_dict() == plain.config.to_dict()
+    assert loaded.tokenizer.encode("ab a zab") == plain_tokenizer.encode("ab a zab") == [29, 30, 28, 27, 29]
+    assert loaded.vocab_fingerprint == vocab_fingerprint(plain_tokenizer) and loaded.eos_token_ids == [0]
+
+
 LIGHT_TOKENIZER_CHECK = """
 import json, sys
 from specdec.vocab import load_tokenizer, vocab_fingerprint
