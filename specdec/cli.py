@@ -372,7 +372,7 @@ def refuse_missing_model(service: str, model: str) -> None:
 
 
 def run_serve(args) -> NoReturn:
-    from specdec.security import AUTH_TOKEN_ENV, INTERNAL_TOKEN_ENV, ChannelSecurity, load_tokens
+    from specdec.security import AUTH_TOKEN_ENV, INTERNAL_TOKEN_ENV, ChannelSecurity, load_tokens, require_caller_credential
 
     logging.basicConfig(level=args.log_level.upper(), format=f"%(asctime)s {args.service} %(levelname)s %(message)s")
     if not args.redis_url:
@@ -392,30 +392,25 @@ def run_serve(args) -> NoReturn:
             internal=ChannelSecurity(args.internal_tls_ca, args.internal_tls_cert, args.internal_tls_key,
                                      internal_token(args)),
         )  # fmt: skip
-    elif args.service == "draft":
-        refuse_missing_model("draft", args.model)
-        from draft_service.server import DraftConfig, serve
-
+    else:  # draft or target: --model, credentials and TLS files checked before torch is imported
+        refuse_missing_model(args.service, args.model)
+        security = server_security(args, load_tokens(args.internal_token_file, INTERNAL_TOKEN_ENV))
+        require_caller_credential(security, args.allow_unauthenticated, args.service)
+        security.credentials()  # a TLS flag missing its partner, or an unreadable PEM file, exits here
         set_threads(args.threads)
-        config = DraftConfig(
-            model=args.model, redis_url=args.redis_url, host=args.host, port=args.port, max_k=args.max_k,
-            max_sessions=args.max_sessions, dtype=args.dtype, device=args.device,
-            max_ngram=args.max_ngram, min_ngram=args.min_ngram, lookup=args.lookup, metrics_port=args.metrics_port,
-            max_cache_mb=args.max_cache_mb, allow_unauthenticated=args.allow_unauthenticated,
-            security=server_security(args, load_tokens(args.internal_token_file, INTERNAL_TOKEN_ENV)),
-        )  # fmt: skip
-    else:
-        refuse_missing_model("target", args.model)
-        from target_service.server import TargetConfig, serve
-
-        set_threads(args.threads)
-        config = TargetConfig(
+        shared = dict(
             model=args.model, redis_url=args.redis_url, host=args.host, port=args.port, max_k=args.max_k,
             max_sessions=args.max_sessions, dtype=args.dtype, device=args.device, metrics_port=args.metrics_port,
-            threads=args.threads, solo_threads=args.solo_threads,
-            max_cache_mb=args.max_cache_mb, allow_unauthenticated=args.allow_unauthenticated,
-            security=server_security(args, load_tokens(args.internal_token_file, INTERNAL_TOKEN_ENV)),
+            max_cache_mb=args.max_cache_mb, allow_unauthenticated=args.allow_unauthenticated, security=security,
         )  # fmt: skip
+        if args.service == "draft":
+            from draft_service.server import DraftConfig, serve
+
+            config = DraftConfig(**shared, max_ngram=args.max_ngram, min_ngram=args.min_ngram, lookup=args.lookup)
+        else:
+            from target_service.server import TargetConfig, serve
+
+            config = TargetConfig(**shared, threads=args.threads, solo_threads=args.solo_threads)
     asyncio.run(serve(config))
     exit_without_teardown(0)
 

@@ -11,7 +11,7 @@ from specdec import serving, telemetry
 from specdec.errors import InvalidArgument, Unavailable, grpc_handler
 from specdec.kvcache import SessionPool
 from specdec.metrics import ModelServiceMetrics
-from specdec.security import ServerSecurity
+from specdec.security import ServerSecurity, require_caller_credential
 from specdec.session import SessionStore, check_session_id
 from specdec.v1 import specdec_pb2 as pb
 from specdec.wire import Sampling, model_info_to_pb, sampling_from_pb
@@ -40,20 +40,6 @@ class ModelServiceConfig:
     security: ServerSecurity = field(default_factory=ServerSecurity)
     # Serve without mTLS and without an internal token (development only).
     allow_unauthenticated: bool = False
-
-
-def check_internal_auth(config: ModelServiceConfig, role: str) -> None:
-    """Internal services refuse to run open: mutual TLS or an internal token, unless the
-    operator explicitly allowed unauthenticated calls."""
-    if config.security.mutual_tls or config.security.tokens:
-        return
-    if not config.allow_unauthenticated:
-        raise SystemExit(
-            f"the {role} service needs a credential for its callers: set SPECDEC_INTERNAL_TOKEN (or "
-            "--internal-token-file) to the coordinator's internal token, or use mutual TLS (--tls-cert, "
-            "--tls-key, --tls-client-ca); --allow-unauthenticated serves without one (development only)"
-        )
-    logging.getLogger("specdec").warning("the %s service accepts unauthenticated calls", role)
 
 
 class ModelService:
@@ -137,7 +123,8 @@ class ModelService:
 
 async def serve(servicer_class, config, service_name: str) -> None:
     """Run a model service until a termination signal (see serving.run)."""
-    check_internal_auth(config, servicer_class.role)
+    if require_caller_credential(config.security, config.allow_unauthenticated, servicer_class.role):
+        logging.getLogger("specdec").warning("the %s service accepts unauthenticated calls", servicer_class.role)
     telemetry.setup_tracing(f"specdec-{servicer_class.role}")
     store = SessionStore(config.redis_url)
     servicer = servicer_class(config, store)

@@ -99,6 +99,22 @@ class ServerSecurity:
         return [TokenCheck(self.tokens, credential)] if self.tokens else []
 
 
+
+def require_caller_credential(security: ServerSecurity, allow_unauthenticated: bool, role: str) -> bool:
+    """Internal services (draft, target) refuse to run open: they need mutual TLS or an
+    internal token, unless the operator explicitly allowed unauthenticated calls. Exits with
+    what to set; returns True when the service will run open (allowed), False otherwise.
+    `specdec serve` checks this before it imports torch, so the refusal comes at once."""
+    if security.mutual_tls or security.tokens:
+        return False
+    if not allow_unauthenticated:
+        raise SystemExit(
+            f"the {role} service needs a credential for its callers: set SPECDEC_INTERNAL_TOKEN (or "
+            "--internal-token-file) to the coordinator's internal token, or use mutual TLS (--tls-cert, "
+            "--tls-key, --tls-client-ca); --allow-unauthenticated serves without one (development only)"
+        )
+    return True
+
 @dataclass
 class ChannelSecurity:
     """How a client secures and authenticates its outgoing calls."""

@@ -118,15 +118,43 @@ def test_internal_services_refuse_calls_without_the_internal_token(tiny_stack, s
     assert is_serving(address, {"draft": "specdec.v1.Draft", "target": TARGET_SERVICE}[service])
 
 
-def test_a_model_service_without_mtls_or_internal_token_refuses_to_start(redis_url, tiny_models):
+REFUSAL_CHECK = """
+import sys
+from specdec.cli import main
+try:
+    main(sys.argv[1:])
+finally:  # runs as the refusal's SystemExit passes: was torch loaded before it?
+    print("torch imported" if "torch" in sys.modules else "no torch imported", flush=True)
+"""
+
+
+@pytest.mark.parametrize(
+    "service, flags, says",
+    [
+        ("target", [], ["SPECDEC_INTERNAL_TOKEN", "--allow-unauthenticated"]),
+        ("draft", [], ["the draft service needs a credential", "--allow-unauthenticated"]),
+        ("target", ["--tls-client-ca", "ca.pem", "--internal-token-file", "TOKENS"], ["--tls-client-ca needs --tls-cert"]),
+        ("draft", ["--tls-cert", "missing.pem", "--tls-key", "missing.pem", "--internal-token-file", "TOKENS"],
+         ["cannot read the TLS key 'missing.pem'"]),
+    ],
+    ids=["target-no-credential", "draft-no-credential", "client-ca-without-tls", "unreadable-key"],
+)  # fmt: skip
+def test_a_model_service_without_a_credential_or_with_bad_tls_files_refuses_before_loading_torch(
+    redis_url, tiny_models, tmp_path, service, flags, says
+):
+    """No mutual TLS and no internal token, or TLS flags that cannot work: the service exits
+    with what to set, at once (before importing torch and loading its model)."""
+    tokens = tmp_path / "tokens"
+    tokens.write_text("an-internal-token\n")
     env = {k: v for k, v in os.environ.items() if not k.startswith("SPECDEC_")}
     done = subprocess.run(
-        [sys.executable, "-m", "specdec.cli", "serve", "target", "--model", tiny_models.target,
-         "--redis-url", redis_url, "--port", "0"],
-        env=env, capture_output=True, text=True, timeout=120,
+        [sys.executable, "-c", REFUSAL_CHECK, "serve", service, "--model", tiny_models.target,
+         "--redis-url", redis_url, "--port", "0", *[str(tokens) if f == "TOKENS" else f for f in flags]],
+        env=env, capture_output=True, text=True, timeout=120, cwd=tmp_path,
     )  # fmt: skip
-    assert done.returncode != 0
-    assert "SPECDEC_INTERNAL_TOKEN" in done.stderr and "--allow-unauthenticated" in done.stderr
+    assert done.returncode != 0, done.stdout
+    assert all(text in done.stderr for text in says), done.stderr
+    assert done.stdout.strip().splitlines()[-1] == "no torch imported"
 
 
 # ---------------------------------------------------------------- Redis password and TLS
