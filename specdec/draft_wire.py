@@ -58,52 +58,67 @@ class Draft:
     q: torch.Tensor | None
 
 
-def to_fixed_point(q: torch.Tensor) -> torch.Tensor:
-    """q [V] -> q rounded to multiples of 1/FIXED_ONE that sum to exactly 1 (float32, exact).
+def fixed_point(q: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
+    """q [V] -> (support [S], weights [S]): q rounded to integer weights that sum to exactly
+    FIXED_ONE (both int64; support = the ids where q > 0, ascending; a weight may be 0).
 
     Cumulative rounding: the weights are the differences of round(cumsum(q) · FIXED_ONE),
     so they are ≥ 0, sum to FIXED_ONE exactly, and move each token's mass by at most one
-    unit (a run of tiny entries keeps its total: every few tokens get one unit).
+    unit (a run of tiny entries keeps its total: every few tokens get one unit). On the
+    support only, in numpy: ~0.1 ms for a distilled draft's q (8,192 of 49,152 ids), where
+    the same rounding over all V ids in torch took ~0.7 ms.
     """
-    q64 = q.to(torch.float64)  # [V]
-    edges = torch.round(torch.cumsum(q64, 0) * (FIXED_ONE / q64.sum())).to(torch.int64)  # [V]
+    values = _cpu_numpy(q)  # [V]
+    support = np.flatnonzero(values > 0)  # [S] (on a bool mask: 5x faster than on the floats)
+    mass = values[support].astype(np.float64)  # [S]
+    edges = np.rint(np.cumsum(mass) * (FIXED_ONE / mass.sum())).astype(np.int64)  # [S]
     edges[-1] = FIXED_ONE
-    weights = torch.diff(edges, prepend=edges.new_zeros(1))  # [V], ≥ 0, Σ = FIXED_ONE
-    return weights.to(torch.float32) / FIXED_ONE
+    return support, np.diff(edges, prepend=0)
 
 
-def fixed_weights(q: torch.Tensor) -> torch.Tensor | None:
-    """Integer weights [V] (int64, Σ = FIXED_ONE) when q is exactly in fixed point, else None."""
-    scaled = q.to(torch.float64) * FIXED_ONE  # [V]
-    weights = torch.round(scaled).to(torch.int64)  # [V]
-    if not torch.equal(weights.to(torch.float64), scaled) or int(weights.sum()) != FIXED_ONE:
+def to_fixed_point(q: torch.Tensor) -> torch.Tensor:
+    """q [V] -> q rounded to multiples of 1/FIXED_ONE that sum to exactly 1 (float32, exact;
+    on q's device). See fixed_point."""
+    support, weights = fixed_point(q)
+    return _dense(support, weights, q.shape[-1], q.device)
+
+
+def fixed_weights(q: torch.Tensor) -> tuple[np.ndarray, np.ndarray] | None:
+    """(support [S], integer weights [S], both int64, Σ = FIXED_ONE) when q [V] is exactly in
+    fixed point, else None. The support is the ids where q > 0, ascending."""
+    values = _cpu_numpy(q)  # [V]
+    support = np.flatnonzero(values > 0)  # [S] (on a bool mask: 5x faster than on the floats)
+    scaled = values[support].astype(np.float64) * FIXED_ONE  # [S]
+    weights = np.rint(scaled)
+    if not np.array_equal(weights, scaled) or int(weights.sum()) != FIXED_ONE:
         return None
-    return weights
+    return support, weights.astype(np.int64)
 
 
 def wire_q(q: torch.Tensor) -> torch.Tensor:
     """q [V] as it will travel: in fixed point when that moves at most FIXED_MAX_L1 of its
     mass (any truncated q, and most others), else rounded to float16. A draft samples from
     this, so the q the target receives is exactly the one sampled from."""
-    fixed = to_fixed_point(q)
-    if float((fixed - q).abs().sum()) <= FIXED_MAX_L1:
-        return fixed
+    support, weights = fixed_point(q)
+    moved = np.abs(weights / FIXED_ONE - _cpu_numpy(q)[support]).sum()  # 0 off the support: q = 0 there
+    if moved <= FIXED_MAX_L1:
+        return _dense(support, weights, q.shape[-1], q.device)
     return q.to(torch.float16).to(torch.float32)
 
 
 def draft_token_to_pb(index: int, token: int, q: torch.Tensor | None, match_length: int = 0) -> pb.DraftToken:
-    """q None -> one_hot; q in fixed point -> fixed; else dense float16. q is [V], already
-    `wire_q(q)` (so either encoding is exact). match_length: see DraftToken."""
+    """q None -> one_hot; q in fixed point -> fixed (or fixed_deflated, when smaller); else
+    dense float16. q is [V], already `wire_q(q)` (so either encoding is exact). match_length:
+    see DraftToken."""
     msg = pb.DraftToken(token_id=token, index=index, match_length=match_length)
     if q is None:
         msg.one_hot.SetInParent()
         return msg
-    weights = fixed_weights(q)
-    if weights is not None:
-        support = torch.nonzero(weights, as_tuple=True)[0]  # [S], ascending
-        fixed = pb.FixedProbs(
-            id_gaps=torch.diff(support, prepend=support.new_zeros(1)).tolist(), weights=weights[support].tolist()
-        )
+    fixed = fixed_weights(q)
+    if fixed is not None:
+        carried = fixed[1] > 0  # [S]: the ids that carry mass (a tiny q entry may round to weight 0)
+        support, weights = fixed[0][carried], fixed[1][carried]  # [S'] each
+        fixed = pb.FixedProbs(id_gaps=np.diff(support, prepend=0).tolist(), weights=weights.tolist())
         packed = fixed.SerializeToString()
         deflated = zlib.compress(packed, DEFLATE_LEVEL) if len(packed) >= DEFLATE_MIN_BYTES else packed
         if len(deflated) < len(packed):
@@ -111,8 +126,20 @@ def draft_token_to_pb(index: int, token: int, q: torch.Tensor | None, match_leng
         else:
             msg.fixed.CopyFrom(fixed)
     else:
-        msg.dense.fp16 = q.to(torch.float16).numpy().astype("<f2").tobytes()
+        msg.dense.fp16 = q.to(torch.float16).cpu().numpy().astype("<f2").tobytes()
     return msg
+
+
+def _cpu_numpy(q: torch.Tensor) -> np.ndarray:
+    """q [V] as a float32 numpy array on the CPU (a view when q already is one)."""
+    return q.detach().to("cpu", torch.float32).numpy()
+
+
+def _dense(support: np.ndarray, weights: np.ndarray, vocab_size: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """float32 [V] on `device`: weights / FIXED_ONE at the support, 0 elsewhere (exact)."""
+    dense = np.zeros(vocab_size, dtype=np.float32)  # [V]
+    dense[support] = weights / FIXED_ONE
+    return torch.from_numpy(dense).to(device)
 
 
 def draft_from_pb(msg: pb.DraftToken, vocab_size: int) -> Draft:
@@ -128,12 +155,13 @@ def draft_from_pb(msg: pb.DraftToken, vocab_size: int) -> Draft:
             q = sampling_math.sparse_to_dense(repeated_to_tensor(msg.sparse.ids, np.int64),
                                               repeated_to_tensor(msg.sparse.probs, np.float64), vocab_size)  # fmt: skip
         elif form == "fixed":
-            q = fixed_from_pb(msg.fixed, vocab_size)
+            q = fixed_from_pb(msg.fixed, vocab_size)  # a distribution once decoded (see there)
         elif form == "fixed_deflated":
             q = fixed_from_pb(inflate_fixed(msg.fixed_deflated, vocab_size), vocab_size)
         else:
             q = dense_from_pb(msg.dense, vocab_size)
-        sampling_math.check_distribution(q, name=f"q of draft {msg.index}", vocab_size=vocab_size)
+        if form not in ("fixed", "fixed_deflated"):
+            sampling_math.check_distribution(q, name=f"q of draft {msg.index}", vocab_size=vocab_size)
         if q[token] <= 0:
             raise ValueError(f"draft token {token} has q = 0: the draft cannot have sampled it")
     except ValueError as exc:
@@ -169,9 +197,12 @@ def repeated_to_tensor(values, dtype) -> torch.Tensor:
 
 
 def fixed_from_pb(msg: pb.FixedProbs, vocab_size: int) -> torch.Tensor:
-    """float32 [V] from a fixed-point q; ValueError unless ids ascend and weights sum to FIXED_ONE."""
-    gaps = repeated_to_tensor(msg.id_gaps, np.int64)  # [S]
-    weights = repeated_to_tensor(msg.weights, np.int64)  # [S]
+    """float32 [V] from a fixed-point q; ValueError unless its ids ascend strictly inside the
+    vocabulary and its weights sum to FIXED_ONE. What passes is a distribution by construction
+    (entries weight / 2^18 ≥ 0, their float32 sum exactly 1), so draft_from_pb skips the
+    general check for it (~0.35 ms a q; the whole decode is ~0.5 ms for 5,000 ids)."""
+    gaps = np.array(msg.id_gaps, dtype=np.int64)  # [S]
+    weights = np.array(msg.weights, dtype=np.int64)  # [S], ≥ 0 (uint32 on the wire)
     if len(gaps) != len(weights):
         raise ValueError(f"fixed q has {len(gaps)} ids but {len(weights)} weights")
     if len(gaps) > 1 and int(gaps[1:].min()) == 0:
@@ -179,7 +210,10 @@ def fixed_from_pb(msg: pb.FixedProbs, vocab_size: int) -> torch.Tensor:
     total = int(weights.sum())
     if total != FIXED_ONE:
         raise ValueError(f"fixed q weights sum to {total}, not {FIXED_ONE}: not a distribution")
-    return sampling_math.sparse_to_dense(torch.cumsum(gaps, 0), weights.to(torch.float32) / FIXED_ONE, vocab_size)
+    ids = np.cumsum(gaps)  # [S], ascending
+    if ids[-1] >= vocab_size:
+        raise ValueError(f"fixed q token id {int(ids[-1])} is outside the vocabulary [0, {vocab_size})")
+    return _dense(ids, weights, vocab_size)
 
 
 # float16 rounds each entry by at most 2^-11 and flushes entries below ~6e-8 to zero, so

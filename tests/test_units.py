@@ -4,6 +4,7 @@ import asyncio
 import contextlib
 import zlib
 
+import numpy as np
 import pytest
 import torch
 
@@ -224,10 +225,29 @@ def test_fixed_point_rounding_sums_exactly_and_moves_each_token_by_at_most_one_u
     for scale in (0.5, 3.0, 8.0):
         q = torch.softmax(torch.randn(5000, generator=generator) * scale, -1)
         fixed = draft_wire.to_fixed_point(q)
-        weights = draft_wire.fixed_weights(fixed)
-        assert weights is not None and int(weights.sum()) == draft_wire.FIXED_ONE and int(weights.min()) >= 0
+        support, weights = draft_wire.fixed_weights(fixed)
+        assert int(weights.sum()) == draft_wire.FIXED_ONE and int(weights.min()) >= 0
+        assert torch.equal(torch.from_numpy(support), torch.nonzero(fixed).squeeze(1))
         assert float((fixed.double() - q.double()).abs().max()) <= 1 / draft_wire.FIXED_ONE + 1e-9
         assert draft_wire.fixed_weights(q) is None  # a float q is not mistaken for fixed point
+
+
+
+
+def test_fixed_point_on_the_support_is_cumulative_rounding_over_the_whole_vocabulary():
+    """draft_wire rounds on q's support only (numpy); that must be the definition itself:
+    round(cumsum(q) · 2^18) over all V ids, differenced (zeros add nothing to a cumsum)."""
+    generator = torch.Generator().manual_seed(8)
+    for vocab, support, scale in ((50, 50, 1.0), (49152, 8192, 2.5), (49152, 900, 4.0), (1000, 3, 1.0)):
+        q = torch.zeros(vocab)
+        ids = torch.randperm(vocab, generator=generator)[:support]
+        q[ids] = torch.softmax(torch.randn(support, generator=generator) * scale, -1)
+        q64 = q.double()
+        edges = torch.round(torch.cumsum(q64, 0) * (draft_wire.FIXED_ONE / q64.sum())).long()
+        edges[-1] = draft_wire.FIXED_ONE
+        reference = torch.diff(edges, prepend=edges.new_zeros(1)).float() / draft_wire.FIXED_ONE  # [V]
+        assert torch.equal(draft_wire.to_fixed_point(q), reference)
+        assert torch.equal(draft_from_pb(draft_token_to_pb(0, int(q.argmax()), reference), vocab).q, reference)
 
 
 def test_any_q_round_trips_exactly_through_the_wire_whatever_its_form():
