@@ -149,12 +149,16 @@ async def run(
     bound = server.add_insecure_port(address) if credentials is None else server.add_secure_port(address, credentials)
     if bound == 0:
         raise SystemExit(f"{name}: cannot listen on {address}")
+    if metrics_registry is not None and metrics_port:  # before the server starts: a taken port ends us cleanly
+        try:
+            serve_metrics(metrics_registry, metrics_port, host)
+        except OSError as exc:
+            raise SystemExit(f"{name}: cannot serve metrics on {host}:{metrics_port}: {exc.strerror}; pass another "
+                             "--metrics-port (specdec up: --metrics-port-base), or 0 for none") from None  # fmt: skip
+        log.info("%s metrics on http://%s:%d/metrics", name, host, metrics_port)
     await set_health(health_servicer, service_names, health_pb2.HealthCheckResponse.NOT_SERVING)
     await server.start()
     log.info("%s listening on %s (%s), loading", name, address, describe(security))
-    if metrics_registry is not None and metrics_port:
-        serve_metrics(metrics_registry, metrics_port, host)
-        log.info("%s metrics on http://%s:%d/metrics", name, host, metrics_port)
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

@@ -86,6 +86,22 @@ def test_a_model_service_told_a_model_that_is_not_there_exits_before_loading_tor
     assert out.returncode == 1 and "is a file but not a .gguf" in out.stderr
 
 
+
+def test_a_service_whose_metrics_port_is_taken_exits_with_one_line_saying_so(redis_url):
+    """A second stack on the default metrics ports used to die in a traceback (and a never
+    awaited shutdown); now the service says which port and which flag to change."""
+    import socket
+
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = taken.getsockname()[1]
+        out = run_cli("serve", "coordinator", "--redis-url", redis_url, "--port", str(free_port()),
+                      "--metrics-port", str(port), "--host", "127.0.0.1", timeout=120)  # fmt: skip
+    assert out.returncode == 1, out.stderr
+    assert f"coordinator: cannot serve metrics on 127.0.0.1:{port}: Address already in use" in out.stderr
+    assert "--metrics-port-base" in out.stderr
+    assert "Traceback" not in out.stderr and "never awaited" not in out.stderr
+
+
 def test_a_stack_stops_waiting_as_soon_as_any_of_its_services_has_exited():
     """While the launcher waits for one service, another that died is reported at once."""
     from specdec.launcher import Stack, StackConfig, StackStartError
