@@ -99,7 +99,6 @@ class ServerSecurity:
         return [TokenCheck(self.tokens, credential)] if self.tokens else []
 
 
-
 def require_caller_credential(security: ServerSecurity, allow_unauthenticated: bool, role: str) -> bool:
     """Internal services (draft, target) refuse to run open: they need mutual TLS or an
     internal token, unless the operator explicitly allowed unauthenticated calls. Exits with

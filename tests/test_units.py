@@ -4,7 +4,6 @@ import asyncio
 import contextlib
 import zlib
 
-import numpy as np
 import pytest
 import torch
 
