@@ -72,8 +72,14 @@ class ModelWorker:
         self.executor.shutdown(wait=False, cancel_futures=True)
 
 
+# gRPC sets SO_REUSEPORT on Linux by default, so a second server on a port already served
+# binds without error and the kernel splits the connections between the two (a second
+# `specdec up` on 50051 would take half of the first one's clients); off, it is refused.
+SERVER_OPTIONS = GRPC_OPTIONS + [("grpc.so_reuseport", 0)]
+
+
 def create_server(interceptors=()) -> grpc.aio.Server:
-    return grpc.aio.server(options=GRPC_OPTIONS, interceptors=list(interceptors))
+    return grpc.aio.server(options=SERVER_OPTIONS, interceptors=list(interceptors))
 
 
 def channel(address: str, security: ChannelSecurity | None = None) -> grpc.aio.Channel:
@@ -146,9 +152,13 @@ async def run(
     for service_name in service_names:
         add_service(server, service_name, servicer)
     address = f"{host}:{port}"
-    bound = server.add_insecure_port(address) if credentials is None else server.add_secure_port(address, credentials)
+    try:  # grpcio returns 0 or raises RuntimeError, by version, for an address it cannot bind
+        bound = server.add_insecure_port(address) if credentials is None else server.add_secure_port(address, credentials)
+    except RuntimeError:
+        bound = 0
     if bound == 0:
-        raise SystemExit(f"{name}: cannot listen on {address}")
+        raise SystemExit(f"{name}: cannot listen on {address}: the port is taken (another service or stack "
+                         "serves there?) or the host is not an address of this machine; pass another --port")  # fmt: skip
     if metrics_registry is not None and metrics_port:  # before the server starts: a taken port ends us cleanly
         try:
             serve_metrics(metrics_registry, metrics_port, host)

@@ -6,6 +6,7 @@ import signal
 import subprocess
 import sys
 import time
+from concurrent import futures
 
 import psutil
 import pytest
@@ -99,6 +100,25 @@ def test_a_service_whose_metrics_port_is_taken_exits_with_one_line_saying_so(red
     assert out.returncode == 1, out.stderr
     assert f"coordinator: cannot serve metrics on 127.0.0.1:{port}: Address already in use" in out.stderr
     assert "--metrics-port-base" in out.stderr
+    assert "Traceback" not in out.stderr and "never awaited" not in out.stderr
+
+
+
+def test_a_service_refuses_a_port_another_grpc_server_already_serves(redis_url):
+    """gRPC binds with SO_REUSEPORT by default on Linux, so a second server on a served port
+    used to start and take half of the first one's connections; now it exits saying so."""
+    import grpc
+
+    other = grpc.server(futures.ThreadPoolExecutor(1))  # gRPC's default options, as any gRPC server has
+    port = other.add_insecure_port("127.0.0.1:0")
+    other.start()
+    try:
+        out = run_cli("serve", "coordinator", "--redis-url", redis_url, "--port", str(port), "--host", "127.0.0.1",
+                      timeout=120)  # fmt: skip
+    finally:
+        other.stop(0)
+    assert out.returncode == 1, out.stderr
+    assert f"coordinator: cannot listen on 127.0.0.1:{port}: the port is taken" in out.stderr
     assert "Traceback" not in out.stderr and "never awaited" not in out.stderr
 
 
