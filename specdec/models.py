@@ -238,11 +238,7 @@ def _convert_gguf(gguf_path: Path):
     from the same config minus `quantization_config` (on the meta device: no allocation,
     no random init), which saves normally.
     """
-    with gguf_parsed_once():
-        tokenizer = load_tokenizer(str(gguf_path))
-        gguf_model = AutoModelForCausalLM.from_pretrained(
-            str(gguf_path.parent), gguf_file=gguf_path.name, local_files_only=True, **_dtype_kwarg(torch.float32)
-        )
+    gguf_model, tokenizer = _load_gguf(gguf_path, torch.float32)
     config_dict = gguf_model.config.to_dict()
     config_dict.pop("quantization_config", None)
     config = type(gguf_model.config).from_dict(config_dict)
@@ -254,6 +250,17 @@ def _convert_gguf(gguf_path: Path):
     # the GGUF tokenizer says "unlimited"; the model's context is the real limit
     if config.max_position_embeddings:
         tokenizer.model_max_length = config.max_position_embeddings
+    return model, tokenizer
+
+
+def _load_gguf(gguf_file: Path, torch_dtype: torch.dtype | str):
+    """(model, tokenizer) of a `.gguf` file through transformers (it dequantizes the weights),
+    its header parsed once (gguf_parsed_once)."""
+    with gguf_parsed_once():
+        tokenizer = load_tokenizer(str(gguf_file))
+        model = AutoModelForCausalLM.from_pretrained(
+            str(gguf_file.parent), gguf_file=gguf_file.name, local_files_only=True, **_dtype_kwarg(torch_dtype)
+        )
     return model, tokenizer
 
 
@@ -385,11 +392,7 @@ def load_model(name_or_path: str, *, dtype: str = "float32", device: str = "cpu"
         tokenizer = load_tokenizer(str(path))
         model = AutoModelForCausalLM.from_pretrained(str(path), local_files_only=True, **_dtype_kwarg(torch_dtype))
     else:
-        with gguf_parsed_once():
-            tokenizer = load_tokenizer(str(path))
-            model = AutoModelForCausalLM.from_pretrained(
-                str(gguf_file.parent), gguf_file=gguf_file.name, local_files_only=True, **_dtype_kwarg(torch_dtype)
-            )
+        model, tokenizer = _load_gguf(gguf_file, torch_dtype)
     if gguf_file is None and (path / OUTPUT_VOCAB_FILE).exists():
         restrict_output_vocab(model, read_output_vocab(path / OUTPUT_VOCAB_FILE, _embedding_rows(model)))
     model.to(device)
