@@ -87,7 +87,6 @@ def test_a_model_service_told_a_model_that_is_not_there_exits_before_loading_tor
     assert out.returncode == 1 and "is a file but not a .gguf" in out.stderr
 
 
-
 def test_a_service_whose_metrics_port_is_taken_exits_with_one_line_saying_so(redis_url):
     """A second stack on the default metrics ports used to die in a traceback (and a never
     awaited shutdown); now the service says which port and which flag to change."""
@@ -101,7 +100,6 @@ def test_a_service_whose_metrics_port_is_taken_exits_with_one_line_saying_so(red
     assert f"coordinator: cannot serve metrics on 127.0.0.1:{port}: Address already in use" in out.stderr
     assert "--metrics-port-base" in out.stderr
     assert "Traceback" not in out.stderr and "never awaited" not in out.stderr
-
 
 
 def test_a_service_refuses_a_port_another_grpc_server_already_serves(redis_url):
