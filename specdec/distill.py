@@ -65,7 +65,9 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
-from specdec.catalog import CACHE_MARKER, CATALOG, DRAFT_CATALOG, catalog_model_dir, packaged_weights, sha256
+from specdec.catalog import (
+    CACHE_MARKER, CATALOG, DRAFT_CATALOG, ModelNotFoundError, catalog_model_dir, check_model, packaged_weights, sha256,
+)
 from specdec.ngram import (
     LOOKUP_MAX_NGRAM, LOOKUP_WEIGHT_GRID, find_continuation, format_lookup_weights, mix_lookup, parse_lookup_weights,
     resolve_lookup_weights, write_lookup_file,
@@ -963,6 +965,7 @@ def evaluate_draft(config: DistillConfig, draft_name: str) -> dict[str, Any]:
     if missing:
         raise DistillError(f"{_data_dir(config)} lacks {', '.join(missing)}: run `specdec distill` into "
                            f"{config.out} first (--resume makes a held-out set an older run lacks)")  # fmt: skip
+    check_model(config.target), check_model(draft_name)  # before torch loads either
     use_threads(config)
     target, draft = load_model(config.target), load_model(draft_name)
     if draft.vocab_fingerprint != target.vocab_fingerprint:
@@ -1112,12 +1115,31 @@ def ensure_distilled_draft(name: str, *, progress: bool = True) -> Path:
 # the whole run
 
 
-def distill(config: DistillConfig) -> dict:
-    """Run data -> train -> evaluate -> write; return the card (also written to --out)."""
-    from specdec.models import load_model
-
-    use_threads(config)
-    compute_precision(config.precision)  # a bad --precision fails here, before anything runs
+def check_config(config: DistillConfig) -> None:
+    """DistillError naming the first flag no run can use; called before anything loads or is written."""
+    compute_precision(config.precision)  # a bad --precision fails here
+    at_least_one = {"--layers": config.layers, "--hidden": config.hidden, "--heads": config.heads, "--top-k": config.top_k,
+                    "--data-tokens": config.data_tokens, "--max-new-tokens": config.max_new_tokens,
+                    "--gen-batch-size": config.gen_batch_size, "--batch-size": config.batch_size}  # fmt: skip
+    for flag, value in at_least_one.items():
+        if value < 1:
+            raise DistillError(f"{flag} must be at least 1, got {value}")
+    if config.hidden % config.heads or (config.hidden // config.heads) % 2:
+        raise DistillError(f"--hidden ({config.hidden}) must be --heads ({config.heads}) times an even head width "
+                           "(rotary position embeddings rotate pairs), e.g. --hidden 256 --heads 4")  # fmt: skip
+    if not (math.isfinite(config.minutes) and config.minutes >= 0) or (config.minutes == 0 and not config.resume):
+        raise DistillError(f"--minutes must be above 0 (0 only with --resume: calibrate, write and evaluate "
+                           f"the checkpoint again), got {config.minutes:g}")  # fmt: skip
+    if not 0 < config.data_share <= 1:
+        raise DistillError(f"--data-share must be above 0 and at most 1, got {config.data_share:g}")
+    if not (math.isfinite(config.lr) and config.lr > 0):
+        raise DistillError(f"--lr must be above 0, got {config.lr:g}")
+    if not config.eval_every_s > 0:
+        raise DistillError(f"--eval-every must be above 0 seconds, got {config.eval_every_s:g}")
+    if config.draft_vocab < 0:
+        raise DistillError(f"--draft-vocab must be at least 0 (0: the whole vocabulary), got {config.draft_vocab}")
+    if config.threads < 0:
+        raise DistillError(f"--threads must be at least 0 (0: one per core), got {config.threads}")
     if not valid_temperatures(config.temperatures):
         raise DistillError(f"--temperatures must be numbers >= 0 (0: greedy), got {config.temperatures}")
     if not 0 <= config.dropout < 1:
@@ -1128,15 +1150,40 @@ def distill(config: DistillConfig) -> dict:
         raise DistillError(f"--lookup-ngram must be at least 0 (0: no lookup mixing), got {config.lookup_ngram}")
     if not 0 <= config.calibration_share < 1:
         raise DistillError(f"--calibration-share must be at least 0 and below 1, got {config.calibration_share:g}")
+
+
+def check_out(config: DistillConfig) -> None:
+    """DistillError unless --out suits the run: a new or empty directory, or, with --resume, one
+    holding a run (its data or checkpoint). A run writes a model directory into --out, so a folder
+    holding anything else (another model, say) is refused rather than written over."""
+    out = Path(config.out)
+    holds_run = (out / CHECKPOINT_NAME).exists() or (out / DATA_DIR).exists()
+    if out.exists() and not out.is_dir():
+        raise DistillError(f"--out {out} is a file; pick a directory")
+    if config.resume and not holds_run:
+        raise DistillError(f"{out} holds no distillation run to resume; drop --resume to start one there")
+    if not config.resume and holds_run:
+        raise DistillError(f"{out} already holds a distillation run; pass --resume to continue it, or pick a new --out")
+    if not config.resume and out.exists() and any(out.iterdir()):
+        raise DistillError(f"{out} is not empty and holds no distillation run; the run writes a model directory "
+                           "there, so pick a new or empty --out")  # fmt: skip
+
+
+def distill(config: DistillConfig) -> dict:
+    """Run data -> train -> evaluate -> write; return the card (also written to --out)."""
+    from specdec.models import load_model
+
+    check_config(config)
+    check_out(config)
+    check_model(config.target)  # a wrong name or path fails here, before --out is made
+    use_threads(config)
     began = time.monotonic()
     deadline = began + config.minutes * 60
     out = Path(config.out)
     checkpoint_path = out / CHECKPOINT_NAME
-    if not config.resume and (checkpoint_path.exists() or (out / DATA_DIR).exists()):
-        raise DistillError(f"{out} already holds a distillation run; pass --resume to continue it, or pick a new --out")
+    train_prompts, eval_prompts = load_prompts(config.prompts, config.eval_prompts or None)
     out.mkdir(parents=True, exist_ok=True)
     target = load_model(config.target)
-    train_prompts, eval_prompts = load_prompts(config.prompts, config.eval_prompts or None)
     meta_path = out / DATA_DIR / "target.json"
     if meta_path.exists():
         previous = json.loads(meta_path.read_text())
@@ -1347,14 +1394,21 @@ def config_from_args(args: argparse.Namespace) -> DistillConfig:
 
 def run_distill(args: argparse.Namespace) -> int:
     """Handler of `specdec distill`: run it, print the figures; 0 on success, 1 on a usage error."""
+    from specdec.models import CatalogFetchError
+
     try:
         if args.evaluate:
             print(json.dumps(evaluate_draft(config_from_args(args), args.evaluate)))
             return 0
         card = distill(config_from_args(args))
-    except DistillError as exc:
+    except (DistillError, ModelNotFoundError, CatalogFetchError) as exc:
         print(f"specdec distill: {exc}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:
+        every = DistillConfig.checkpoint_every_s / 60
+        print(f"\nspecdec distill: interrupted. {args.out} keeps the data sampled so far and the last checkpoint "
+              f"(written every {every:g} minutes of training): run the same command with --resume to continue", file=sys.stderr)  # fmt: skip
+        return 130
     figures = card["figures"]
     print(
         f"draft written to {args.out}\n"

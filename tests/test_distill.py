@@ -7,6 +7,10 @@ command (README "Make a draft"), never a test.
 import argparse
 import dataclasses
 import json
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -291,19 +295,72 @@ def test_the_calibration_prompts_pick_a_temperature_that_is_folded_into_the_writ
     assert torch.allclose(written, best / second["calibration"]["temperature"], rtol=2e-3, atol=1e-4)
 
 
-@pytest.mark.parametrize(("flag", "value", "message"), [
-    ("--lookup-ngram", "-1", "--lookup-ngram must be at least 0"),
-    ("--dropout", "1", "--dropout must be at least 0 and below 1, got 1"),
-    ("--dropout", "-0.1", "--dropout must be at least 0 and below 1"),
-    ("--weight-decay", "-1", "--weight-decay must be at least 0, got -1"),
-    ("--calibration-share", "1", "--calibration-share must be at least 0 and below 1, got 1"),
+@pytest.mark.parametrize(("flags", "message"), [
+    (["--lookup-ngram", "-1"], "--lookup-ngram must be at least 0"),
+    (["--dropout", "1"], "--dropout must be at least 0 and below 1, got 1"),
+    (["--dropout", "-0.1"], "--dropout must be at least 0 and below 1"),
+    (["--weight-decay", "-1"], "--weight-decay must be at least 0, got -1"),
+    (["--calibration-share", "1"], "--calibration-share must be at least 0 and below 1, got 1"),
+    (["--minutes", "-1"], "--minutes must be above 0"),
+    (["--minutes", "0"], "0 only with --resume"),
+    (["--minutes", "nan"], "--minutes must be above 0"),
+    (["--layers", "0"], "--layers must be at least 1, got 0"),
+    (["--batch-size", "0"], "--batch-size must be at least 1"),
+    (["--top-k", "0"], "--top-k must be at least 1"),
+    (["--hidden", "30", "--heads", "4"], "--hidden (30) must be --heads (4) times an even head width"),
+    (["--hidden", "30", "--heads", "2"], "--hidden (30) must be --heads (2) times an even head width"),
+    (["--data-share", "0"], "--data-share must be above 0 and at most 1"),
+    (["--lr", "0"], "--lr must be above 0"),
+    (["--eval-every", "0"], "--eval-every must be above 0"),
+    (["--draft-vocab", "-1"], "--draft-vocab must be at least 0"),
+    (["--threads", "-2"], "--threads must be at least 0"),
+    (["--target", "no-such-model"], "model 'no-such-model' not found"),
+    (["--resume"], "holds no distillation run to resume; drop --resume"),
 ])  # fmt: skip
-def test_bad_dropout_weight_decay_calibration_share_or_lookup_ngram_is_refused_before_anything_runs(tiny, tmp_path, capsys, flag, value, message):
+def test_a_flag_no_run_can_use_is_refused_with_its_name_before_anything_is_written(tiny, tmp_path, capsys, flags, message):
     out = tmp_path / "run"
-    argv = ["--target", tiny[1], "--out", str(out), "--prompts", tiny[2], *DISTILL_FLAGS, flag, value]
+    argv = ["--target", tiny[1], "--out", str(out), "--prompts", tiny[2], *DISTILL_FLAGS, *flags]
     assert run_distill(parse(argv)) == 1
     assert message in capsys.readouterr().err
     assert not out.exists()
+
+
+def test_a_folder_holding_something_else_is_not_written_over(tiny, tmp_path, capsys):
+    out = tmp_path / "my-model"
+    out.mkdir()
+    (out / "config.json").write_text("{}")
+    argv = ["--target", tiny[1], "--out", str(out), "--prompts", tiny[2], "--minutes", "0.01", *DISTILL_FLAGS]
+    assert run_distill(parse(argv)) == 1
+    assert "is not empty and holds no distillation run" in capsys.readouterr().err
+    assert [p.name for p in out.iterdir()] == ["config.json"] and (out / "config.json").read_text() == "{}"
+
+
+def test_an_interrupted_run_says_how_to_continue_and_resume_finishes_it(tiny, tmp_path):
+    out = tmp_path / "run"
+    argv = ["--target", tiny[1], "--out", str(out), "--prompts", tiny[2], *DISTILL_FLAGS, "--data-tokens", "100000"]
+    process = subprocess.Popen(
+        [sys.executable, "-m", "specdec.cli", "distill", *argv, "--minutes", "2"], stderr=subprocess.PIPE, text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),  # a background job would ignore ^C
+    )  # fmt: skip
+    deadline = time.monotonic() + 60
+    while not list((out / DATA_DIR).glob("train-*.pt")) and process.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.1)
+    process.send_signal(signal.SIGINT)  # mid-sampling: the first training shard is written, more are coming
+    _, err = process.communicate(timeout=60)
+    assert process.returncode == 130, err
+    assert "interrupted" in err and "--resume to continue" in err and "Traceback" not in err
+    kept = sorted(p.name for p in (out / DATA_DIR).glob("train-*.pt"))
+    assert kept and not (out / CARD_NAME).exists()
+    assert run_distill(parse([*argv, "--minutes", "0.05", "--resume"])) == 0
+    assert set(kept) <= {p.name for p in (out / DATA_DIR).glob("train-*.pt")}
+    assert json.loads((out / CARD_NAME).read_text())["training"]["steps"] > 0
+
+
+def test_evaluating_a_draft_that_does_not_exist_names_it(distilled, tiny, capsys):
+    out, _, _, _ = distilled
+    argv = ["--target", tiny[1], "--out", str(out), "--prompts", tiny[2], *DISTILL_FLAGS, "--evaluate", "no-such-draft"]
+    assert run_distill(parse(argv)) == 1
+    assert "model 'no-such-draft' not found" in capsys.readouterr().err
 
 
 def test_a_second_run_into_the_same_dir_needs_resume(distilled, tiny, capsys):
