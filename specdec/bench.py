@@ -77,7 +77,9 @@ class Run:
 
 
 def add_bench_parser(commands) -> None:
-    from specdec.cli import DEFAULT_DRAFT_HELP, NGRAM_FIRST_HELP, ngram_first_value
+    from specdec.cli import (
+        DEFAULT_DRAFT_HELP, MAX_NEW_TOKENS, NGRAM_FIRST_HELP, TEMPERATURE, TOP_K, TOP_P, bounded, ngram_first_value,
+    )
 
     p = commands.add_parser(
         "bench",
@@ -92,22 +94,22 @@ def add_bench_parser(commands) -> None:
     p.add_argument("--k", type=k_value, default=None,
                    help="tokens drafted per cycle, or `adaptive` (up to --max-k) (default: the draft's own K for a "
                    f"catalog draft, 2 for smollm2-135m-instruct-draft; else {DEFAULT_K}, the coordinator's default)")  # fmt: skip
-    p.add_argument("--max-k", type=int, default=8, help="largest K with --k adaptive (default: %(default)s)")
+    p.add_argument("--max-k", type=bounded(int, 1), default=8, help="largest K with --k adaptive (default: %(default)s)")
     p.add_argument("--prompts", default=None, help='JSONL file, one {"prompt": ...} per line (default: the shipped set)')
     p.add_argument("--kind", default=None,
                    help='only the prompts whose "kind" is this, or one of these, comma-separated: code,chat '
                    '(the shipped set has extractive, code, chat)')
-    p.add_argument("--max-new-tokens", type=int, default=64, help="tokens per prompt (default: %(default)s)")
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default: %(default)s)")
-    p.add_argument("--top-k", type=int, default=0, help="top-k warping when sampling (0 = off)")
-    p.add_argument("--top-p", type=float, default=1.0, help="top-p warping when sampling (1.0 = off)")
-    p.add_argument("--repeats", type=int, default=1, help="passes over the prompt set (default: %(default)s)")
+    p.add_argument("--max-new-tokens", type=MAX_NEW_TOKENS, default=64, help="tokens per prompt (default: %(default)s)")
+    p.add_argument("--temperature", type=TEMPERATURE, default=0.0, help="0 = greedy (default: %(default)s)")
+    p.add_argument("--top-k", type=TOP_K, default=0, help="top-k warping when sampling (0 = off)")
+    p.add_argument("--top-p", type=TOP_P, default=1.0, help="top-p warping when sampling (1.0 = off)")
+    p.add_argument("--repeats", type=bounded(int, 1), default=1, help="passes over the prompt set (default: %(default)s)")
     p.add_argument("--pipeline", choices=["auto", "on", "off"], default="auto",
                    help="specdec's pipelining: the server's choice per cycle (auto: where its early drafting "
                         "is likely kept), every cycle (on), or none (off: each cycle drafts after the previous "
                         "verdict); compare cycle_ms (default: %(default)s)")
     p.add_argument("--no-pipeline", dest="pipeline", action="store_const", const="off", help="the same as --pipeline off")
-    p.add_argument("--threads", type=int, default=0,
+    p.add_argument("--threads", type=bounded(int, 0), default=0,
                    help="torch threads of the in-process baselines (0 = torch's default, all cores)")  # fmt: skip
     p.add_argument("--no-chat-template", action="store_true", help="use prompts as raw text")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")

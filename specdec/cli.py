@@ -4,6 +4,7 @@ variable shown in its help ([env: SPECDEC_...])."""
 from __future__ import annotations
 
 import argparse
+import math
 import asyncio
 import contextlib
 import json
@@ -23,9 +24,39 @@ def k_value(text: str) -> int | str:
     if text == "adaptive":
         return text
     try:
-        return int(text)
+        k = int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"K must be an integer or 'adaptive', got {text!r}") from None
+        k = 0
+    if k < 1:
+        raise argparse.ArgumentTypeError(f"K must be an integer of at least 1 or 'adaptive', got {text!r}")
+    return k
+
+
+def bounded(kind: type, low: float, high: float = math.inf, *, above: bool = False, note: str = ""):
+    """An argparse type: a finite `kind` (int or float) of at least `low` (above it, when `above`)
+    and at most `high`; `note` says what the edge values mean. A value the server would refuse
+    then fails at once, before a local stack starts; the server still checks every request."""
+    rule = f"{'above' if above else 'at least'} {low:g}" + (f" and at most {high:g}" if high < math.inf else "")
+    noun = "an integer" if kind is int else "a number"
+
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            value = math.nan
+        if not (math.isfinite(value) and (value > low if above else value >= low) and value <= high):
+            raise argparse.ArgumentTypeError(f"expected {noun} {rule}{f' ({note})' if note else ''}, got {text!r}")
+        return value
+
+    return parse
+
+
+# The request flags of generate, trace, bench and soak.
+MAX_NEW_TOKENS = bounded(int, 1)
+TEMPERATURE = bounded(float, 0, note="0 = greedy")
+TOP_K = bounded(int, 0, note="0 = off")
+TOP_P = bounded(float, 0, 1, above=True, note="1 = off")
+SECONDS = bounded(float, 0, above=True)
 
 
 NGRAM_FIRST_HELP = (
@@ -298,10 +329,10 @@ def add_generate_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("prompt", help="the text to continue")
     env_flag(p, "--address", "SPECDEC_ADDRESS", default=None,
              help=f"coordinator address (default {DEFAULT_ADDRESS}; started locally when nothing serves there)")  # fmt: skip
-    env_flag(p, "--max-new-tokens", "SPECDEC_MAX_NEW_TOKENS", default=64, type=int, help="tokens to generate at most")
-    env_flag(p, "--temperature", "SPECDEC_TEMPERATURE", default=0.0, type=float, help="0 = greedy")
-    env_flag(p, "--top-k", "SPECDEC_TOP_K", default=0, type=int, help="keep the k most likely tokens (0 = off)")
-    env_flag(p, "--top-p", "SPECDEC_TOP_P", default=1.0, type=float, help="nucleus mass to keep (1.0 = off)")
+    env_flag(p, "--max-new-tokens", "SPECDEC_MAX_NEW_TOKENS", default=64, type=MAX_NEW_TOKENS, help="tokens to generate at most")
+    env_flag(p, "--temperature", "SPECDEC_TEMPERATURE", default=0.0, type=TEMPERATURE, help="0 = greedy")
+    env_flag(p, "--top-k", "SPECDEC_TOP_K", default=0, type=TOP_K, help="keep the k most likely tokens (0 = off)")
+    env_flag(p, "--top-p", "SPECDEC_TOP_P", default=1.0, type=TOP_P, help="nucleus mass to keep (1.0 = off)")
     env_flag(p, "--seed", "SPECDEC_SEED", default=None, type=int, help="seed for reproducible sampling")
     env_flag(p, "--k", "SPECDEC_K", default=None, type=k_value,
              help="K, tokens drafted per cycle, or `adaptive` (server default when unset)")  # fmt: skip
@@ -310,7 +341,7 @@ def add_generate_flags(p: argparse.ArgumentParser) -> None:
     env_flag(p, "--pipeline", "SPECDEC_PIPELINE", default=None, choices=["on", "off"],
              help="draft the next cycle during verification (default: the server's setting)")  # fmt: skip
     env_flag(p, "--json", "SPECDEC_JSON", action="store_true", help="print one JSON object instead of text")
-    env_flag(p, "--timeout", "SPECDEC_TIMEOUT", default=None, type=float, help="deadline of the call in seconds")
+    env_flag(p, "--timeout", "SPECDEC_TIMEOUT", default=None, type=SECONDS, help="deadline of the call in seconds")
     env_flag(p, "--target", "SPECDEC_TARGET", default="smollm2-135m-instruct", help="target for a local stack")
     env_flag(p, "--draft", "SPECDEC_DRAFT", default="",
              help=f"draft for a local stack ({DEFAULT_DRAFT_HELP})")  # fmt: skip
@@ -325,11 +356,15 @@ def add_client_security_flags(p: argparse.ArgumentParser) -> None:
 
 
 def client_options(args) -> dict:
-    """Client(...) keyword arguments from the client security flags."""
-    from specdec.security import CLIENT_TOKEN_ENV, load_tokens
+    """Client(...) keyword arguments from the client security flags; a token or CA file that
+    cannot be read ends the command here (call it before a local stack starts)."""
+    import grpc
+
+    from specdec.security import CLIENT_TOKEN_ENV, load_tokens, read_pem
 
     tokens = load_tokens(args.token_file, CLIENT_TOKEN_ENV)
-    return {"tls_ca": args.tls_ca or None, "token": tokens[0] if tokens else None}
+    credentials = grpc.ssl_channel_credentials(read_pem(args.tls_ca, "CA file (--tls-ca)")) if args.tls_ca else None
+    return {"credentials": credentials, "token": tokens[0] if tokens else None}
 
 
 # ---------------------------------------------------------------- commands
@@ -485,9 +520,10 @@ def run_generate(args) -> int:
     from specdec import telemetry
     from specdec.client import Client, SpecdecClientError
 
+    options = client_options(args)
     telemetry.setup_tracing("specdec-cli")
     try:
-        with serving_address(args) as address, Client(address, **client_options(args)) as client:
+        with serving_address(args) as address, Client(address, **options) as client:
             if args.json:
                 print(json.dumps(client.generate(args.prompt, **generate_options(args)).as_dict()))
                 return 0
@@ -510,9 +546,10 @@ def run_trace(args) -> int:
     from specdec import telemetry
     from specdec.client import Client, SpecdecClientError
 
+    options = client_options(args)
     telemetry.setup_tracing("specdec-cli")
     try:
-        with serving_address(args) as address, Client(address, **client_options(args)) as client:
+        with serving_address(args) as address, Client(address, **options) as client:
             result = client.generate(args.prompt, **generate_options(args))
     except SpecdecClientError as exc:
         print(f"error: {exc}", file=sys.stderr)

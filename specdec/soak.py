@@ -55,7 +55,7 @@ class Tally:
 
 
 def add_soak_parser(commands) -> None:
-    from specdec.cli import DEFAULT_DRAFT_HELP, add_client_security_flags, env_flag
+    from specdec.cli import DEFAULT_DRAFT_HELP, MAX_NEW_TOKENS, SECONDS, TEMPERATURE, add_client_security_flags, bounded, env_flag
 
     p = commands.add_parser(
         "soak",
@@ -66,9 +66,9 @@ def add_soak_parser(commands) -> None:
         "Exit status: 0 when no request failed, 1 when any did.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    env_flag(p, "--clients", "SPECDEC_SOAK_CLIENTS", default=8, type=int, help="concurrent clients")
-    env_flag(p, "--minutes", "SPECDEC_SOAK_MINUTES", default=10.0, type=float, help="length of the run")
-    env_flag(p, "--warmup-s", "SPECDEC_SOAK_WARMUP_S", default=60.0, type=float,
+    env_flag(p, "--clients", "SPECDEC_SOAK_CLIENTS", default=8, type=bounded(int, 1), help="concurrent clients")
+    env_flag(p, "--minutes", "SPECDEC_SOAK_MINUTES", default=10.0, type=bounded(float, 0, above=True), help="length of the run")
+    env_flag(p, "--warmup-s", "SPECDEC_SOAK_WARMUP_S", default=60.0, type=bounded(float, 0),
              help="seconds of load before the start RSS is taken (at most a quarter of the run)")  # fmt: skip
     env_flag(p, "--address", "SPECDEC_ADDRESS", default=None,
              help="soak a coordinator that is already running (no local stack; RSS only with --pid)")  # fmt: skip
@@ -78,9 +78,9 @@ def add_soak_parser(commands) -> None:
     env_flag(p, "--target", "SPECDEC_TARGET", default="smollm2-135m-instruct", help="target of the local stack")
     env_flag(p, "--draft", "SPECDEC_DRAFT", default="",
              help=f"draft of the local stack, or `ngram` ({DEFAULT_DRAFT_HELP})")  # fmt: skip
-    env_flag(p, "--max-new-tokens", "SPECDEC_MAX_NEW_TOKENS", default=64, type=int, help="tokens per request")
-    env_flag(p, "--temperature", "SPECDEC_TEMPERATURE", default=0.0, type=float, help="0 = greedy")
-    env_flag(p, "--timeout", "SPECDEC_TIMEOUT", default=300.0, type=float,
+    env_flag(p, "--max-new-tokens", "SPECDEC_MAX_NEW_TOKENS", default=64, type=MAX_NEW_TOKENS, help="tokens per request")
+    env_flag(p, "--temperature", "SPECDEC_TEMPERATURE", default=0.0, type=TEMPERATURE, help="0 = greedy")
+    env_flag(p, "--timeout", "SPECDEC_TIMEOUT", default=300.0, type=SECONDS,
              help="deadline of each request in seconds (a request past it counts as an error)")  # fmt: skip
     p.add_argument("--prompts", default=None, help='JSONL file, one {"prompt": ...} per line (default: the shipped set)')
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
@@ -161,7 +161,7 @@ async def watch(pids: dict[str, int], started: float, seconds: float, warmup_s: 
         await asyncio.sleep(TICK_S)
 
 
-async def soak(address: str, pids: dict[str, int], prompts: list[str], args) -> tuple[Tally, float]:
+async def soak(address: str, pids: dict[str, int], prompts: list[str], args, connect: dict) -> tuple[Tally, float]:
     """Run the clients for --minutes; return the tally and the seconds the run took."""
     from tqdm import tqdm
 
@@ -172,7 +172,6 @@ async def soak(address: str, pids: dict[str, int], prompts: list[str], args) -> 
     deadline = started + seconds
     with tqdm(total=round(seconds), unit="s", file=sys.stderr, disable=args.no_progress, desc="soak") as bar:
         watcher = asyncio.create_task(watch(pids, started, seconds, warmup_seconds(args), bar, tally))
-        connect = client_options(args)
         clients = [run_client(address, prompts, i, deadline, options, tally, connect) for i in range(args.clients)]
         await asyncio.gather(*clients)
         watcher.cancel()
@@ -212,13 +211,12 @@ def soak_target(args):
 
 
 def run_soak(args) -> int:
-    if args.clients < 1 or args.minutes <= 0:
-        raise SystemExit("--clients must be at least 1 and --minutes positive")
     if args.pid and not args.address:
         raise SystemExit("--pid is for --address: a local stack's processes are measured anyway")
     prompts = load_prompts(args.prompts)
+    connect = client_options(args)  # an unreadable token or CA file fails before a stack starts
     with soak_target(args) as (address, pids):
-        tally, elapsed = asyncio.run(soak(address, pids, prompts, args))
+        tally, elapsed = asyncio.run(soak(address, pids, prompts, args, connect))
     report = build_report(args, address, pids, tally, elapsed)
     print(json.dumps(report) if args.json else format_report(report))
     return 1 if report["errors"] else 0

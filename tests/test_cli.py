@@ -42,6 +42,54 @@ def test_ngram_first_outside_its_range_is_refused_with_the_range_on_every_comman
     assert build_parser().parse_args(["up"]).ngram_first == 0
 
 
+@pytest.mark.parametrize(("command", "flag", "value", "rule"), [
+    (["generate", "hi"], "--temperature", "-1", "a number at least 0 (0 = greedy)"),
+    (["generate", "hi"], "--top-p", "1.5", "a number above 0 and at most 1 (1 = off)"),
+    (["generate", "hi"], "--top-p", "0", "a number above 0 and at most 1 (1 = off)"),
+    (["generate", "hi"], "--top-k", "-1", "an integer at least 0 (0 = off)"),
+    (["generate", "hi"], "--max-new-tokens", "0", "an integer at least 1"),
+    (["trace", "hi"], "--timeout", "-5", "a number above 0"),
+    (["bench"], "--repeats", "0", "an integer at least 1"),
+    (["bench"], "--temperature", "nan", "a number at least 0 (0 = greedy)"),
+    (["bench"], "--max-k", "0", "an integer at least 1"),
+    (["soak"], "--clients", "0", "an integer at least 1"),
+    (["soak"], "--minutes", "0", "a number above 0"),
+    (["soak"], "--timeout", "0", "a number above 0"),
+])  # fmt: skip
+def test_a_request_flag_the_server_would_refuse_is_refused_by_the_cli_before_a_stack_starts(capsys, command, flag, value, rule):
+    from specdec.cli import build_parser
+
+    with pytest.raises(SystemExit) as exited:
+        build_parser(command).parse_args([*command, flag, value])
+    assert exited.value.code == 2
+    assert f"argument {flag}: expected {rule}, got '{value}'" in capsys.readouterr().err
+
+
+def test_edge_values_that_switch_a_warper_off_are_accepted_and_k_takes_adaptive_or_a_positive_integer(capsys):
+    from specdec.cli import build_parser
+
+    args = build_parser().parse_args(["generate", "hi", "--temperature", "0", "--top-k", "0", "--top-p", "1", "--k", "adaptive"])
+    assert (args.temperature, args.top_k, args.top_p, args.k) == (0.0, 0, 1.0, "adaptive")
+    assert build_parser().parse_args(["generate", "hi", "--k", "3"]).k == 3
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["generate", "hi", "--k", "0"])
+    assert "K must be an integer of at least 1 or 'adaptive', got '0'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("flag", "message"), [
+    ("--token-file", "cannot read the token file"),
+    ("--tls-ca", "cannot read the CA file (--tls-ca)"),
+])  # fmt: skip
+def test_an_unreadable_token_or_ca_file_ends_generate_with_one_line_before_a_stack_starts(tmp_path, capsys, flag, message):
+    from specdec.cli import main
+
+    missing = str(tmp_path / "missing.pem")
+    with pytest.raises(SystemExit) as exited:
+        main(["generate", "hi", flag, missing])
+    assert str(exited.value) == f"{message} {missing!r}: No such file or directory"
+    assert "starting a local stack" not in capsys.readouterr().err
+
+
 def test_flags_take_their_default_from_the_environment():
     from specdec.cli import build_parser
 
@@ -167,9 +215,10 @@ def test_up_then_generate_json_end_to_end(tiny_models):
         # Plain mode streams text to stdout and prints the statistics on stderr.
         plain = run_cli("generate", "hello world", "--address", f"127.0.0.1:{port}", "--max-new-tokens", "8")
         assert plain.returncode == 0 and "tokens/cycle" in plain.stderr
-        # A server error is reported with its status code and a non-zero exit.
-        bad = run_cli("generate", "hello", "--address", f"127.0.0.1:{port}", "--temperature", "-1")
-        assert bad.returncode == 1 and "INVALID_ARGUMENT" in bad.stderr and "temperature" in bad.stderr
+        # A server error is reported with its status code and a non-zero exit (K above the
+        # coordinator's --max-k, which only the server knows).
+        bad = run_cli("generate", "hello", "--address", f"127.0.0.1:{port}", "--k", "99")
+        assert bad.returncode == 1 and "INVALID_ARGUMENT" in bad.stderr and "between 1 and 16, got 99" in bad.stderr
     finally:
         up.send_signal(signal.SIGTERM)
         assert up.wait(timeout=60) == 0

@@ -40,12 +40,12 @@ def test_soak_against_a_running_stack_without_pids_says_rss_is_not_measured(tiny
 
 
 def test_soak_counts_refused_requests_by_status_code_and_exits_1(tiny_stack, capsys, tmp_path):
-    # The coordinator refuses max_new_tokens 0 with INVALID_ARGUMENT.
+    # The coordinator refuses more than its --max-new-tokens-limit (4096) with RESOURCE_EXHAUSTED.
     code, report = soak_json(capsys, "--address", tiny_stack.address, "--clients", "2", "--minutes", "0.02",
-                             "--prompts", prompts_file(tmp_path), "--max-new-tokens", "0")  # fmt: skip
+                             "--prompts", prompts_file(tmp_path), "--max-new-tokens", "100000")  # fmt: skip
     assert code == 1
     assert report["errors"] == report["requests"] > 0
-    assert report["errors_by_code"] == {"INVALID_ARGUMENT": report["errors"]}
+    assert report["errors_by_code"] == {"RESOURCE_EXHAUSTED": report["errors"]}
     assert len(report["error_samples"]) == 1 and "max_new_tokens" in report["error_samples"][0]
     assert report["tokens"] == 0
 
