@@ -36,7 +36,8 @@ def bounded(kind: type, low: float, high: float = math.inf, *, above: bool = Fal
     """An argparse type: a finite `kind` (int or float) of at least `low` (above it, when `above`)
     and at most `high`; `note` says what the edge values mean. A value the server would refuse
     then fails at once, before a local stack starts; the server still checks every request."""
-    rule = f"{'above' if above else 'at least'} {low:g}" + (f" and at most {high:g}" if high < math.inf else "")
+    show = (lambda x: str(int(x))) if kind is int else (lambda x: f"{x:g}")
+    rule = f"{'above' if above else 'at least'} {show(low)}" + (f" and at most {show(high)}" if high < math.inf else "")
     noun = "an integer" if kind is int else "a number"
 
     def parse(text: str):
@@ -57,6 +58,12 @@ TEMPERATURE = bounded(float, 0, note="0 = greedy")
 TOP_K = bounded(int, 0, note="0 = off")
 TOP_P = bounded(float, 0, 1, above=True, note="1 = off")
 SECONDS = bounded(float, 0, above=True)
+# Ports, and the service flags whose value no deployment can use.
+PORT = bounded(int, 1, 65535)
+SERVICE_PORT = bounded(int, 0, 65535, note="0 = a free port, printed once serving")
+METRICS_PORT = bounded(int, 0, 65535, note="0 = off")
+AT_LEAST_ONE = bounded(int, 1)
+THREADS = bounded(int, 0, note="0 = torch's choice")
 
 
 NGRAM_FIRST_HELP = (
@@ -122,8 +129,8 @@ def env_flag(
     if raw is not None:
         try:
             default = type(raw)
-        except (ValueError, argparse.ArgumentTypeError):
-            parser.error(f"{env}={raw!r} is not a valid value for {flag}")
+        except (ValueError, argparse.ArgumentTypeError) as exc:
+            parser.error(f"{env}={raw!r} is not a valid value for {flag}: {exc}")
     suffix = f" (default: {default})" if default not in (None, "") and not secret else ""
     parser.add_argument(flag, default=default, type=type, help=f"{help}{suffix} [env: {env}]", **kw)
 
@@ -203,13 +210,13 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
 
 def add_common_service_flags(p: argparse.ArgumentParser, prefix: str, port: int) -> None:
     env_flag(p, "--host", f"{prefix}_HOST", default="127.0.0.1", help="address to listen on")
-    env_flag(p, "--port", f"{prefix}_PORT", default=port, type=int, help="port to listen on")
+    env_flag(p, "--port", f"{prefix}_PORT", default=port, type=SERVICE_PORT, help="port to listen on")
     env_flag(p, "--redis-url", "SPECDEC_REDIS_URL", default="", secret=True,
              help="Redis URL for sessions: redis://[:PASSWORD@]HOST:PORT/DB, or rediss://...?ssl_ca_certs=CA.pem "
                   "for TLS; prefer the environment variable, since a password on the command line is visible "
                   "to every user of the machine")  # fmt: skip
     env_flag(p, "--log-level", f"{prefix}_LOG_LEVEL", default="INFO", help="logging level")
-    env_flag(p, "--metrics-port", f"{prefix}_METRICS_PORT", default=0, type=int,
+    env_flag(p, "--metrics-port", f"{prefix}_METRICS_PORT", default=0, type=METRICS_PORT,
              help="serve Prometheus /metrics on this port (0 = off)")  # fmt: skip
     add_tls_server_flags(p, prefix)
 
@@ -224,13 +231,14 @@ def add_tls_server_flags(p: argparse.ArgumentParser, prefix: str) -> None:
 def add_model_flags(p: argparse.ArgumentParser, prefix: str, model: str) -> None:
     env_flag(p, "--model", f"{prefix}_MODEL", default=model,
              help="catalog name, Hugging Face directory or .gguf file")  # fmt: skip
-    env_flag(p, "--dtype", f"{prefix}_DTYPE", default="float32", help="float32, float16, bfloat16 or auto")
+    env_flag(p, "--dtype", f"{prefix}_DTYPE", default="float32", choices=["float32", "float16", "bfloat16", "auto"],
+             help="weights and compute dtype")
     env_flag(p, "--device", f"{prefix}_DEVICE", default="cpu", help="cpu, cuda, cuda:N or auto")
-    env_flag(p, "--threads", f"{prefix}_THREADS", default=0, type=int, help="torch CPU threads (0 = torch's choice)")
-    env_flag(p, "--max-k", f"{prefix}_MAX_K", default=16, type=int, help="largest K accepted per request")
-    env_flag(p, "--max-sessions", f"{prefix}_MAX_SESSIONS", default=256, type=int,
+    env_flag(p, "--threads", f"{prefix}_THREADS", default=0, type=THREADS, help="torch CPU threads (0 = torch's choice)")
+    env_flag(p, "--max-k", f"{prefix}_MAX_K", default=16, type=AT_LEAST_ONE, help="largest K accepted per request")
+    env_flag(p, "--max-sessions", f"{prefix}_MAX_SESSIONS", default=256, type=AT_LEAST_ONE,
              help="sessions whose KV cache is kept; least recently used evicted beyond")  # fmt: skip
-    env_flag(p, "--max-cache-mb", f"{prefix}_MAX_CACHE_MB", default=4096.0, type=float,
+    env_flag(p, "--max-cache-mb", f"{prefix}_MAX_CACHE_MB", default=4096.0, type=bounded(float, 0, note="0 = no limit"),
              help="memory the sessions' KV caches may hold, in MiB; least recently used evicted beyond "
                   "(never a running cycle's); 0 = no limit")  # fmt: skip
     env_flag(p, "--internal-token-file", "SPECDEC_INTERNAL_TOKEN_FILE", default="",
@@ -242,8 +250,8 @@ def add_model_flags(p: argparse.ArgumentParser, prefix: str, model: str) -> None
 def add_draft_flags(p: argparse.ArgumentParser) -> None:
     add_common_service_flags(p, "SPECDEC_DRAFT", 50052)
     add_model_flags(p, "SPECDEC_DRAFT", "ngram")
-    env_flag(p, "--max-ngram", "SPECDEC_DRAFT_MAX_NGRAM", default=DEFAULT_MAX_NGRAM, type=int, help="longest n-gram to look up (ngram)")
-    env_flag(p, "--min-ngram", "SPECDEC_DRAFT_MIN_NGRAM", default=DEFAULT_MIN_NGRAM, type=int, help="shortest n-gram to look up (ngram)")
+    env_flag(p, "--max-ngram", "SPECDEC_DRAFT_MAX_NGRAM", default=DEFAULT_MAX_NGRAM, type=AT_LEAST_ONE, help="longest n-gram to look up (ngram)")
+    env_flag(p, "--min-ngram", "SPECDEC_DRAFT_MIN_NGRAM", default=DEFAULT_MIN_NGRAM, type=AT_LEAST_ONE, help="shortest n-gram to look up (ngram)")
     env_flag(p, "--lookup", "SPECDEC_DRAFT_LOOKUP", default="auto", type=lookup_value, metavar="auto|off|N:W,...",
              help="a model draft's lookup weights: each token is drawn from (1 - W)*q + W*(the prompt lookup's "
                   "token) when the context's longest earlier n-gram match has length N. auto: those the draft's "
@@ -254,7 +262,7 @@ def add_draft_flags(p: argparse.ArgumentParser) -> None:
 def add_target_flags(p: argparse.ArgumentParser) -> None:
     add_common_service_flags(p, "SPECDEC_TARGET", 50053)
     add_model_flags(p, "SPECDEC_TARGET", "smollm2-135m-instruct")
-    env_flag(p, "--solo-threads", "SPECDEC_TARGET_SOLO_THREADS", default=0, type=int,
+    env_flag(p, "--solo-threads", "SPECDEC_TARGET_SOLO_THREADS", default=0, type=bounded(int, 0),
              help="torch threads for a Verify while the draft is idle (drafts in hand, or none), when a "
                   "draft shares the machine; --threads is for one while it drafts beside it (0 = --threads)")  # fmt: skip
 
@@ -267,23 +275,23 @@ def add_coordinator_flags(p: argparse.ArgumentParser) -> None:
     env_flag(p, "--default-k", "SPECDEC_DEFAULT_K", type=default_k_value, metavar="K",
              help="K when a request sets none (default: the K the draft service reports for its draft, "
                   f"e.g. 2 for smollm2-135m-instruct-draft; else {DEFAULT_K})")  # fmt: skip
-    env_flag(p, "--max-k", "SPECDEC_COORDINATOR_MAX_K", default=16, type=int, help="largest K a request may ask for")
-    env_flag(p, "--default-max-new-tokens", "SPECDEC_DEFAULT_MAX_NEW_TOKENS", default=128, type=int,
+    env_flag(p, "--max-k", "SPECDEC_COORDINATOR_MAX_K", default=16, type=AT_LEAST_ONE, help="largest K a request may ask for")
+    env_flag(p, "--default-max-new-tokens", "SPECDEC_DEFAULT_MAX_NEW_TOKENS", default=128, type=AT_LEAST_ONE,
              help="max_new_tokens when a request sets none")  # fmt: skip
-    env_flag(p, "--max-new-tokens-limit", "SPECDEC_MAX_NEW_TOKENS_LIMIT", default=4096, type=int,
+    env_flag(p, "--max-new-tokens-limit", "SPECDEC_MAX_NEW_TOKENS_LIMIT", default=4096, type=AT_LEAST_ONE,
              help="largest max_new_tokens a request may ask for")  # fmt: skip
     env_flag(p, "--adaptive-k", "SPECDEC_ADAPTIVE_K", action="store_true",
              help="requests that set no K get K chosen per cycle (up to --max-k) instead of --default-k")  # fmt: skip
     env_flag(p, "--no-pipeline", "SPECDEC_NO_PIPELINE", action="store_true",
              help="do not draft the next cycle while the target verifies (requests may still ask for it)")  # fmt: skip
-    env_flag(p, "--pipeline-min-keep", "SPECDEC_PIPELINE_MIN_KEEP", default=0.5, type=float,
+    env_flag(p, "--pipeline-min-keep", "SPECDEC_PIPELINE_MIN_KEEP", default=0.5, type=bounded(float, 0, 1),
              help="for requests that do not ask for pipelining: pipeline a cycle only when the session's "
                   "estimate of the chance its early drafting is kept (all K drafts and the guess accepted: a^(K+1), "
                   "or adaptive K's per-position estimate) is >= this "
                   "(default: %(default)s; 0 = every cycle, for a draft and a target on separate devices)")  # fmt: skip
-    env_flag(p, "--max-prompt-tokens", "SPECDEC_MAX_PROMPT_TOKENS", default=8192, type=int,
+    env_flag(p, "--max-prompt-tokens", "SPECDEC_MAX_PROMPT_TOKENS", default=8192, type=AT_LEAST_ONE,
              help="longest prompt accepted, in tokens")  # fmt: skip
-    env_flag(p, "--max-concurrent-requests", "SPECDEC_MAX_CONCURRENT_REQUESTS", default=64, type=int,
+    env_flag(p, "--max-concurrent-requests", "SPECDEC_MAX_CONCURRENT_REQUESTS", default=64, type=AT_LEAST_ONE,
              help="Generate calls served at once; more are refused with RESOURCE_EXHAUSTED")  # fmt: skip
     env_flag(p, "--auth-token-file", "SPECDEC_AUTH_TOKEN_FILE", default="",
              help="file of API tokens (one a line) clients must send as `authorization: Bearer TOKEN`; "
@@ -299,13 +307,13 @@ def add_coordinator_flags(p: argparse.ArgumentParser) -> None:
              help="with an n-gram draft, ask the draft service for each cycle's drafts; by default the "
                   "coordinator runs the same lookup itself (the same tokens, without a network hop)")  # fmt: skip
     add_ngram_first_flag(p)
-    env_flag(p, "--draft-timeout", "SPECDEC_DRAFT_TIMEOUT", default=2.0, type=float,
+    env_flag(p, "--draft-timeout", "SPECDEC_DRAFT_TIMEOUT", default=2.0, type=bounded(float, 0, note="0 = only the deadline"),
              help="seconds a cycle waits for the draft before running target-only (also at most a quarter "
                   "of a request's remaining deadline; 0 = only the deadline)")  # fmt: skip
 
 
 def add_stack_flags(p: argparse.ArgumentParser) -> None:
-    env_flag(p, "--port", "SPECDEC_PORT", default=50051, type=int, help="port of the public coordinator")
+    env_flag(p, "--port", "SPECDEC_PORT", default=50051, type=PORT, help="port of the public coordinator")
     env_flag(p, "--host", "SPECDEC_HOST", default="127.0.0.1", help="address the coordinator listens on")
     env_flag(p, "--target", "SPECDEC_TARGET", default="smollm2-135m-instruct",
              help="target model: catalog name, Hugging Face directory or .gguf file")  # fmt: skip
@@ -321,7 +329,7 @@ def add_stack_flags(p: argparse.ArgumentParser) -> None:
     env_flag(p, "--tls-ca", "SPECDEC_TLS_CA", default="", help="PEM CA that signed --tls-cert")
     env_flag(p, "--auth-token-file", "SPECDEC_AUTH_TOKEN_FILE", default="",
              help="file of API tokens (one a line) clients must send; none = no token check")  # fmt: skip
-    env_flag(p, "--metrics-port-base", "SPECDEC_METRICS_PORT_BASE", default=9400, type=int,
+    env_flag(p, "--metrics-port-base", "SPECDEC_METRICS_PORT_BASE", default=9400, type=bounded(int, 0, 65533, note="0 = off"),
              help="Prometheus /metrics of coordinator, draft, target on this port and the next two (0 = off)")  # fmt: skip
 
 
@@ -333,7 +341,7 @@ def add_generate_flags(p: argparse.ArgumentParser) -> None:
     env_flag(p, "--temperature", "SPECDEC_TEMPERATURE", default=0.0, type=TEMPERATURE, help="0 = greedy")
     env_flag(p, "--top-k", "SPECDEC_TOP_K", default=0, type=TOP_K, help="keep the k most likely tokens (0 = off)")
     env_flag(p, "--top-p", "SPECDEC_TOP_P", default=1.0, type=TOP_P, help="nucleus mass to keep (1.0 = off)")
-    env_flag(p, "--seed", "SPECDEC_SEED", default=None, type=int, help="seed for reproducible sampling")
+    env_flag(p, "--seed", "SPECDEC_SEED", default=None, type=bounded(int, 0, 2**64 - 1), help="seed for reproducible sampling")
     env_flag(p, "--k", "SPECDEC_K", default=None, type=k_value,
              help="K, tokens drafted per cycle, or `adaptive` (server default when unset)")  # fmt: skip
     env_flag(p, "--stop", "SPECDEC_STOP", default=None, action="append", help="stop string (repeatable)")

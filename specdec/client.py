@@ -238,6 +238,8 @@ def build_request(
         ignore_eos=ignore_eos,
     )
     if seed is not None:
+        if not 0 <= seed < 2**64:
+            raise ValueError(f"seed must be an integer from 0 to 2**64 - 1, got {seed}")
         request.sampling.seed = seed
     if num_speculative_tokens is not None:
         request.speculation.num_speculative_tokens = num_speculative_tokens

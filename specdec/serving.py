@@ -159,6 +159,7 @@ async def run(
     if bound == 0:
         raise SystemExit(f"{name}: cannot listen on {address}: the port is taken (another service or stack "
                          "serves there?) or the host is not an address of this machine; pass another --port")  # fmt: skip
+    address = f"{host}:{bound}"  # --port 0: the free port the system picked
     if metrics_registry is not None and metrics_port:  # before the server starts: a taken port ends us cleanly
         try:
             serve_metrics(metrics_registry, metrics_port, host)

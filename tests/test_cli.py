@@ -65,6 +65,54 @@ def test_a_request_flag_the_server_would_refuse_is_refused_by_the_cli_before_a_s
     assert f"argument {flag}: expected {rule}, got '{value}'" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(("command", "flag", "value", "rule"), [
+    (["up"], "--port", "99999", "an integer at least 1 and at most 65535"),
+    (["up"], "--port", "0", "an integer at least 1 and at most 65535"),
+    (["up"], "--metrics-port-base", "65534", "an integer at least 0 and at most 65533 (0 = off)"),
+    (["serve", "coordinator"], "--port", "-1", "an integer at least 0 and at most 65535 (0 = a free port, printed once serving)"),
+    (["serve", "coordinator"], "--max-k", "0", "an integer at least 1"),
+    (["serve", "coordinator"], "--max-concurrent-requests", "0", "an integer at least 1"),
+    (["serve", "coordinator"], "--draft-timeout", "-1", "a number at least 0 (0 = only the deadline)"),
+    (["serve", "coordinator"], "--pipeline-min-keep", "1.5", "a number at least 0 and at most 1"),
+    (["serve", "draft"], "--max-k", "0", "an integer at least 1"),
+    (["serve", "draft"], "--max-cache-mb", "-1", "a number at least 0 (0 = no limit)"),
+    (["serve", "target"], "--threads", "-1", "an integer at least 0 (0 = torch's choice)"),
+    (["serve", "target"], "--metrics-port", "70000", "an integer at least 0 and at most 65535 (0 = off)"),
+    (["generate", "hi"], "--seed", "-1", "an integer at least 0 and at most 18446744073709551615"),
+])  # fmt: skip
+def test_a_service_flag_no_deployment_can_use_is_refused_with_its_range(capsys, command, flag, value, rule):
+    """A port outside 0..65535 used to be taken modulo 65536 by gRPC (99999 served on 34463)."""
+    from specdec.cli import build_parser
+
+    with pytest.raises(SystemExit) as exited:
+        build_parser(command).parse_args([*command, flag, value])
+    assert exited.value.code == 2
+    assert f"argument {flag}: expected {rule}, got '{value}'" in capsys.readouterr().err
+
+
+def test_a_bad_value_in_the_environment_names_the_variable_and_the_range(capsys, monkeypatch):
+    from specdec.cli import build_parser
+
+    monkeypatch.setenv("SPECDEC_PORT", "99999")
+    with pytest.raises(SystemExit):
+        build_parser(["up"])
+    assert "SPECDEC_PORT='99999' is not a valid value for --port: expected an integer at least 1" in capsys.readouterr().err
+
+
+def test_a_service_on_port_zero_serves_on_a_free_port_and_says_which(redis_url):
+    env = {**os.environ, "SPECDEC_REDIS_URL": redis_url}
+    service = subprocess.Popen([*SPECDEC, "serve", "draft", "--model", "ngram", "--port", "0", "--allow-unauthenticated"],
+                               stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)  # fmt: skip
+    try:
+        line = service.stdout.readline().strip()
+        host, port = line.removeprefix("draft serving on ").rsplit(":", 1)
+        assert line.startswith("draft serving on ") and int(port) > 0, line
+        assert is_serving(f"{host}:{port}", "specdec.v1.Draft")
+    finally:
+        service.terminate()
+        service.wait(timeout=30)
+
+
 def test_edge_values_that_switch_a_warper_off_are_accepted_and_k_takes_adaptive_or_a_positive_integer(capsys):
     from specdec.cli import build_parser
 

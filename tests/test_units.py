@@ -851,10 +851,6 @@ def test_plain_steps_stop_where_the_context_gets_an_ngram_match_and_match_single
     from types import SimpleNamespace
 
     from specdec.models import build_tiny_model, build_tiny_tokenizer
-    from specdec.ngram import (
-    LOOKUP_FILE, find_continuation, lookup_token, mix_lookup, parse_lookup_weights, read_lookup_file,
-    resolve_lookup_weights, write_lookup_file,
-)  # fmt: skip
     from target_service.verifier import Verifier
 
     model = build_tiny_model(build_tiny_tokenizer(), hidden_size=32, num_layers=1, seed=0)
@@ -1017,3 +1013,14 @@ def test_the_next_cycle_drafts_while_this_cycle_commits_and_nothing_else_changes
         (7, [7, 7], 2),
     ]
     assert not any(o.info.pipelined for o in outcomes)
+
+
+def test_a_seed_outside_uint64_is_a_value_error_that_says_the_range():
+    from specdec.client import build_request
+
+    options = dict(prompt_token_ids=None, max_new_tokens=4, temperature=1.0, top_k=0, top_p=1.0, num_speculative_tokens=None,
+                   speculate=True, stop=None, session_id=None, ignore_eos=False)  # fmt: skip
+    for seed in (-1, 2**64):
+        with pytest.raises(ValueError, match=f"seed must be an integer from 0 to 2\\*\\*64 - 1, got {seed}"):
+            build_request("hi", seed=seed, **options)
+    assert build_request("hi", seed=2**64 - 1, **options).sampling.seed == 2**64 - 1
