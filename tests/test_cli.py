@@ -43,6 +43,7 @@ def test_ngram_first_outside_its_range_is_refused_with_the_range_on_every_comman
 
 
 @pytest.mark.parametrize(("command", "flag", "value", "rule"), [
+    # request flags the coordinator would refuse
     (["generate", "hi"], "--temperature", "-1", "a number at least 0 (0 = greedy)"),
     (["generate", "hi"], "--top-p", "1.5", "a number above 0 and at most 1 (1 = off)"),
     (["generate", "hi"], "--top-p", "0", "a number above 0 and at most 1 (1 = off)"),
@@ -55,17 +56,7 @@ def test_ngram_first_outside_its_range_is_refused_with_the_range_on_every_comman
     (["soak"], "--clients", "0", "an integer at least 1"),
     (["soak"], "--minutes", "0", "a number above 0"),
     (["soak"], "--timeout", "0", "a number above 0"),
-])  # fmt: skip
-def test_a_request_flag_the_server_would_refuse_is_refused_by_the_cli_before_a_stack_starts(capsys, command, flag, value, rule):
-    from specdec.cli import build_parser
-
-    with pytest.raises(SystemExit) as exited:
-        build_parser(command).parse_args([*command, flag, value])
-    assert exited.value.code == 2
-    assert f"argument {flag}: expected {rule}, got '{value}'" in capsys.readouterr().err
-
-
-@pytest.mark.parametrize(("command", "flag", "value", "rule"), [
+    # service flags no deployment can use
     (["up"], "--port", "99999", "an integer at least 1 and at most 65535"),
     (["up"], "--port", "0", "an integer at least 1 and at most 65535"),
     (["up"], "--metrics-port-base", "65534", "an integer at least 0 and at most 65533 (0 = off)"),
@@ -80,8 +71,10 @@ def test_a_request_flag_the_server_would_refuse_is_refused_by_the_cli_before_a_s
     (["serve", "target"], "--metrics-port", "70000", "an integer at least 0 and at most 65535 (0 = off)"),
     (["generate", "hi"], "--seed", "-1", "an integer at least 0 and at most 18446744073709551615"),
 ])  # fmt: skip
-def test_a_service_flag_no_deployment_can_use_is_refused_with_its_range(capsys, command, flag, value, rule):
-    """A port outside 0..65535 used to be taken modulo 65536 by gRPC (99999 served on 34463)."""
+def test_a_flag_value_every_request_or_deployment_would_fail_with_is_refused_with_its_range(capsys, command, flag, value, rule):
+    """Before a local stack starts (a request flag the coordinator would refuse), or before a
+    service serves what it cannot (a port outside 0..65535 used to be taken modulo 65536 by gRPC:
+    99999 served on 34463)."""
     from specdec.cli import build_parser
 
     with pytest.raises(SystemExit) as exited:
