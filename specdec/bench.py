@@ -148,12 +148,18 @@ def load_prompts(path: str | None, kind: str | None = None) -> list[str]:
     if path is None:
         text = resources.files("specdec.data").joinpath(DEFAULT_PROMPTS).read_text()
     else:
-        with open(path) as f:
-            text = f.read()
+        try:
+            with open(path) as f:
+                text = f.read()
+        except OSError as exc:
+            raise SystemExit(f"cannot read --prompts {path!r}: {exc.strerror}") from None
     prompts = []
     for number, line in enumerate(text.splitlines(), 1):
         if line.strip():
-            item = json.loads(line)
+            try:
+                item = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise SystemExit(f"{path or DEFAULT_PROMPTS}:{number}: not JSON: {exc}") from None
             if not isinstance(item, dict) or not isinstance(item.get("prompt"), str):
                 raise SystemExit(f"{path or DEFAULT_PROMPTS}:{number}: expected an object with a string 'prompt'")
             if kinds is None or item.get("kind") in kinds:
@@ -614,10 +620,16 @@ def format_compare_k(r: dict) -> str:
 
 
 def run_bench(args) -> int:
-    from specdec.catalog import default_draft, draft_default_k
+    from specdec.catalog import ModelNotFoundError, check_model, default_draft, draft_default_k
 
     prompts = load_prompts(args.prompts, args.kind)  # a bad file is refused before torch loads
     args.draft = args.draft or default_draft(args.target)
+    try:  # ... and so is a model that is not there
+        check_model(args.target)
+        if args.draft != NGRAM_DRAFT:
+            check_model(args.draft)
+    except ModelNotFoundError as exc:
+        raise SystemExit(f"specdec bench: {exc}") from None
     if args.k is None:  # what a stack running this draft uses for requests that set no K
         args.k = draft_default_k(args.draft) or DEFAULT_K
 

@@ -186,7 +186,11 @@ def load_prompts(path: str | os.PathLike, eval_path: str | os.PathLike | None = 
 
     def read(file) -> list[dict]:
         rows = []
-        for number, line in enumerate(Path(file).read_text().splitlines(), 1):
+        try:
+            text = Path(file).read_text()
+        except OSError as exc:
+            raise DistillError(f"cannot read the prompts file {str(file)!r}: {exc.strerror}") from None
+        for number, line in enumerate(text.splitlines(), 1):
             if not line.strip():
                 continue
             try:
@@ -965,7 +969,8 @@ def evaluate_draft(config: DistillConfig, draft_name: str) -> dict[str, Any]:
     if missing:
         raise DistillError(f"{_data_dir(config)} lacks {', '.join(missing)}: run `specdec distill` into "
                            f"{config.out} first (--resume makes a held-out set an older run lacks)")  # fmt: skip
-    check_model(config.target), check_model(draft_name)  # before torch loads either
+    check_model(config.target)  # before torch loads either
+    check_model(draft_name)
     use_threads(config)
     target, draft = load_model(config.target), load_model(draft_name)
     if draft.vocab_fingerprint != target.vocab_fingerprint:

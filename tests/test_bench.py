@@ -116,12 +116,19 @@ def test_profile_cycles_splits_each_kind_of_cycle_and_compares_its_forward_with_
     assert profile_cycles([], c_verify, c_p) == {}
 
 
-def test_bench_refuses_a_malformed_prompt_file(tmp_path):
-    bad = tmp_path / "bad.jsonl"
+def test_bench_refuses_a_malformed_or_missing_prompt_file_and_a_missing_model_with_one_line(tmp_path):
+    bad, not_json = tmp_path / "bad.jsonl", tmp_path / "not-json.jsonl"
     bad.write_text('{"text": "no prompt key"}\n')
-    out = subprocess.run([sys.executable, "-m", "specdec.cli", "bench", "--prompts", str(bad)],
-                         capture_output=True, text=True, timeout=120)  # fmt: skip
-    assert out.returncode != 0 and "expected an object with a string 'prompt'" in out.stderr
+    not_json.write_text("just text\n")
+    cases = [
+        (["--prompts", str(bad)], "bad.jsonl:1: expected an object with a string 'prompt'"),
+        (["--prompts", str(not_json)], "not-json.jsonl:1: not JSON: "),
+        (["--prompts", str(tmp_path / "missing.jsonl")], "cannot read --prompts"),
+        (["--draft", str(tmp_path / "no-draft")], "specdec bench: model "),
+    ]
+    for flags, says in cases:
+        out = subprocess.run([sys.executable, "-m", "specdec.cli", "bench", *flags], capture_output=True, text=True, timeout=120)
+        assert out.returncode == 1 and says in out.stderr and "Traceback" not in out.stderr, (flags, out.stderr)
 
 
 def test_bench_kind_keeps_only_the_prompts_of_that_kind():

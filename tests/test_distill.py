@@ -316,6 +316,7 @@ def test_the_calibration_prompts_pick_a_temperature_that_is_folded_into_the_writ
     (["--threads", "-2"], "--threads must be at least 0"),
     (["--target", "no-such-model"], "model 'no-such-model' not found"),
     (["--resume"], "holds no distillation run to resume; drop --resume"),
+    (["--prompts", "/no/such/prompts.jsonl"], "cannot read the prompts file '/no/such/prompts.jsonl'"),
 ])  # fmt: skip
 def test_a_flag_no_run_can_use_is_refused_with_its_name_before_anything_is_written(tiny, tmp_path, capsys, flags, message):
     out = tmp_path / "run"
