@@ -654,6 +654,9 @@ def main(argv: list[str] | None = None) -> int:
     except StackStartError as exc:  # a service's own error is in the message (or above, on stderr)
         print(f"specdec {args.command}: could not start the services: {exc}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:  # Ctrl-C: a local stack has been stopped on the way out (Stack.__exit__)
+        print(f"\nspecdec {args.command}: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

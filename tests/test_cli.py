@@ -309,6 +309,22 @@ def test_generate_brings_a_local_stack_up_when_nothing_serves(tiny_models, tmp_p
     assert not is_serving("127.0.0.1:50051")
 
 
+def test_ctrl_c_while_a_stack_starts_stops_every_process_and_says_interrupted(tiny_models):
+    up = subprocess.Popen(
+        [*SPECDEC, "up", "--port", str(free_port()), "--metrics-port-base", "0", "--target", tiny_models.target,
+         "--draft", tiny_models.draft], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),  # a background job would ignore ^C
+    )  # fmt: skip
+    deadline = time.monotonic() + 60
+    while len(children := descendants(up.pid)) < 4 and time.monotonic() < deadline:  # redis + three services
+        time.sleep(0.05)
+    up.send_signal(signal.SIGINT)
+    _, err = up.communicate(timeout=60)
+    assert up.returncode == 130 and "specdec up: interrupted" in err and "Traceback" not in err, err
+    psutil.wait_procs(children, timeout=30)
+    assert not [c for c in children if c.is_running() and c.status() != psutil.STATUS_ZOMBIE]
+
+
 def test_up_with_a_missing_model_says_which_service_failed_and_why_without_a_traceback(tmp_path):
     missing = str(tmp_path / "no-model")
     out = run_cli("up", "--port", str(free_port()), "--target", missing, timeout=300)
