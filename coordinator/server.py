@@ -29,6 +29,7 @@ from specdec.metrics import CoordinatorMetrics
 from specdec.ngram import DEFAULT_K, DEFAULT_MAX_NGRAM, DEFAULT_MIN_NGRAM, NGRAM_DRAFT
 from specdec.security import ChannelSecurity, ServerSecurity
 from specdec.session import SessionStore, check_session_id, new_session_id
+from specdec.vocab import chat_ids
 from specdec.v1 import specdec_pb2 as pb
 from specdec.v1 import specdec_pb2_grpc as pb_grpc
 from specdec.wire import Sampling, check_token_ids, sampling_from_pb
@@ -322,15 +323,19 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
 
     def prompt_ids(self, request: pb.GenerateRequest) -> list[int]:
         limit = self.config.max_prompt_tokens
-        if request.prompt and request.prompt_token_ids:
-            raise InvalidArgument("set either prompt or prompt_token_ids, not both")
+        given = [name for name in ("prompt", "prompt_token_ids", "messages") if getattr(request, name)]
+        if len(given) > 1:
+            raise InvalidArgument(f"set one of prompt, prompt_token_ids and messages, not {' and '.join(given)}")
+        characters = len(request.prompt) + sum(len(m.role) + len(m.content) for m in request.messages)
+        if characters > limit * PROMPT_CHARS_PER_TOKEN:
+            raise ResourceExhausted(f"the prompt has {characters} characters, far over this server's "
+                                    f"limit of {limit} tokens")  # fmt: skip
         if request.prompt_token_ids:
             ids = list(request.prompt_token_ids)
+        elif request.messages:
+            ids = self.chat_ids(request.messages)
         elif not request.prompt:
-            raise InvalidArgument("the prompt is empty: set prompt (text) or prompt_token_ids")
-        elif len(request.prompt) > limit * PROMPT_CHARS_PER_TOKEN:
-            raise ResourceExhausted(f"the prompt has {len(request.prompt)} characters, far over this server's "
-                                    f"limit of {limit} tokens")  # fmt: skip
+            raise InvalidArgument("the prompt is empty: set prompt (text), prompt_token_ids or messages")
         else:
             ids = self.tokenizer.encode(request.prompt)
             if not ids:
@@ -339,6 +344,20 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             raise ResourceExhausted(f"the prompt has {len(ids)} tokens; this server allows at most {limit}")
         check_token_ids(ids, self.target_info.vocab_size, "prompt_token_ids")
         return ids
+
+    def chat_ids(self, messages) -> list[int]:
+        """The token ids of a conversation through the target tokenizer's chat template."""
+        import jinja2
+
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise FailedPrecondition(f"the tokenizer of {self.config.tokenizer or self.target_info.model} has no "
+                                     "chat template: send the conversation as prompt text instead")  # fmt: skip
+        if not all(m.role for m in messages):
+            raise InvalidArgument("every message needs a role, such as user, assistant or system")
+        try:
+            return chat_ids(self.tokenizer, [{"role": m.role, "content": m.content} for m in messages])
+        except (jinja2.TemplateError, ValueError, TypeError) as exc:  # a template may refuse roles or their order
+            raise InvalidArgument(f"the chat template refused the messages: {exc}") from None
 
     async def finish(self, session_id: str, status: str) -> None:
         """Record how the session ended and free it on both model services."""

@@ -170,9 +170,10 @@ def load_prompts(path: str | None, kind: str | None = None) -> list[str]:
 
 
 def encode(tokenizer, prompt: str, chat: bool) -> list[int]:
+    from specdec.vocab import chat_ids
+
     if chat and getattr(tokenizer, "chat_template", None):
-        ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True)
-        return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+        return chat_ids(tokenizer, [{"role": "user", "content": prompt}])
     return tokenizer.encode(prompt)
 
 

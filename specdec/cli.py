@@ -334,7 +334,11 @@ def add_stack_flags(p: argparse.ArgumentParser) -> None:
 
 
 def add_generate_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("prompt", help="the text to continue")
+    p.add_argument("prompt", help="the text to continue (with --chat: the question to answer)")
+    env_flag(p, "--chat", "SPECDEC_CHAT", action="store_true",
+             help="send the prompt as a user message, which the server renders with the target's chat template "
+                  "(what an instruct model such as SmolLM2-Instruct expects); without it the text is continued "
+                  "as it is")  # fmt: skip
     env_flag(p, "--address", "SPECDEC_ADDRESS", default=None,
              help=f"coordinator address (default {DEFAULT_ADDRESS}; started locally when nothing serves there)")  # fmt: skip
     env_flag(p, "--max-new-tokens", "SPECDEC_MAX_NEW_TOKENS", default=64, type=MAX_NEW_TOKENS, help="tokens to generate at most")
@@ -515,6 +519,14 @@ def serving_address(args):
         yield address
 
 
+def prompt_arguments(args) -> dict:
+    """The prompt as the request carries it: text as it is, or with --chat one user message
+    that the coordinator renders with the target's chat template."""
+    if args.chat:
+        return {"messages": [{"role": "user", "content": args.prompt}]}
+    return {"prompt": args.prompt}
+
+
 def generate_options(args) -> dict:
     return dict(
         max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
@@ -533,15 +545,18 @@ def run_generate(args) -> int:
     try:
         with serving_address(args) as address, Client(address, **options) as client:
             if args.json:
-                print(json.dumps(client.generate(args.prompt, **generate_options(args)).as_dict()))
+                print(json.dumps(client.generate(**prompt_arguments(args), **generate_options(args)).as_dict()))
                 return 0
-            last = None
-            for chunk in client.generate_stream(args.prompt, **generate_options(args)):
+            last, text = None, ""
+            for chunk in client.generate_stream(**prompt_arguments(args), **generate_options(args)):
                 print(chunk.text, end="", flush=True)
-                last = chunk
+                last, text = chunk, text + chunk.text
             print()
             if last is not None:
                 print(format_stats(last.stats, last.finish_reason), file=sys.stderr)
+                if not text.strip() and last.finish_reason == "eos" and not args.chat:
+                    print("(the model ended its text at once; an instruct or chat model answers a question "
+                          "asked with --chat)", file=sys.stderr)  # fmt: skip
     except SpecdecClientError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
@@ -558,7 +573,7 @@ def run_trace(args) -> int:
     telemetry.setup_tracing("specdec-cli")
     try:
         with serving_address(args) as address, Client(address, **options) as client:
-            result = client.generate(args.prompt, **generate_options(args))
+            result = client.generate(**prompt_arguments(args), **generate_options(args))
     except SpecdecClientError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1

@@ -5,6 +5,8 @@
     print(result.text, result.stats.acceptance_rate)
     for chunk in client.generate_stream("Tell me a story", max_new_tokens=64):
         print(chunk.text, end="", flush=True)
+    # an instruct model answers a conversation, rendered with its chat template
+    answer = client.generate(messages=[{"role": "user", "content": "Tell me a story"}])
 
 Every gRPC failure surfaces as `SpecdecClientError`, carrying the status code
 (`.code`, a grpc.StatusCode) and the server's message (`.message`).
@@ -16,7 +18,7 @@ TLS, trusting the CA in that file, and sends the token as `authorization: Bearer
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import grpc
@@ -224,12 +226,14 @@ def build_request(
     ignore_eos: bool,
     pipeline: bool | None = None,
     adaptive_k: bool = False,
+    messages: Sequence[Mapping[str, str]] | None = None,
 ) -> pb.GenerateRequest:
-    if (prompt is None) == (prompt_token_ids is None):
-        raise ValueError("pass exactly one of prompt and prompt_token_ids")
+    if sum(given is not None for given in (prompt, prompt_token_ids, messages)) != 1:
+        raise ValueError("pass exactly one of prompt, prompt_token_ids and messages")
     request = pb.GenerateRequest(
         prompt=prompt or "",
         prompt_token_ids=list(prompt_token_ids or []),
+        messages=[pb.ChatMessage(role=m["role"], content=m["content"]) for m in messages or []],
         max_new_tokens=max_new_tokens,
         sampling=pb.SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p),
         stop=list(stop or []),
@@ -290,7 +294,10 @@ class _Collector:
 
 _GENERATE_DOC = """
         Arguments:
-            prompt: the text to continue (or pass prompt_token_ids instead).
+            prompt: the text to continue, as it is (or pass prompt_token_ids or messages instead).
+            messages: a conversation, [{"role": "user", "content": "..."}, ...], which the
+                server renders with the target's chat template and answers as the assistant:
+                what an instruct model expects (FAILED_PRECONDITION where it has no template).
             max_new_tokens: tokens to generate at most.
             temperature: 0 is greedy; higher samples more freely.
             top_k: keep only the k most likely tokens (0 = off).
@@ -341,6 +348,7 @@ class Client:
         prompt: str | None = None,
         *,
         prompt_token_ids: Sequence[int] | None = None,
+        messages: Sequence[Mapping[str, str]] | None = None,
         max_new_tokens: int = 64,
         temperature: float = 0.0,
         top_k: int = 0,
@@ -359,7 +367,7 @@ class Client:
             prompt, prompt_token_ids=prompt_token_ids, max_new_tokens=max_new_tokens, temperature=temperature,
             top_k=top_k, top_p=top_p, seed=seed, num_speculative_tokens=num_speculative_tokens,
             speculate=speculate, stop=stop, session_id=session_id, ignore_eos=ignore_eos, pipeline=pipeline,
-            adaptive_k=adaptive_k,
+            adaptive_k=adaptive_k, messages=messages,
         )  # fmt: skip
         call = self._stub.Generate(request, timeout=timeout, metadata=self._metadata)
         try:
@@ -420,6 +428,7 @@ class AsyncClient:
         prompt: str | None = None,
         *,
         prompt_token_ids: Sequence[int] | None = None,
+        messages: Sequence[Mapping[str, str]] | None = None,
         max_new_tokens: int = 64,
         temperature: float = 0.0,
         top_k: int = 0,
@@ -438,7 +447,7 @@ class AsyncClient:
             prompt, prompt_token_ids=prompt_token_ids, max_new_tokens=max_new_tokens, temperature=temperature,
             top_k=top_k, top_p=top_p, seed=seed, num_speculative_tokens=num_speculative_tokens,
             speculate=speculate, stop=stop, session_id=session_id, ignore_eos=ignore_eos, pipeline=pipeline,
-            adaptive_k=adaptive_k,
+            adaptive_k=adaptive_k, messages=messages,
         )  # fmt: skip
         call = self._stub.Generate(request, timeout=timeout, metadata=self._metadata)
         try:

@@ -224,10 +224,11 @@ def load_prompts(path: str | os.PathLike, eval_path: str | os.PathLike | None = 
 
 def encode_prompt(tokenizer, prompt) -> list[int]:
     """Token ids of a prompt (str or chat messages), through the chat template when there is one."""
+    from specdec.vocab import chat_ids
+
     messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
     if getattr(tokenizer, "chat_template", None):
-        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+        return chat_ids(tokenizer, messages)
     text = "\n".join(m["content"] for m in messages)
     return list(tokenizer(text)["input_ids"])
 

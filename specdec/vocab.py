@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from specdec.catalog import resolve_model
@@ -34,6 +35,16 @@ GENERIC_TOKENIZER_MODEL_TYPES = frozenset({"llama"})
 
 class VocabMismatchError(ValueError):
     """Draft and target do not share a tokenizer, so their token ids mean different things."""
+
+
+def chat_ids(tokenizer, messages: Sequence[Mapping[str, str]]) -> list[int]:
+    """Token ids of a conversation (dicts with "role" and "content") as the tokenizer's chat
+    template renders it, ending with the assistant's turn opened (add_generation_prompt): the
+    prompt an instruct model answers. ValueError when the tokenizer has no chat template."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError("the tokenizer has no chat template")
+    text = tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=True)
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
 def load_tokenizer(name_or_path: str):

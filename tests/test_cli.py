@@ -254,6 +254,10 @@ def test_up_then_generate_json_end_to_end(tiny_models):
         assert 0 < len(result["token_ids"]) <= 12 and result["finish_reason"] in ("length", "eos")
         assert result["stats"]["cycles"] >= 1 and result["stats"]["draft_tokens"] >= 1
         # Plain mode streams text to stdout and prints the statistics on stderr.
+        # --chat sends the prompt as a user message: the tiny template's `user: ...\nassistant: `, one token a character
+        chat = run_cli("generate", "hello world", "--address", f"127.0.0.1:{port}", "--json", "--chat", "--max-new-tokens", "4")
+        assert chat.returncode == 0, chat.stderr
+        assert json.loads(chat.stdout)["stats"]["prompt_tokens"] == len("user: hello world\nassistant: ")
         plain = run_cli("generate", "hello world", "--address", f"127.0.0.1:{port}", "--max-new-tokens", "8")
         assert plain.returncode == 0 and "tokens/cycle" in plain.stderr
         # A server error is reported with its status code and a non-zero exit (K above the

@@ -19,6 +19,7 @@ from specdec.models import load_model
 from specdec.sampling import warp
 from specdec.session import meta_key
 from specdec.v1 import specdec_pb2 as pb
+from specdec.v1 import specdec_pb2_grpc as pb_grpc
 from conftest import internal_stub
 
 PROMPT = "hello world"
@@ -363,6 +364,8 @@ def code_of(call):
         (dict(prompt=None, prompt_token_ids=[1, 99999]), grpc.StatusCode.INVALID_ARGUMENT, "outside the vocabulary"),
         (dict(prompt="a" * 3000), grpc.StatusCode.OUT_OF_RANGE, "context"),
         (dict(session_id="bad{id}"), grpc.StatusCode.INVALID_ARGUMENT, "session_id"),
+        (dict(prompt=None, messages=[{"role": "", "content": "hi"}]), grpc.StatusCode.INVALID_ARGUMENT,
+         "every message needs a role"),
     ],
 )
 def test_bad_requests_get_their_status_code_and_the_server_keeps_serving(client, kwargs, code, words):
@@ -371,6 +374,37 @@ def test_bad_requests_get_their_status_code_and_the_server_keeps_serving(client,
     got, message = code_of(lambda: client.generate(**args))
     assert got == code and words in message
     assert len(client.generate(PROMPT, max_new_tokens=3, ignore_eos=True).token_ids) == 3
+
+
+def test_messages_are_rendered_with_the_targets_chat_template_and_answered_like_those_token_ids(tiny_stack, client):
+    """The tiny tokenizer's template writes `role: content` lines and opens `assistant: `."""
+    from specdec.vocab import load_tokenizer
+
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "the sea"}]
+    tokenizer = load_tokenizer(client.info().target.model)
+    expected = tokenizer("system: be brief\nuser: the sea\nassistant: ", add_special_tokens=False)["input_ids"]
+    chatted = client.generate(messages=messages, max_new_tokens=12, ignore_eos=True)
+    direct = client.generate(prompt_token_ids=expected, max_new_tokens=12, ignore_eos=True)
+    assert chatted.token_ids == direct.token_ids and chatted.stats.prompt_tokens == len(expected)
+    both = pb.GenerateRequest(prompt="hi", messages=[pb.ChatMessage(role="user", content="hi")])
+    with grpc.insecure_channel(tiny_stack.address) as channel, pytest.raises(grpc.RpcError) as refused:
+        list(pb_grpc.CoordinatorStub(channel).Generate(both))
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "not prompt and messages" in refused.value.details()
+    with open(f"/proc/{tiny_stack.processes['coordinator'].pid}/maps") as f:
+        assert "libtorch" not in f.read()  # rendering a template needs no torch either
+
+
+def test_the_sdk_refuses_a_request_with_two_prompts_or_none():
+    from specdec.client import build_request
+
+    options = dict(max_new_tokens=4, temperature=0.0, top_k=0, top_p=1.0, seed=None, num_speculative_tokens=None,
+                   speculate=True, stop=None, session_id=None, ignore_eos=False)  # fmt: skip
+    for prompts in (dict(prompt_token_ids=None), dict(prompt_token_ids=[1], messages=[{"role": "user", "content": "x"}])):
+        with pytest.raises(ValueError, match="exactly one of prompt, prompt_token_ids and messages"):
+            build_request(None, **prompts, **options)
+    request = build_request(None, prompt_token_ids=None, messages=[{"role": "user", "content": "x"}], **options)
+    assert [(m.role, m.content) for m in request.messages] == [("user", "x")] and not request.prompt
 
 
 def test_a_session_id_in_use_is_refused_and_the_session_is_left_alone(client, redis_url):

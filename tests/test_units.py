@@ -1024,3 +1024,15 @@ def test_a_seed_outside_uint64_is_a_value_error_that_says_the_range():
         with pytest.raises(ValueError, match=f"seed must be an integer from 0 to 2\\*\\*64 - 1, got {seed}"):
             build_request("hi", seed=seed, **options)
     assert build_request("hi", seed=2**64 - 1, **options).sampling.seed == 2**64 - 1
+
+
+def test_a_conversation_for_a_tokenizer_without_a_chat_template_is_a_failed_precondition_that_says_so():
+    from types import SimpleNamespace
+
+    from coordinator.server import CoordinatorServicer
+    from specdec.models import build_tiny_tokenizer
+
+    templateless = build_tiny_tokenizer(list("abc "))  # no ':' or newline: the tiny template cannot be written
+    server = SimpleNamespace(tokenizer=templateless, config=SimpleNamespace(tokenizer=""), target_info=SimpleNamespace(model="tiny"))
+    with pytest.raises(FailedPrecondition, match="the tokenizer of tiny has no chat template: send the conversation as prompt text"):
+        CoordinatorServicer.chat_ids(server, [SimpleNamespace(role="user", content="abc")])
