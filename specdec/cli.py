@@ -4,11 +4,11 @@ variable shown in its help ([env: SPECDEC_...])."""
 from __future__ import annotations
 
 import argparse
-import math
 import asyncio
 import contextlib
 import json
 import logging
+import math
 import os
 import sys
 from typing import NoReturn
@@ -85,17 +85,6 @@ def ngram_first_value(text: str) -> int:
     if not 0 <= n <= 8:
         raise argparse.ArgumentTypeError(f"--ngram-first takes 0 (off) or an n-gram length 1..8, got {text!r}")
     return n
-
-
-def default_k_value(text: str) -> int:
-    """--default-k K: a K of at least 1."""
-    try:
-        k = int(text)
-    except ValueError:
-        k = 0
-    if k < 1:
-        raise argparse.ArgumentTypeError(f"--default-k takes a K of at least 1, got {text!r}")
-    return k
 
 
 def lookup_value(text: str) -> str:
@@ -272,7 +261,7 @@ def add_coordinator_flags(p: argparse.ArgumentParser) -> None:
     env_flag(p, "--draft-address", "SPECDEC_DRAFT_ADDRESS", default="127.0.0.1:50052", help="draft service address")
     env_flag(p, "--target-address", "SPECDEC_TARGET_ADDRESS", default="127.0.0.1:50053", help="target service address")
     env_flag(p, "--tokenizer", "SPECDEC_TOKENIZER", default="", help="tokenizer to use (default: the target's model)")
-    env_flag(p, "--default-k", "SPECDEC_DEFAULT_K", type=default_k_value, metavar="K",
+    env_flag(p, "--default-k", "SPECDEC_DEFAULT_K", type=AT_LEAST_ONE, metavar="K",
              help="K when a request sets none (default: the K the draft service reports for its draft, "
                   f"e.g. 2 for smollm2-135m-instruct-draft; else {DEFAULT_K})")  # fmt: skip
     env_flag(p, "--max-k", "SPECDEC_COORDINATOR_MAX_K", default=16, type=AT_LEAST_ONE, help="largest K a request may ask for")

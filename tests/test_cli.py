@@ -382,4 +382,4 @@ def test_requests_without_k_get_the_coordinators_default_k_else_the_drafts_own_e
     assert parser.parse_args(["serve", "coordinator", "--default-k", "3"]).default_k == 3
     for bad in ("0", "-1", "two"):
         refused = run_cli("serve", "coordinator", "--default-k", bad)
-        assert refused.returncode == 2 and "--default-k takes a K of at least 1" in refused.stderr, refused.stderr
+        assert refused.returncode == 2 and "--default-k: expected an integer at least 1" in refused.stderr, refused.stderr
