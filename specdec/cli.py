@@ -328,6 +328,8 @@ def add_generate_flags(p: argparse.ArgumentParser) -> None:
              help="send the prompt as a user message, which the server renders with the target's chat template "
                   "(what an instruct model such as SmolLM2-Instruct expects); without it the text is continued "
                   "as it is")  # fmt: skip
+    env_flag(p, "--system", "SPECDEC_SYSTEM", default="",
+             help="a system message before the prompt (implies --chat); without it the template's own default, if any")  # fmt: skip
     env_flag(p, "--address", "SPECDEC_ADDRESS", default=None,
              help=f"coordinator address (default {DEFAULT_ADDRESS}; started locally when nothing serves there)")  # fmt: skip
     env_flag(p, "--max-new-tokens", "SPECDEC_MAX_NEW_TOKENS", default=64, type=MAX_NEW_TOKENS, help="tokens to generate at most")
@@ -509,10 +511,12 @@ def serving_address(args):
 
 
 def prompt_arguments(args) -> dict:
-    """The prompt as the request carries it: text as it is, or with --chat one user message
-    that the coordinator renders with the target's chat template."""
-    if args.chat:
-        return {"messages": [{"role": "user", "content": args.prompt}]}
+    """The prompt as the request carries it: text as it is, or with --chat (or --system) one
+    user message, after the system message if any, that the coordinator renders with the
+    target's chat template."""
+    if args.chat or args.system:
+        system = [{"role": "system", "content": args.system}] if args.system else []
+        return {"messages": [*system, {"role": "user", "content": args.prompt}]}
     return {"prompt": args.prompt}
 
 
@@ -543,7 +547,7 @@ def run_generate(args) -> int:
             print()
             if last is not None:
                 print(format_stats(last.stats, last.finish_reason), file=sys.stderr)
-                if not text.strip() and last.finish_reason == "eos" and not args.chat:
+                if not text.strip() and last.finish_reason == "eos" and "prompt" in prompt_arguments(args):
                     print("(the model ended its text at once; an instruct or chat model answers a question "
                           "asked with --chat)", file=sys.stderr)  # fmt: skip
     except SpecdecClientError as exc:

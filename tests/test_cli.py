@@ -258,6 +258,9 @@ def test_up_then_generate_json_end_to_end(tiny_models):
         chat = run_cli("generate", "hello world", "--address", f"127.0.0.1:{port}", "--json", "--chat", "--max-new-tokens", "4")
         assert chat.returncode == 0, chat.stderr
         assert json.loads(chat.stdout)["stats"]["prompt_tokens"] == len("user: hello world\nassistant: ")
+        system = run_cli("generate", "hello world", "--address", f"127.0.0.1:{port}", "--json", "--system", "be kind",
+                         "--max-new-tokens", "4")  # fmt: skip
+        assert json.loads(system.stdout)["stats"]["prompt_tokens"] == len("system: be kind\nuser: hello world\nassistant: ")
         plain = run_cli("generate", "hello world", "--address", f"127.0.0.1:{port}", "--max-new-tokens", "8")
         assert plain.returncode == 0 and "tokens/cycle" in plain.stderr
         # A server error is reported with its status code and a non-zero exit (K above the
