@@ -42,6 +42,12 @@ RELEASE_TIMEOUT_S = 2.0
 # No tokenizer makes tokens of fewer characters than this on average: a text prompt
 # longer than this times max_prompt_tokens is refused without tokenizing it.
 PROMPT_CHARS_PER_TOKEN = 16
+# Stop strings a request may set, and their longest: every committed chunk is searched for each
+# (on the event loop every session shares), and the text a stop string could still begin in is
+# held back from the stream, so 100,000 of them, or one of 100,000 characters, would slow every
+# session or stop the streaming of this one.
+MAX_STOP_STRINGS = 64
+MAX_STOP_CHARS = 1000
 STARTUP_TIMEOUT_S = 600.0
 
 
@@ -280,6 +286,10 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             raise InvalidArgument(f"num_speculative_tokens (K) must be between 1 and {self.max_k()}, got {k}")
         if any(not s for s in request.stop):
             raise InvalidArgument("stop strings must not be empty")
+        if len(request.stop) > MAX_STOP_STRINGS or any(len(s) > MAX_STOP_CHARS for s in request.stop):
+            raise ResourceExhausted(f"this server takes at most {MAX_STOP_STRINGS} stop strings of at most "
+                                    f"{MAX_STOP_CHARS} characters each; got {len(request.stop)}, the longest "
+                                    f"{max(map(len, request.stop))} characters")  # fmt: skip
         session_id = check_session_id(request.session_id) if request.session_id else new_session_id()
         eos = frozenset() if request.ignore_eos else frozenset(self.target_info.eos_token_ids)
         # A request that asks for pipelining gets it in every cycle; the server default, only

@@ -364,6 +364,8 @@ def code_of(call):
         (dict(prompt=None, prompt_token_ids=[1, 99999]), grpc.StatusCode.INVALID_ARGUMENT, "outside the vocabulary"),
         (dict(prompt="a" * 3000), grpc.StatusCode.OUT_OF_RANGE, "context"),
         (dict(session_id="bad{id}"), grpc.StatusCode.INVALID_ARGUMENT, "session_id"),
+        (dict(stop=[f"s{i}" for i in range(65)]), grpc.StatusCode.RESOURCE_EXHAUSTED, "at most 64 stop strings"),
+        (dict(stop=["x" * 1001]), grpc.StatusCode.RESOURCE_EXHAUSTED, "of at most 1000 characters each; got 1, the longest 1001"),
         (dict(prompt=None, messages=[{"role": "", "content": "hi"}]), grpc.StatusCode.INVALID_ARGUMENT,
          "every message needs a role"),
     ],
