@@ -520,6 +520,17 @@ def prompt_arguments(args) -> dict:
     return {"prompt": args.prompt}
 
 
+def client_error(exc, args) -> str:
+    """The line a failed call prints; UNAVAILABLE says where it looked and how to start a stack."""
+    import grpc
+
+    line = f"error: {exc}"
+    if exc.code == grpc.StatusCode.UNAVAILABLE:
+        line += (f"\n(is a coordinator serving at {args.address or DEFAULT_ADDRESS}? `specdec up` starts one; "
+                 "without --address, generate and trace start one for the command)")  # fmt: skip
+    return line
+
+
 def generate_options(args) -> dict:
     return dict(
         max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
@@ -551,7 +562,7 @@ def run_generate(args) -> int:
                     print("(the model ended its text at once; an instruct or chat model answers a question "
                           "asked with --chat)", file=sys.stderr)  # fmt: skip
     except SpecdecClientError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        print(client_error(exc, args), file=sys.stderr)
         return 1
     finally:
         telemetry.shutdown_tracing()
@@ -568,7 +579,7 @@ def run_trace(args) -> int:
         with serving_address(args) as address, Client(address, **options) as client:
             result = client.generate(**prompt_arguments(args), **generate_options(args))
     except SpecdecClientError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        print(client_error(exc, args), file=sys.stderr)
         return 1
     finally:
         telemetry.shutdown_tracing()

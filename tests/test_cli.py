@@ -131,6 +131,13 @@ def test_an_unreadable_token_or_ca_file_ends_generate_with_one_line_before_a_sta
     assert "starting a local stack" not in capsys.readouterr().err
 
 
+def test_generate_against_an_address_nothing_serves_says_unavailable_where_it_looked_and_how_to_start_a_stack():
+    address = f"127.0.0.1:{free_port()}"
+    out = run_cli("generate", "hi", "--address", address, "--timeout", "20")
+    assert out.returncode == 1 and "error: UNAVAILABLE" in out.stderr
+    assert f"is a coordinator serving at {address}? `specdec up` starts one" in out.stderr
+
+
 def test_flags_take_their_default_from_the_environment():
     from specdec.cli import build_parser
 
