@@ -230,6 +230,9 @@ def build_request(
 ) -> pb.GenerateRequest:
     if sum(given is not None for given in (prompt, prompt_token_ids, messages)) != 1:
         raise ValueError("pass exactly one of prompt, prompt_token_ids and messages")
+    if not all(isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in messages or []):
+        raise ValueError('each message is a mapping with "role" and "content" strings, e.g. '
+                         '{"role": "user", "content": "Hi"}')  # fmt: skip
     request = pb.GenerateRequest(
         prompt=prompt or "",
         prompt_token_ids=list(prompt_token_ids or []),

@@ -405,6 +405,9 @@ def test_the_sdk_refuses_a_request_with_two_prompts_or_none():
     for prompts in (dict(prompt_token_ids=None), dict(prompt_token_ids=[1], messages=[{"role": "user", "content": "x"}])):
         with pytest.raises(ValueError, match="exactly one of prompt, prompt_token_ids and messages"):
             build_request(None, **prompts, **options)
+    for messages in ([{"role": "user"}], [{"role": "user", "content": 3}], [{"content": "x"}]):
+        with pytest.raises(ValueError, match='each message is a mapping with "role" and "content" strings'):
+            build_request(None, prompt_token_ids=None, messages=messages, **options)
     request = build_request(None, prompt_token_ids=None, messages=[{"role": "user", "content": "x"}], **options)
     assert [(m.role, m.content) for m in request.messages] == [("user", "x")] and not request.prompt
 
