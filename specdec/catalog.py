@@ -160,6 +160,10 @@ def sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
+# A Hugging Face directory holds its tokenizer in one of these (fast, sentencepiece, byte-level BPE).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
+
+
 def local_model(name_or_path: str) -> tuple[Path, Path | None] | None:
     """(path to load, GGUF file or None) for a path that holds a model: a Hugging Face
     directory (config.json), a .gguf file, or a folder with exactly one; None when nothing is
@@ -173,6 +177,12 @@ def local_model(name_or_path: str) -> tuple[Path, Path | None] | None:
         return candidate.resolve(), candidate.resolve()
     if candidate.is_dir():
         if (candidate / "config.json").is_file():
+            if not any((candidate / name).is_file() for name in TOKENIZER_FILES):
+                raise ModelNotFoundError(
+                    f"{name_or_path!r} has config.json but no tokenizer ({', '.join(TOKENIZER_FILES)}); specdec "
+                    "reads the model's vocabulary from it: save the tokenizer into the directory "
+                    "(tokenizer.save_pretrained(DIR))"
+                )
             return candidate.resolve(), None
         ggufs = sorted(candidate.glob("*.gguf"))
         if len(ggufs) == 1:  # a folder holding one GGUF, as llama.cpp users keep them

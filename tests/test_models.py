@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from specdec import models
-from specdec.catalog import CACHE_MARKER, CATALOG, ModelNotFoundError, cache_dir, is_cached, list_catalog
+from specdec.catalog import CACHE_MARKER, CATALOG, ModelNotFoundError, cache_dir, check_model, is_cached, list_catalog
 from specdec.models import (
     OUTPUT_VOCAB_FILE,
     CatalogFetchError,
@@ -317,6 +317,12 @@ def test_paths_that_hold_no_model(tmp_path):
     (tmp_path / "weights.bin").write_bytes(b"x")
     with pytest.raises(ModelNotFoundError, match=r"\.gguf"):
         load_model(str(tmp_path / "weights.bin"))
+    untokenized = tmp_path / "weights-only"
+    untokenized.mkdir()
+    (untokenized / "config.json").write_text("{}")
+    (untokenized / "model.safetensors").write_bytes(b"")
+    with pytest.raises(ModelNotFoundError, match="has config.json but no tokenizer"):
+        check_model(str(untokenized))  # what the CLI runs before importing torch
 
 
 def test_catalog_and_cache_dir(empty_cache, monkeypatch):
