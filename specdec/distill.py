@@ -846,6 +846,9 @@ def train(config: DistillConfig, draft: DraftModel, train_records: list[dict], h
             if time.monotonic() - last_checkpoint >= config.checkpoint_every_s:
                 save_checkpoint(config, draft, optimizer, state, state["train_seconds"] + time.monotonic() - started)
                 last_checkpoint = time.monotonic()
+    except KeyboardInterrupt:  # Ctrl-C: keep the training done so far for --resume
+        save_checkpoint(config, draft, optimizer, state, state["train_seconds"] + time.monotonic() - started)
+        raise
     finally:
         bar.close()
     state["train_seconds"] += time.monotonic() - started
@@ -1411,9 +1414,8 @@ def run_distill(args: argparse.Namespace) -> int:
         print(f"specdec distill: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
-        every = DistillConfig.checkpoint_every_s / 60
-        print(f"\nspecdec distill: interrupted. {args.out} keeps the data sampled so far and the last checkpoint "
-              f"(written every {every:g} minutes of training): run the same command with --resume to continue", file=sys.stderr)  # fmt: skip
+        print(f"\nspecdec distill: interrupted. {args.out} keeps the data sampled so far and, once training has "
+              "begun, the draft as trained until now: run the same command with --resume to continue", file=sys.stderr)  # fmt: skip
         return 130
     figures = card["figures"]
     print(

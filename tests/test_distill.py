@@ -336,25 +336,48 @@ def test_a_folder_holding_something_else_is_not_written_over(tiny, tmp_path, cap
     assert [p.name for p in out.iterdir()] == ["config.json"] and (out / "config.json").read_text() == "{}"
 
 
-def test_an_interrupted_run_says_how_to_continue_and_resume_finishes_it(tiny, tmp_path):
-    out = tmp_path / "run"
-    argv = ["--target", tiny[1], "--out", str(out), "--prompts", tiny[2], *DISTILL_FLAGS, "--data-tokens", "100000"]
+def interrupt_distill(argv: list[str], until) -> str:
+    """Run `specdec distill ARGV` in a process, send it Ctrl-C once `until()` holds; its stderr."""
     process = subprocess.Popen(
-        [sys.executable, "-m", "specdec.cli", "distill", *argv, "--minutes", "2"], stderr=subprocess.PIPE, text=True,
+        [sys.executable, "-m", "specdec.cli", "distill", *argv], stderr=subprocess.PIPE, text=True,
         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),  # a background job would ignore ^C
     )  # fmt: skip
     deadline = time.monotonic() + 60
-    while not list((out / DATA_DIR).glob("train-*.pt")) and process.poll() is None and time.monotonic() < deadline:
+    while not until() and process.poll() is None and time.monotonic() < deadline:
         time.sleep(0.1)
-    process.send_signal(signal.SIGINT)  # mid-sampling: the first training shard is written, more are coming
+    process.send_signal(signal.SIGINT)
     _, err = process.communicate(timeout=60)
     assert process.returncode == 130, err
     assert "interrupted" in err and "--resume to continue" in err and "Traceback" not in err
+    return err
+
+
+def test_a_run_interrupted_while_sampling_keeps_its_shards_and_resume_finishes_it(tiny, tmp_path):
+    out = tmp_path / "run"
+    argv = ["--target", tiny[1], "--out", str(out), "--prompts", tiny[2], *DISTILL_FLAGS, "--data-tokens", "100000"]
+    interrupt_distill([*argv, "--minutes", "2"], until=lambda: list((out / DATA_DIR).glob("train-*.pt")))
     kept = sorted(p.name for p in (out / DATA_DIR).glob("train-*.pt"))
     assert kept and not (out / CARD_NAME).exists()
     assert run_distill(parse([*argv, "--minutes", "0.05", "--resume"])) == 0
     assert set(kept) <= {p.name for p in (out / DATA_DIR).glob("train-*.pt")}
     assert json.loads((out / CARD_NAME).read_text())["training"]["steps"] > 0
+
+
+def test_a_run_interrupted_while_training_writes_a_checkpoint_of_where_it_stopped_and_resume_goes_on(tiny, tmp_path):
+    out = tmp_path / "run"
+    argv = ["--target", tiny[1], "--out", str(out), "--prompts", tiny[2], *DISTILL_FLAGS]
+    training_since = []
+
+    def training_a_while() -> bool:  # the data phase ends with stats.json; then train for 3 s
+        if not training_since and (out / DATA_DIR / "stats.json").exists():
+            training_since.append(time.monotonic())
+        return bool(training_since) and time.monotonic() - training_since[0] > 3
+
+    interrupt_distill([*argv, "--minutes", "2"], until=training_a_while)  # 2-minute checkpoints: none yet
+    stopped_at = torch.load(out / CHECKPOINT_NAME, weights_only=False)["step"]
+    assert stopped_at > 0 and not (out / CARD_NAME).exists()
+    assert run_distill(parse([*argv, "--minutes", "0.05", "--resume"])) == 0
+    assert json.loads((out / CARD_NAME).read_text())["training"]["steps"] > stopped_at
 
 
 def test_evaluating_a_draft_that_does_not_exist_names_it(distilled, tiny, capsys):
