@@ -78,7 +78,8 @@ class Run:
 
 def add_bench_parser(commands) -> None:
     from specdec.cli import (
-        DEFAULT_DRAFT_HELP, MAX_NEW_TOKENS, NGRAM_FIRST_HELP, TEMPERATURE, TOP_K, TOP_P, bounded, ngram_first_value,
+        AT_LEAST_ONE, DEFAULT_DRAFT_HELP, MAX_NEW_TOKENS, NGRAM_FIRST_HELP, TEMPERATURE, TOP_K, TOP_P, bounded,
+        ngram_first_value,
     )
 
     p = commands.add_parser(
@@ -94,7 +95,7 @@ def add_bench_parser(commands) -> None:
     p.add_argument("--k", type=k_value, default=None,
                    help="tokens drafted per cycle, or `adaptive` (up to --max-k) (default: the draft's own K for a "
                    f"catalog draft, 2 for smollm2-135m-instruct-draft; else {DEFAULT_K}, the coordinator's default)")  # fmt: skip
-    p.add_argument("--max-k", type=bounded(int, 1), default=8, help="largest K with --k adaptive (default: %(default)s)")
+    p.add_argument("--max-k", type=AT_LEAST_ONE, default=8, help="largest K with --k adaptive (default: %(default)s)")
     p.add_argument("--prompts", default=None, help='JSONL file, one {"prompt": ...} per line (default: the shipped set)')
     p.add_argument("--kind", default=None,
                    help='only the prompts whose "kind" is this, or one of these, comma-separated: code,chat '
@@ -103,7 +104,7 @@ def add_bench_parser(commands) -> None:
     p.add_argument("--temperature", type=TEMPERATURE, default=0.0, help="0 = greedy (default: %(default)s)")
     p.add_argument("--top-k", type=TOP_K, default=0, help="top-k warping when sampling (0 = off)")
     p.add_argument("--top-p", type=TOP_P, default=1.0, help="top-p warping when sampling (1.0 = off)")
-    p.add_argument("--repeats", type=bounded(int, 1), default=1, help="passes over the prompt set (default: %(default)s)")
+    p.add_argument("--repeats", type=AT_LEAST_ONE, default=1, help="passes over the prompt set (default: %(default)s)")
     p.add_argument("--pipeline", choices=["auto", "on", "off"], default="auto",
                    help="specdec's pipelining: the server's choice per cycle (auto: where its early drafting "
                         "is likely kept), every cycle (on), or none (off: each cycle drafts after the previous "
@@ -621,16 +622,13 @@ def format_compare_k(r: dict) -> str:
 
 
 def run_bench(args) -> int:
-    from specdec.catalog import ModelNotFoundError, check_model, default_draft, draft_default_k
+    from specdec.catalog import default_draft, draft_default_k
+    from specdec.cli import refuse_missing_model
 
     prompts = load_prompts(args.prompts, args.kind)  # a bad file is refused before torch loads
     args.draft = args.draft or default_draft(args.target)
-    try:  # ... and so is a model that is not there
-        check_model(args.target)
-        if args.draft != NGRAM_DRAFT:
-            check_model(args.draft)
-    except ModelNotFoundError as exc:
-        raise SystemExit(f"specdec bench: {exc}") from None
+    refuse_missing_model("target", args.target)  # ... and so is a model that is not there
+    refuse_missing_model("draft", args.draft)
     if args.k is None:  # what a stack running this draft uses for requests that set no K
         args.k = draft_default_k(args.draft) or DEFAULT_K
 

@@ -544,21 +544,21 @@ def run_generate(args) -> int:
     from specdec import telemetry
     from specdec.client import Client, SpecdecClientError
 
-    options = client_options(args)
+    options, prompt = client_options(args), prompt_arguments(args)
     telemetry.setup_tracing("specdec-cli")
     try:
         with serving_address(args) as address, Client(address, **options) as client:
             if args.json:
-                print(json.dumps(client.generate(**prompt_arguments(args), **generate_options(args)).as_dict()))
+                print(json.dumps(client.generate(**prompt, **generate_options(args)).as_dict()))
                 return 0
             last, text = None, ""
-            for chunk in client.generate_stream(**prompt_arguments(args), **generate_options(args)):
+            for chunk in client.generate_stream(**prompt, **generate_options(args)):
                 print(chunk.text, end="", flush=True)
                 last, text = chunk, text + chunk.text
             print()
             if last is not None:
                 print(format_stats(last.stats, last.finish_reason), file=sys.stderr)
-                if not text.strip() and last.finish_reason == "eos" and "prompt" in prompt_arguments(args):
+                if not text.strip() and last.finish_reason == "eos" and "prompt" in prompt:
                     print("(the model ended its text at once; an instruct or chat model answers a question "
                           "asked with --chat)", file=sys.stderr)  # fmt: skip
     except SpecdecClientError as exc:
