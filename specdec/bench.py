@@ -77,10 +77,8 @@ class Run:
 
 
 def add_bench_parser(commands) -> None:
-    from specdec.cli import (
-        AT_LEAST_ONE, DEFAULT_DRAFT_HELP, MAX_NEW_TOKENS, NGRAM_FIRST_HELP, TEMPERATURE, TOP_K, TOP_P, bounded,
-        ngram_first_value,
-    )
+    from specdec.cli import DEFAULT_DRAFT_HELP, NGRAM_FIRST_HELP, ngram_first_value
+    from specdec.ranges import AT_LEAST_ONE, MAX_NEW_TOKENS, TEMPERATURE, THREADS, TOP_K, TOP_P
 
     p = commands.add_parser(
         "bench",
@@ -110,7 +108,7 @@ def add_bench_parser(commands) -> None:
                         "is likely kept), every cycle (on), or none (off: each cycle drafts after the previous "
                         "verdict); compare cycle_ms (default: %(default)s)")
     p.add_argument("--no-pipeline", dest="pipeline", action="store_const", const="off", help="the same as --pipeline off")
-    p.add_argument("--threads", type=bounded(int, 0), default=0,
+    p.add_argument("--threads", type=THREADS, default=0,
                    help="torch threads of the in-process baselines (0 = torch's default, all cores)")  # fmt: skip
     p.add_argument("--no-chat-template", action="store_true", help="use prompts as raw text")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")

@@ -8,12 +8,14 @@ import asyncio
 import contextlib
 import json
 import logging
-import math
 import os
 import sys
 from typing import NoReturn
 
 from specdec.ngram import DEFAULT_K, DEFAULT_MAX_NGRAM, DEFAULT_MIN_NGRAM, NGRAM_DRAFT
+from specdec.ranges import (
+    AT_LEAST_ONE, MAX_NEW_TOKENS, METRICS_PORT, PORT, SECONDS, SEED, SERVICE_PORT, TEMPERATURE, THREADS, TOP_K, TOP_P, Range,
+)
 
 DEFAULT_ADDRESS = "127.0.0.1:50051"
 TRUE = {"1", "true", "yes", "on"}
@@ -30,40 +32,6 @@ def k_value(text: str) -> int | str:
     if k < 1:
         raise argparse.ArgumentTypeError(f"K must be an integer of at least 1 or 'adaptive', got {text!r}")
     return k
-
-
-def bounded(kind: type, low: float, high: float = math.inf, *, above: bool = False, note: str = ""):
-    """An argparse type: a finite `kind` (int or float) of at least `low` (above it, when `above`)
-    and at most `high`; `note` says what the edge values mean. A value the server would refuse
-    then fails at once, before a local stack starts; the server still checks every request."""
-    show = (lambda x: str(int(x))) if kind is int else (lambda x: f"{x:g}")
-    rule = f"{'above' if above else 'at least'} {show(low)}" + (f" and at most {show(high)}" if high < math.inf else "")
-    noun = "an integer" if kind is int else "a number"
-
-    def parse(text: str):
-        try:
-            value = kind(text)
-        except ValueError:
-            value = math.nan
-        if not (math.isfinite(value) and (value > low if above else value >= low) and value <= high):
-            raise argparse.ArgumentTypeError(f"expected {noun} {rule}{f' ({note})' if note else ''}, got {text!r}")
-        return value
-
-    return parse
-
-
-# The request flags of generate, trace, bench and soak.
-MAX_NEW_TOKENS = bounded(int, 1)
-TEMPERATURE = bounded(float, 0, note="0 = greedy")
-TOP_K = bounded(int, 0, note="0 = off")
-TOP_P = bounded(float, 0, 1, above=True, note="1 = off")
-SECONDS = bounded(float, 0, above=True)
-# Ports, and the service flags whose value no deployment can use.
-PORT = bounded(int, 1, 65535)
-SERVICE_PORT = bounded(int, 0, 65535, note="0 = a free port, printed once serving")
-METRICS_PORT = bounded(int, 0, 65535, note="0 = off")
-AT_LEAST_ONE = bounded(int, 1)
-THREADS = bounded(int, 0, note="0 = torch's choice")
 
 
 NGRAM_FIRST_HELP = (
@@ -227,7 +195,7 @@ def add_model_flags(p: argparse.ArgumentParser, prefix: str, model: str) -> None
     env_flag(p, "--max-k", f"{prefix}_MAX_K", default=16, type=AT_LEAST_ONE, help="largest K accepted per request")
     env_flag(p, "--max-sessions", f"{prefix}_MAX_SESSIONS", default=256, type=AT_LEAST_ONE,
              help="sessions whose KV cache is kept; least recently used evicted beyond")  # fmt: skip
-    env_flag(p, "--max-cache-mb", f"{prefix}_MAX_CACHE_MB", default=4096.0, type=bounded(float, 0, note="0 = no limit"),
+    env_flag(p, "--max-cache-mb", f"{prefix}_MAX_CACHE_MB", default=4096.0, type=Range(float, 0, note="0 = no limit"),
              help="memory the sessions' KV caches may hold, in MiB; least recently used evicted beyond "
                   "(never a running cycle's); 0 = no limit")  # fmt: skip
     env_flag(p, "--internal-token-file", "SPECDEC_INTERNAL_TOKEN_FILE", default="",
@@ -251,7 +219,7 @@ def add_draft_flags(p: argparse.ArgumentParser) -> None:
 def add_target_flags(p: argparse.ArgumentParser) -> None:
     add_common_service_flags(p, "SPECDEC_TARGET", 50053)
     add_model_flags(p, "SPECDEC_TARGET", "smollm2-135m-instruct")
-    env_flag(p, "--solo-threads", "SPECDEC_TARGET_SOLO_THREADS", default=0, type=bounded(int, 0),
+    env_flag(p, "--solo-threads", "SPECDEC_TARGET_SOLO_THREADS", default=0, type=Range(int, 0),
              help="torch threads for a Verify while the draft is idle (drafts in hand, or none), when a "
                   "draft shares the machine; --threads is for one while it drafts beside it (0 = --threads)")  # fmt: skip
 
@@ -273,7 +241,7 @@ def add_coordinator_flags(p: argparse.ArgumentParser) -> None:
              help="requests that set no K get K chosen per cycle (up to --max-k) instead of --default-k")  # fmt: skip
     env_flag(p, "--no-pipeline", "SPECDEC_NO_PIPELINE", action="store_true",
              help="do not draft the next cycle while the target verifies (requests may still ask for it)")  # fmt: skip
-    env_flag(p, "--pipeline-min-keep", "SPECDEC_PIPELINE_MIN_KEEP", default=0.5, type=bounded(float, 0, 1),
+    env_flag(p, "--pipeline-min-keep", "SPECDEC_PIPELINE_MIN_KEEP", default=0.5, type=Range(float, 0, 1),
              help="for requests that do not ask for pipelining: pipeline a cycle only when the session's "
                   "estimate of the chance its early drafting is kept (all K drafts and the guess accepted: a^(K+1), "
                   "or adaptive K's per-position estimate) is >= this "
@@ -296,7 +264,7 @@ def add_coordinator_flags(p: argparse.ArgumentParser) -> None:
              help="with an n-gram draft, ask the draft service for each cycle's drafts; by default the "
                   "coordinator runs the same lookup itself (the same tokens, without a network hop)")  # fmt: skip
     add_ngram_first_flag(p)
-    env_flag(p, "--draft-timeout", "SPECDEC_DRAFT_TIMEOUT", default=2.0, type=bounded(float, 0, note="0 = only the deadline"),
+    env_flag(p, "--draft-timeout", "SPECDEC_DRAFT_TIMEOUT", default=2.0, type=Range(float, 0, note="0 = only the deadline"),
              help="seconds a cycle waits for the draft before running target-only (also at most a quarter "
                   "of a request's remaining deadline; 0 = only the deadline)")  # fmt: skip
 
@@ -318,7 +286,7 @@ def add_stack_flags(p: argparse.ArgumentParser) -> None:
     env_flag(p, "--tls-ca", "SPECDEC_TLS_CA", default="", help="PEM CA that signed --tls-cert")
     env_flag(p, "--auth-token-file", "SPECDEC_AUTH_TOKEN_FILE", default="",
              help="file of API tokens (one a line) clients must send; none = no token check")  # fmt: skip
-    env_flag(p, "--metrics-port-base", "SPECDEC_METRICS_PORT_BASE", default=9400, type=bounded(int, 0, 65533, note="0 = off"),
+    env_flag(p, "--metrics-port-base", "SPECDEC_METRICS_PORT_BASE", default=9400, type=Range(int, 0, 65533, note="0 = off"),
              help="Prometheus /metrics of coordinator, draft, target on this port and the next two (0 = off)")  # fmt: skip
 
 
@@ -336,7 +304,7 @@ def add_generate_flags(p: argparse.ArgumentParser) -> None:
     env_flag(p, "--temperature", "SPECDEC_TEMPERATURE", default=0.0, type=TEMPERATURE, help="0 = greedy")
     env_flag(p, "--top-k", "SPECDEC_TOP_K", default=0, type=TOP_K, help="keep the k most likely tokens (0 = off)")
     env_flag(p, "--top-p", "SPECDEC_TOP_P", default=1.0, type=TOP_P, help="nucleus mass to keep (1.0 = off)")
-    env_flag(p, "--seed", "SPECDEC_SEED", default=None, type=bounded(int, 0, 2**64 - 1), help="seed for reproducible sampling")
+    env_flag(p, "--seed", "SPECDEC_SEED", default=None, type=SEED, help="seed for reproducible sampling")
     env_flag(p, "--k", "SPECDEC_K", default=None, type=k_value,
              help="K, tokens drafted per cycle, or `adaptive` (server default when unset)")  # fmt: skip
     env_flag(p, "--stop", "SPECDEC_STOP", default=None, action="append", help="stop string (repeatable)")

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from specdec.ranges import SEED
 from specdec.v1 import specdec_pb2 as pb
 from specdec.v1 import specdec_pb2_grpc as pb_grpc
 
@@ -245,8 +246,8 @@ def build_request(
         ignore_eos=ignore_eos,
     )
     if seed is not None:
-        if not 0 <= seed < 2**64:
-            raise ValueError(f"seed must be an integer from 0 to 2**64 - 1, got {seed}")
+        if problem := SEED.problem("seed", seed):  # the server's own range; protobuf's is wider
+            raise ValueError(problem)
         request.sampling.seed = seed
     if num_speculative_tokens is not None:
         request.speculation.num_speculative_tokens = num_speculative_tokens
@@ -305,7 +306,7 @@ _GENERATE_DOC = """
             temperature: 0 is greedy; higher samples more freely.
             top_k: keep only the k most likely tokens (0 = off).
             top_p: keep the smallest set of tokens with this much mass (1.0 = off).
-            seed: makes sampled output reproducible for a fixed K and setup.
+            seed: makes sampled output reproducible for a fixed K and setup (0 to 2**63 - 1).
             num_speculative_tokens: K, tokens drafted per cycle (None = server default).
             speculate: False decodes with the target alone, through the same services.
             stop: strings that end generation; the output ends before them.

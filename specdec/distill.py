@@ -72,6 +72,7 @@ from specdec.ngram import (
     LOOKUP_MAX_NGRAM, LOOKUP_WEIGHT_GRID, find_continuation, format_lookup_weights, mix_lookup, parse_lookup_weights,
     resolve_lookup_weights, write_lookup_file,
 )  # fmt: skip
+from specdec.ranges import AT_LEAST_ONE, SECONDS, SEED, SHARE, Range
 
 DEFAULT_TOP_K = 256
 DEFAULT_PROMPTS = Path(__file__).parent / "data" / "distill_prompts.jsonl"
@@ -86,6 +87,29 @@ CALIBRATION_TEMPERATURES = (0.5, 0.6, 0.7, 0.75, 0.8, 0.85, 0.9, 0.95, 1.0, 1.1,
 
 # ---------------------------------------------------------------------------------------
 # configuration
+
+# The range of each numeric setting (specdec.ranges): the argparse type of its flag, and
+# check_config's rule for a DistillConfig built in code. Keys are DistillConfig fields.
+RANGES = {
+    "minutes": Range(float, 0, note="0 only with --resume: calibrate, write and evaluate the checkpoint again"),
+    "layers": AT_LEAST_ONE, "hidden": AT_LEAST_ONE, "heads": AT_LEAST_ONE, "top_k": AT_LEAST_ONE,
+    "data_tokens": AT_LEAST_ONE, "max_new_tokens": AT_LEAST_ONE, "gen_batch_size": AT_LEAST_ONE, "batch_size": AT_LEAST_ONE,
+    "data_share": Range(float, 0, 1, above=True),
+    "lr": Range(float, 0, above=True),
+    "dropout": SHARE,
+    "weight_decay": Range(float, 0),
+    "calibration_share": Range(float, 0, 1, below=True, note="0 = none"),
+    "lookup_ngram": Range(int, 0, note="0 = no lookup mixing"),
+    "seed": SEED,
+    "threads": Range(int, 0, note="0 = one per core"),
+    "eval_every_s": SECONDS,
+    "draft_vocab": Range(int, 0, note="0 = the whole vocabulary"),
+}  # fmt: skip
+
+
+def flag_of(field: str) -> str:
+    """The command-line flag of a DistillConfig field: eval_every_s -> --eval-every."""
+    return "--" + field.removesuffix("_s").replace("_", "-")
 
 
 @dataclass
@@ -1127,38 +1151,17 @@ def ensure_distilled_draft(name: str, *, progress: bool = True) -> Path:
 def check_config(config: DistillConfig) -> None:
     """DistillError naming the first flag no run can use; called before anything loads or is written."""
     compute_precision(config.precision)  # a bad --precision fails here
-    at_least_one = {"--layers": config.layers, "--hidden": config.hidden, "--heads": config.heads, "--top-k": config.top_k,
-                    "--data-tokens": config.data_tokens, "--max-new-tokens": config.max_new_tokens,
-                    "--gen-batch-size": config.gen_batch_size, "--batch-size": config.batch_size}  # fmt: skip
-    for flag, value in at_least_one.items():
-        if value < 1:
-            raise DistillError(f"{flag} must be at least 1, got {value}")
+    for field, allowed in RANGES.items():
+        if problem := allowed.problem(flag_of(field), getattr(config, field)):
+            raise DistillError(problem)
+    if config.minutes == 0 and not config.resume:
+        raise DistillError("--minutes 0 needs --resume: with no time to train, a run only calibrates, writes and "
+                           "evaluates the checkpoint in --out again")  # fmt: skip
     if config.hidden % config.heads or (config.hidden // config.heads) % 2:
         raise DistillError(f"--hidden ({config.hidden}) must be --heads ({config.heads}) times an even head width "
                            "(rotary position embeddings rotate pairs), e.g. --hidden 256 --heads 4")  # fmt: skip
-    if not (math.isfinite(config.minutes) and config.minutes >= 0) or (config.minutes == 0 and not config.resume):
-        raise DistillError(f"--minutes must be above 0 (0 only with --resume: calibrate, write and evaluate "
-                           f"the checkpoint again), got {config.minutes:g}")  # fmt: skip
-    if not 0 < config.data_share <= 1:
-        raise DistillError(f"--data-share must be above 0 and at most 1, got {config.data_share:g}")
-    if not (math.isfinite(config.lr) and config.lr > 0):
-        raise DistillError(f"--lr must be above 0, got {config.lr:g}")
-    if not config.eval_every_s > 0:
-        raise DistillError(f"--eval-every must be above 0 seconds, got {config.eval_every_s:g}")
-    if config.draft_vocab < 0:
-        raise DistillError(f"--draft-vocab must be at least 0 (0: the whole vocabulary), got {config.draft_vocab}")
-    if config.threads < 0:
-        raise DistillError(f"--threads must be at least 0 (0: one per core), got {config.threads}")
     if not valid_temperatures(config.temperatures):
         raise DistillError(f"--temperatures must be numbers >= 0 (0: greedy), got {config.temperatures}")
-    if not 0 <= config.dropout < 1:
-        raise DistillError(f"--dropout must be at least 0 and below 1, got {config.dropout:g}")
-    if not config.weight_decay >= 0:
-        raise DistillError(f"--weight-decay must be at least 0, got {config.weight_decay:g}")
-    if config.lookup_ngram < 0:
-        raise DistillError(f"--lookup-ngram must be at least 0 (0: no lookup mixing), got {config.lookup_ngram}")
-    if not 0 <= config.calibration_share < 1:
-        raise DistillError(f"--calibration-share must be at least 0 and below 1, got {config.calibration_share:g}")
 
 
 def check_out(config: DistillConfig) -> None:
@@ -1323,34 +1326,34 @@ def add_distill_parser(subparsers) -> argparse.ArgumentParser:
     )
     parser.add_argument("--target", required=True, help="catalog name or path of the target model")
     parser.add_argument("--out", required=True, help="output directory (draft model, card, data cache, checkpoint)")
-    parser.add_argument("--minutes", type=float, default=defaults.minutes, help="wall-clock budget for data + training (default: %(default)s)")
+    parser.add_argument("--minutes", type=RANGES["minutes"], default=defaults.minutes, help="wall-clock budget for data + training (default: %(default)s)")
     parser.add_argument("--prompts", default=defaults.prompts, help="JSONL prompt set (default: the packaged set)")
     parser.add_argument("--eval-prompts", default="", help="JSONL of held-out prompts (default: the 'eval' split of --prompts)")
-    parser.add_argument("--layers", type=int, default=defaults.layers, help="draft layers (default: %(default)s)")
-    parser.add_argument("--hidden", type=int, default=defaults.hidden, help="draft width (default: %(default)s)")
-    parser.add_argument("--heads", type=int, default=defaults.heads, help="draft attention heads (default: %(default)s)")
-    parser.add_argument("--top-k", type=int, default=defaults.top_k, help="target log-probs stored per position (default: %(default)s)")
-    parser.add_argument("--data-tokens", type=int, default=defaults.data_tokens, help="target-sampled positions to generate (default: %(default)s)")
-    parser.add_argument("--data-share", type=float, default=defaults.data_share, help="largest share of --minutes spent sampling data; training gets the rest (default: %(default)s)")
-    parser.add_argument("--max-new-tokens", type=int, default=defaults.max_new_tokens, help="continuation length (default: %(default)s)")
-    parser.add_argument("--gen-batch-size", type=int, default=defaults.gen_batch_size, help="sequences sampled at once (default: %(default)s)")
-    parser.add_argument("--batch-size", type=int, default=defaults.batch_size, help="sequences per training step (default: %(default)s)")
-    parser.add_argument("--lr", type=float, default=defaults.lr, help="peak learning rate (default: %(default)s)")
-    parser.add_argument("--dropout", type=float, default=defaults.dropout,
+    parser.add_argument("--layers", type=RANGES["layers"], default=defaults.layers, help="draft layers (default: %(default)s)")
+    parser.add_argument("--hidden", type=RANGES["hidden"], default=defaults.hidden, help="draft width (default: %(default)s)")
+    parser.add_argument("--heads", type=RANGES["heads"], default=defaults.heads, help="draft attention heads (default: %(default)s)")
+    parser.add_argument("--top-k", type=RANGES["top_k"], default=defaults.top_k, help="target log-probs stored per position (default: %(default)s)")
+    parser.add_argument("--data-tokens", type=RANGES["data_tokens"], default=defaults.data_tokens, help="target-sampled positions to generate (default: %(default)s)")
+    parser.add_argument("--data-share", type=RANGES["data_share"], default=defaults.data_share, help="largest share of --minutes spent sampling data; training gets the rest (default: %(default)s)")
+    parser.add_argument("--max-new-tokens", type=RANGES["max_new_tokens"], default=defaults.max_new_tokens, help="continuation length (default: %(default)s)")
+    parser.add_argument("--gen-batch-size", type=RANGES["gen_batch_size"], default=defaults.gen_batch_size, help="sequences sampled at once (default: %(default)s)")
+    parser.add_argument("--batch-size", type=RANGES["batch_size"], default=defaults.batch_size, help="sequences per training step (default: %(default)s)")
+    parser.add_argument("--lr", type=RANGES["lr"], default=defaults.lr, help="peak learning rate (default: %(default)s)")
+    parser.add_argument("--dropout", type=RANGES["dropout"], default=defaults.dropout,
                         help="share of the draft's input, attention and final-state entries zeroed in training, "
                         "against learning the training text by heart (default: %(default)s)")
-    parser.add_argument("--weight-decay", type=float, default=defaults.weight_decay,
+    parser.add_argument("--weight-decay", type=RANGES["weight_decay"], default=defaults.weight_decay,
                         help="AdamW weight decay of the draft's training (default: %(default)s)")
-    parser.add_argument("--calibration-share", type=float, default=defaults.calibration_share,
+    parser.add_argument("--calibration-share", type=RANGES["calibration_share"], default=defaults.calibration_share,
                         help="share of the training prompts whose sampled sequences are kept out of training: they pick "
                         "the checkpoint written and the temperature folded into the draft's head (0: none; then the "
                         "held-out prompts pick the checkpoint and the temperature stays 1; default: %(default)s)")
-    parser.add_argument("--lookup-ngram", type=int, default=defaults.lookup_ngram, metavar="N",
+    parser.add_argument("--lookup-ngram", type=RANGES["lookup_ngram"], default=defaults.lookup_ngram, metavar="N",
                         help="choose, on the calibration sequences, the weight of the prompt lookup's token in the "
                         "draft's q for each match length 1..N (written to specdec-lookup.json; the draft service "
                         "drafts from (1 - w) * q + w * that token); 0: none (default: %(default)s)")
-    parser.add_argument("--seed", type=int, default=defaults.seed, help="random seed (default: %(default)s)")
-    parser.add_argument("--threads", type=int, default=defaults.threads, help="torch threads (default: 0 = one per core)")
+    parser.add_argument("--seed", type=RANGES["seed"], default=defaults.seed, help="random seed (default: %(default)s)")
+    parser.add_argument("--threads", type=RANGES["threads"], default=defaults.threads, help="torch threads (default: 0 = one per core)")
     parser.add_argument("--precision", choices=["auto", "float32", "bfloat16"], default=defaults.precision,
                         help="compute dtype of the target's sampling and of the draft's training steps; the draft's "
                         "weights and every evaluation stay float32 (auto: bfloat16 where the CPU multiplies it "
@@ -1359,8 +1362,8 @@ def add_distill_parser(subparsers) -> argparse.ArgumentParser:
                         help="sampling temperature of each batch of sequences in turn, e.g. 1,0.6 (0: greedy); the "
                         "stored distributions are the target's at temperature 1 whatever the sampling temperature "
                         "(default: 1,1,1,0: every fourth batch is the target's greedy continuation)")
-    parser.add_argument("--eval-every", type=float, default=defaults.eval_every_s, help="seconds between held-out evaluations (default: %(default)s)")
-    parser.add_argument("--draft-vocab", type=int, default=defaults.draft_vocab,
+    parser.add_argument("--eval-every", type=RANGES["eval_every_s"], default=defaults.eval_every_s, help="seconds between held-out evaluations (default: %(default)s)")
+    parser.add_argument("--draft-vocab", type=RANGES["draft_vocab"], default=defaults.draft_vocab,
                         help="tokens the draft can predict: the ones holding most of the target's probability mass "
                         "in the sampled data; the rest get probability 0 (0: the whole vocabulary; default: %(default)s)")
     parser.add_argument("--learn-projections", action=argparse.BooleanOptionalAction, default=defaults.learn_projections,

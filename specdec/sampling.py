@@ -40,6 +40,8 @@ from collections.abc import Sequence
 
 import torch
 
+from specdec.ranges import sampling_problem
+
 # Logit dtypes numpy reads without a copy (greedy_ids).
 NUMPY_FLOATS = (torch.float16, torch.float32, torch.float64)
 
@@ -90,18 +92,8 @@ def warp(
 
 def check_warp_params(temperature: float, top_k: int, top_p: float) -> None:
     """Raise ValueError unless temperature >= 0 (finite), top_k >= 0, top_p in (0, 1]."""
-    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)):
-        raise ValueError(f"temperature must be a number, got {temperature!r}")
-    if math.isnan(temperature) or math.isinf(temperature) or temperature < 0:
-        raise ValueError(f"temperature must be finite and >= 0 (0 = greedy), got {temperature}")
-    if isinstance(top_k, bool) or not isinstance(top_k, int):
-        raise ValueError(f"top_k must be an int, got {top_k!r}")
-    if top_k < 0:
-        raise ValueError(f"top_k must be >= 0 (0 = off), got {top_k}")
-    if isinstance(top_p, bool) or not isinstance(top_p, (int, float)):
-        raise ValueError(f"top_p must be a number, got {top_p!r}")
-    if math.isnan(top_p) or not 0.0 < top_p <= 1.0:
-        raise ValueError(f"top_p must be in (0, 1] (1 = off), got {top_p}")
+    if problem := sampling_problem(temperature, top_k, top_p):
+        raise ValueError(problem)
 
 
 def check_logits(logits: torch.Tensor) -> None:

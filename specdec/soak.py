@@ -55,10 +55,8 @@ class Tally:
 
 
 def add_soak_parser(commands) -> None:
-    from specdec.cli import (
-        AT_LEAST_ONE, DEFAULT_DRAFT_HELP, MAX_NEW_TOKENS, SECONDS, TEMPERATURE, add_client_security_flags, bounded,
-        env_flag,
-    )
+    from specdec.cli import DEFAULT_DRAFT_HELP, add_client_security_flags, env_flag
+    from specdec.ranges import AT_LEAST_ONE, MAX_NEW_TOKENS, SECONDS, TEMPERATURE, Range
 
     p = commands.add_parser(
         "soak",
@@ -70,8 +68,8 @@ def add_soak_parser(commands) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     env_flag(p, "--clients", "SPECDEC_SOAK_CLIENTS", default=8, type=AT_LEAST_ONE, help="concurrent clients")
-    env_flag(p, "--minutes", "SPECDEC_SOAK_MINUTES", default=10.0, type=bounded(float, 0, above=True), help="length of the run")
-    env_flag(p, "--warmup-s", "SPECDEC_SOAK_WARMUP_S", default=60.0, type=bounded(float, 0),
+    env_flag(p, "--minutes", "SPECDEC_SOAK_MINUTES", default=10.0, type=Range(float, 0, above=True), help="length of the run")
+    env_flag(p, "--warmup-s", "SPECDEC_SOAK_WARMUP_S", default=60.0, type=Range(float, 0),
              help="seconds of load before the start RSS is taken (at most a quarter of the run)")  # fmt: skip
     env_flag(p, "--address", "SPECDEC_ADDRESS", default=None,
              help="soak a coordinator that is already running (no local stack; RSS only with --pid)")  # fmt: skip

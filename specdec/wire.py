@@ -10,12 +10,12 @@ needs torch, is specdec.draft_wire.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from specdec.errors import InvalidArgument
+from specdec.ranges import sampling_problem
 from specdec.v1 import specdec_pb2 as pb
 
 if TYPE_CHECKING:
@@ -23,7 +23,6 @@ if TYPE_CHECKING:
 
 DEFAULT_TEMPERATURE = 1.0
 DEFAULT_TOP_P = 1.0
-MAX_SEED = 2**63 - 1
 
 
 @dataclass(frozen=True)
@@ -49,14 +48,8 @@ class Sampling:
         return self.greedy or self.top_k > 0 or self.top_p < 1.0
 
     def validate(self) -> "Sampling":
-        if math.isnan(self.temperature) or self.temperature < 0 or math.isinf(self.temperature):
-            raise InvalidArgument(f"temperature must be a finite number >= 0 (0 = greedy), got {self.temperature}")
-        if self.top_k < 0:
-            raise InvalidArgument(f"top_k must be >= 0 (0 = off), got {self.top_k}")
-        if math.isnan(self.top_p) or not 0.0 < self.top_p <= 1.0:
-            raise InvalidArgument(f"top_p must be in (0, 1] (1 = off), got {self.top_p}")
-        if self.seed is not None and not 0 <= self.seed <= MAX_SEED:
-            raise InvalidArgument(f"seed must be in [0, 2^63), got {self.seed}")
+        if problem := sampling_problem(self.temperature, self.top_k, self.top_p, self.seed):
+            raise InvalidArgument(problem)
         return self
 
     def warp(self, logits: torch.Tensor) -> torch.Tensor:

@@ -69,7 +69,7 @@ def test_ngram_first_outside_its_range_is_refused_with_the_range_on_every_comman
     (["serve", "draft"], "--max-cache-mb", "-1", "a number at least 0 (0 = no limit)"),
     (["serve", "target"], "--threads", "-1", "an integer at least 0 (0 = torch's choice)"),
     (["serve", "target"], "--metrics-port", "70000", "an integer at least 0 and at most 65535 (0 = off)"),
-    (["generate", "hi"], "--seed", "-1", "an integer at least 0 and at most 18446744073709551615"),
+    (["generate", "hi"], "--seed", "-1", "an integer at least 0 and at most 9223372036854775807"),
 ])  # fmt: skip
 def test_a_flag_value_every_request_or_deployment_would_fail_with_is_refused_with_its_range(capsys, command, flag, value, rule):
     """Before a local stack starts (a request flag the coordinator would refuse), or before a
@@ -81,6 +81,28 @@ def test_a_flag_value_every_request_or_deployment_would_fail_with_is_refused_wit
         build_parser(command).parse_args([*command, flag, value])
     assert exited.value.code == 2
     assert f"argument {flag}: expected {rule}, got '{value}'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("flag", "field", "inside", "outside"), [
+    ("--temperature", "temperature", "0", "-0.001"),
+    ("--top-k", "top_k", "0", "-1"),
+    ("--top-p", "top_p", "1", "0"),
+    ("--top-p", "top_p", "0.001", "1.001"),
+    ("--seed", "seed", str(2**63 - 1), str(2**63)),
+])  # fmt: skip
+def test_the_command_line_takes_a_sampling_value_exactly_when_the_services_do(flag, field, inside, outside):
+    """One range per setting (specdec.ranges): a --seed of 2**63 used to pass the command line and
+    the SDK and then be refused by the coordinator, after a local stack had started."""
+    from specdec.cli import build_parser
+    from specdec.errors import InvalidArgument
+    from specdec.wire import Sampling
+
+    value = getattr(build_parser().parse_args(["generate", "hi", flag, inside]), field)
+    Sampling(**{field: value}).validate()
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["generate", "hi", flag, outside])
+    with pytest.raises(InvalidArgument, match=f"{field} must be "):
+        Sampling(**{field: type(value)(outside)}).validate()
 
 
 def test_a_bad_value_in_the_environment_names_the_variable_and_the_range(capsys, monkeypatch):

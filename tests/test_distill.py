@@ -7,6 +7,7 @@ command (README "Make a draft"), never a test.
 import argparse
 import dataclasses
 import json
+import re
 import signal
 import subprocess
 import sys
@@ -23,6 +24,8 @@ from specdec.distill import (
     DATA_DIR,
     DEFAULT_PROMPTS,
     WEIGHTS_NAME,
+    DistillConfig,
+    DistillError,
     add_distill_parser,
     kl_top_k,
     load_prompts,
@@ -295,25 +298,50 @@ def test_the_calibration_prompts_pick_a_temperature_that_is_folded_into_the_writ
     assert torch.allclose(written, best / second["calibration"]["temperature"], rtol=2e-3, atol=1e-4)
 
 
+@pytest.mark.parametrize(("flag", "value", "rule"), [
+    ("--lookup-ngram", "-1", "an integer at least 0 (0 = no lookup mixing)"),
+    ("--dropout", "1", "a number at least 0 and below 1"),
+    ("--dropout", "-0.1", "a number at least 0 and below 1"),
+    ("--weight-decay", "-1", "a number at least 0"),
+    ("--calibration-share", "1", "a number at least 0 and below 1 (0 = none)"),
+    ("--minutes", "-1", "a number at least 0 (0 only with --resume"),
+    ("--minutes", "nan", "a number at least 0"),
+    ("--layers", "0", "an integer at least 1"),
+    ("--layers", "1.5", "an integer at least 1"),
+    ("--batch-size", "0", "an integer at least 1"),
+    ("--top-k", "0", "an integer at least 1"),
+    ("--data-share", "0", "a number above 0 and at most 1"),
+    ("--lr", "0", "a number above 0"),
+    ("--eval-every", "0", "a number above 0"),
+    ("--draft-vocab", "-1", "an integer at least 0 (0 = the whole vocabulary)"),
+    ("--threads", "-2", "an integer at least 0 (0 = one per core)"),
+    ("--seed", "-1", "an integer at least 0"),
+])  # fmt: skip
+def test_a_numeric_flag_outside_its_range_is_refused_by_the_command_line_with_the_range(tiny, tmp_path, capsys, flag, value, rule):
+    with pytest.raises(SystemExit) as exited:
+        parse(["--target", tiny[1], "--out", str(tmp_path / "run"), flag, value])
+    assert exited.value.code == 2
+    assert f"argument {flag}: expected {rule}" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("changes", "message"), [
+    ({"layers": 0}, "--layers must be an integer at least 1, got 0"),
+    ({"dropout": 1.0}, "--dropout must be a number at least 0 and below 1, got 1.0"),
+    ({"eval_every_s": 0.0}, "--eval-every must be a number above 0, got 0.0"),
+    ({"minutes": float("nan")}, "--minutes must be a number at least 0"),
+    ({"seed": -1}, "--seed must be an integer at least 0"),
+    ({"hidden": 32.0}, "--hidden must be an integer at least 1, got 32.0"),
+])  # fmt: skip
+def test_a_config_built_in_code_is_checked_against_the_same_ranges(tmp_path, changes, message):
+    config = dataclasses.replace(DistillConfig(target="t", out=str(tmp_path / "run")), **changes)
+    with pytest.raises(DistillError, match=re.escape(message)):
+        distill_module.check_config(config)
+
+
 @pytest.mark.parametrize(("flags", "message"), [
-    (["--lookup-ngram", "-1"], "--lookup-ngram must be at least 0"),
-    (["--dropout", "1"], "--dropout must be at least 0 and below 1, got 1"),
-    (["--dropout", "-0.1"], "--dropout must be at least 0 and below 1"),
-    (["--weight-decay", "-1"], "--weight-decay must be at least 0, got -1"),
-    (["--calibration-share", "1"], "--calibration-share must be at least 0 and below 1, got 1"),
-    (["--minutes", "-1"], "--minutes must be above 0"),
-    (["--minutes", "0"], "0 only with --resume"),
-    (["--minutes", "nan"], "--minutes must be above 0"),
-    (["--layers", "0"], "--layers must be at least 1, got 0"),
-    (["--batch-size", "0"], "--batch-size must be at least 1"),
-    (["--top-k", "0"], "--top-k must be at least 1"),
+    (["--minutes", "0"], "--minutes 0 needs --resume"),
     (["--hidden", "30", "--heads", "4"], "--hidden (30) must be --heads (4) times an even head width"),
     (["--hidden", "30", "--heads", "2"], "--hidden (30) must be --heads (2) times an even head width"),
-    (["--data-share", "0"], "--data-share must be above 0 and at most 1"),
-    (["--lr", "0"], "--lr must be above 0"),
-    (["--eval-every", "0"], "--eval-every must be above 0"),
-    (["--draft-vocab", "-1"], "--draft-vocab must be at least 0"),
-    (["--threads", "-2"], "--threads must be at least 0"),
     (["--target", "no-such-model"], "model 'no-such-model' not found"),
     (["--resume"], "holds no distillation run to resume; drop --resume"),
     (["--prompts", "/no/such/prompts.jsonl"], "cannot read the prompts file '/no/such/prompts.jsonl'"),

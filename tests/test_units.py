@@ -1015,15 +1015,15 @@ def test_the_next_cycle_drafts_while_this_cycle_commits_and_nothing_else_changes
     assert not any(o.info.pipelined for o in outcomes)
 
 
-def test_a_seed_outside_uint64_is_a_value_error_that_says_the_range():
+def test_a_seed_the_services_would_refuse_is_a_value_error_in_the_sdk_that_says_the_range():
     from specdec.client import build_request
 
     options = dict(prompt_token_ids=None, max_new_tokens=4, temperature=1.0, top_k=0, top_p=1.0, num_speculative_tokens=None,
                    speculate=True, stop=None, session_id=None, ignore_eos=False)  # fmt: skip
-    for seed in (-1, 2**64):
-        with pytest.raises(ValueError, match=f"seed must be an integer from 0 to 2\\*\\*64 - 1, got {seed}"):
+    for seed in (-1, 2**63, 2**64):
+        with pytest.raises(ValueError, match=f"seed must be an integer at least 0 and at most {2**63 - 1}, got {seed}"):
             build_request("hi", seed=seed, **options)
-    assert build_request("hi", seed=2**64 - 1, **options).sampling.seed == 2**64 - 1
+    assert build_request("hi", seed=2**63 - 1, **options).sampling.seed == 2**63 - 1
 
 
 def test_a_conversation_for_a_tokenizer_without_a_chat_template_is_a_failed_precondition_that_says_so():

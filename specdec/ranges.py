@@ -1,0 +1,92 @@
+"""The range of each numeric setting, defined once and worded once.
+
+A `Range` is a setting's rule and the words that state it. The same object is the argparse type of
+its flag (a value no run can use fails before a stack starts or a model loads), the check of a
+config built in code (`specdec distill`'s), and the wording of the services' own refusal of a
+request (`specdec.wire`), so the command line, the SDK and the server cannot disagree on an edge.
+
+Terms: `low` and `high` are the edges; `above` / `below` say the edge itself is outside (top_p is
+above 0 and at most 1); `note` says what an edge value means ("0 = greedy").
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Range:
+    kind: type  # int or float
+    low: float
+    high: float = math.inf
+    above: bool = False  # low itself is outside
+    below: bool = False  # high itself is outside
+    note: str = ""
+
+    def __contains__(self, value: object) -> bool:
+        if isinstance(value, bool) or not isinstance(value, int if self.kind is int else (int, float)):
+            return False
+        if not math.isfinite(value):
+            return False
+        over_low = value > self.low if self.above else value >= self.low
+        under_high = value < self.high if self.below else value <= self.high
+        return over_low and under_high
+
+    def rule(self) -> str:
+        """'at least 0 and below 1', 'above 0', ... (the edges only)."""
+        words = f"{'above' if self.above else 'at least'} {self.show(self.low)}"
+        if self.high < math.inf:
+            words += f" and {'below' if self.below else 'at most'} {self.show(self.high)}"
+        return words
+
+    def describe(self) -> str:
+        """'an integer at least 1 and at most 65535 (0 = off)': what a valid value is."""
+        noun = "an integer" if self.kind is int else "a number"
+        return f"{noun} {self.rule()}{f' ({self.note})' if self.note else ''}"
+
+    def show(self, value: float) -> str:
+        return str(int(value)) if self.kind is int else f"{value:g}"
+
+    def problem(self, name: str, value: object) -> str | None:
+        """None when `value` is in range, else '{name} must be ..., got {value}'."""
+        if value in self:
+            return None
+        return f"{name} must be {self.describe()}, got {value!r}"
+
+    def __call__(self, text: str):
+        """argparse type: the value of `text`, or ArgumentTypeError stating the rule."""
+        try:
+            value = self.kind(text)
+        except ValueError:
+            value = None
+        if value not in self:
+            raise argparse.ArgumentTypeError(f"expected {self.describe()}, got {text!r}")
+        return value
+
+
+# Every request may set these (the coordinator refuses the rest with INVALID_ARGUMENT).
+TEMPERATURE = Range(float, 0, note="0 = greedy")
+TOP_K = Range(int, 0, note="0 = off")
+TOP_P = Range(float, 0, 1, above=True, note="1 = off")
+# Seeds are kept as signed 64-bit integers (Redis, torch generators).
+SEED = Range(int, 0, 2**63 - 1)
+SECONDS = Range(float, 0, above=True)
+AT_LEAST_ONE = Range(int, 1)
+MAX_NEW_TOKENS = AT_LEAST_ONE
+# Ports, and the service flags no deployment can use outside their range.
+PORT = Range(int, 1, 65535)
+SERVICE_PORT = Range(int, 0, 65535, note="0 = a free port, printed once serving")
+METRICS_PORT = Range(int, 0, 65535, note="0 = off")
+THREADS = Range(int, 0, note="0 = torch's choice")
+SHARE = Range(float, 0, 1, below=True)  # a fraction that must leave something over
+
+
+def sampling_problem(temperature: object, top_k: object, top_p: object, seed: object = None) -> str | None:
+    """None when a request's sampling settings are all in range, else what the first one breaks
+    (the SDK raises it as ValueError, the services as INVALID_ARGUMENT, the sampler as ValueError)."""
+    for name, value, allowed in (("temperature", temperature, TEMPERATURE), ("top_k", top_k, TOP_K), ("top_p", top_p, TOP_P)):
+        if problem := allowed.problem(name, value):
+            return problem
+    return None if seed is None else SEED.problem("seed", seed)
