@@ -50,9 +50,9 @@ import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from importlib import resources
 
 from specdec.ngram import DEFAULT_K, NGRAM_DRAFT
+from specdec.prompts import PromptFileError, read_json_lines
 
 DEFAULT_PROMPTS = "bench_prompts.jsonl"
 # Timed rounds of each cost after each prompt (after one untimed round). With one, the costs
@@ -142,27 +142,18 @@ def k_value(text: str):
 def load_prompts(path: str | None, kind: str | None = None) -> list[str]:
     """The prompts of a JSONL file (default: the shipped set), only those whose "kind" is
     one of `kind`'s comma-separated names when given (the shipped set's kinds: extractive,
-    code, chat)."""
+    code, chat). A file that cannot be read or a line that is not a prompt ends the command."""
     kinds = None if kind is None else {name.strip() for name in kind.split(",") if name.strip()}
-    if path is None:
-        text = resources.files("specdec.data").joinpath(DEFAULT_PROMPTS).read_text()
-    else:
-        try:
-            with open(path) as f:
-                text = f.read()
-        except OSError as exc:
-            raise SystemExit(f"cannot read --prompts {path!r}: {exc.strerror}") from None
+    try:
+        rows = read_json_lines(path, DEFAULT_PROMPTS)
+    except PromptFileError as exc:
+        raise SystemExit(str(exc)) from None
     prompts = []
-    for number, line in enumerate(text.splitlines(), 1):
-        if line.strip():
-            try:
-                item = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise SystemExit(f"{path or DEFAULT_PROMPTS}:{number}: not JSON: {exc}") from None
-            if not isinstance(item, dict) or not isinstance(item.get("prompt"), str):
-                raise SystemExit(f"{path or DEFAULT_PROMPTS}:{number}: expected an object with a string 'prompt'")
-            if kinds is None or item.get("kind") in kinds:
-                prompts.append(item["prompt"])
+    for where, item in rows:
+        if not isinstance(item, dict) or not isinstance(item.get("prompt"), str):
+            raise SystemExit(f"{where}: expected an object with a string 'prompt'")
+        if kinds is None or item.get("kind") in kinds:
+            prompts.append(item["prompt"])
     if not prompts:
         raise SystemExit(f"no prompts{f' of kind {kind!r}' if kind else ''} in {path or DEFAULT_PROMPTS}")
     return prompts

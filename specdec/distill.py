@@ -72,6 +72,7 @@ from specdec.ngram import (
     LOOKUP_MAX_NGRAM, LOOKUP_WEIGHT_GRID, find_continuation, format_lookup_weights, mix_lookup, parse_lookup_weights,
     resolve_lookup_weights, write_lookup_file,
 )  # fmt: skip
+from specdec.prompts import PromptFileError, read_json_lines
 from specdec.ranges import AT_LEAST_ONE, SECONDS, SEED, SHARE, Range
 
 DEFAULT_TOP_K = 256
@@ -209,22 +210,16 @@ def load_prompts(path: str | os.PathLike, eval_path: str | os.PathLike | None = 
     """
 
     def read(file) -> list[dict]:
-        rows = []
         try:
-            text = Path(file).read_text()
-        except OSError as exc:
-            raise DistillError(f"cannot read the prompts file {str(file)!r}: {exc.strerror}") from None
-        for number, line in enumerate(text.splitlines(), 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise DistillError(f"{file}:{number}: not JSON: {exc}") from None
+            lines = read_json_lines(file)
+        except PromptFileError as exc:
+            raise DistillError(str(exc)) from None
+        rows = []
+        for where, row in lines:
             if isinstance(row, str):
                 row = {"prompt": row}
             if not isinstance(row, dict) or not ("prompt" in row or "messages" in row):
-                raise DistillError(f"{file}:{number}: expected an object with 'prompt' or 'messages'")
+                raise DistillError(f"{where}: expected an object with 'prompt' or 'messages'")
             rows.append(row)
         if not rows:
             raise DistillError(f"{file} holds no prompts")

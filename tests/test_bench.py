@@ -123,7 +123,7 @@ def test_bench_refuses_a_malformed_or_missing_prompt_file_and_a_missing_model_wi
     cases = [
         (["--prompts", str(bad)], "bad.jsonl:1: expected an object with a string 'prompt'"),
         (["--prompts", str(not_json)], "not-json.jsonl:1: not JSON: "),
-        (["--prompts", str(tmp_path / "missing.jsonl")], "cannot read --prompts"),
+        (["--prompts", str(tmp_path / "missing.jsonl")], f"cannot read the prompts file '{tmp_path / 'missing.jsonl'}'"),
         (["--draft", str(tmp_path / "no-draft")], f"draft: could not load: model '{tmp_path / 'no-draft'}' not found"),
     ]
     for flags, says in cases:
