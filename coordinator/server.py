@@ -183,6 +183,10 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         # Refused here (e.g. the id is taken), the request never touches the session again:
         # only a session this request created is finished and released below.
         await self.store.create(plan.session_id, plan.prompt, session_meta(plan, self))
+        # The response headers commit the call: a client's retry policy (the SDK retries
+        # UNAVAILABLE) sends a call again only while no header came, that is only while no
+        # session was created for it, so a retry never finds its session id taken.
+        await context.send_initial_metadata(())
         deadline = None if context.time_remaining() is None else time.monotonic() + context.time_remaining()
         span = telemetry.tracer().start_span(telemetry.GENERATE_SPAN, attributes=generate_attributes(plan, self))
         metrics = self.metrics

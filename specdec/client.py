@@ -17,6 +17,7 @@ TLS, trusting the CA in that file, and sends the token as `authorization: Bearer
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -37,6 +38,25 @@ _CHANNEL_OPTIONS = [
     ("grpc.max_receive_message_length", 64 * 1024 * 1024),
     ("grpc.max_send_message_length", 64 * 1024 * 1024),
 ]
+DEFAULT_RETRIES = 2
+MAX_RETRIES = 4  # gRPC makes at most 5 attempts of a call
+RETRY_BACKOFF_S = (0.2, 2.0)  # the first wait is random in [0, 0.2 s], each next one up to twice as long, at most 2 s
+
+
+def retry_config(retries: int) -> str:
+    """gRPC service config (JSON) of a channel to the coordinator: a call that fails UNAVAILABLE
+    before the server has answered anything (nothing serving yet, a coordinator restarting or
+    replaced, its model services or Redis unreachable as the request starts) is sent again, up to
+    `retries` times, after a random wait (RETRY_BACKOFF_S). A stream that has sent its first chunk
+    is never sent again: its tokens are out, and a retry would start a new session."""
+    if not (isinstance(retries, int) and 0 <= retries <= MAX_RETRIES):
+        raise ValueError(f"retries must be an integer from 0 to {MAX_RETRIES}, got {retries!r}")
+    if retries == 0:
+        return json.dumps({"methodConfig": [{"name": [{"service": "specdec.v1.Coordinator"}]}]})
+    initial, largest = RETRY_BACKOFF_S
+    policy = {"maxAttempts": retries + 1, "initialBackoff": f"{initial}s", "maxBackoff": f"{largest}s",
+              "backoffMultiplier": 2, "retryableStatusCodes": ["UNAVAILABLE"]}  # fmt: skip
+    return json.dumps({"methodConfig": [{"name": [{"service": "specdec.v1.Coordinator"}], "retryPolicy": policy}]})
 
 
 def channel_credentials(
@@ -49,11 +69,13 @@ def channel_credentials(
         return grpc.ssl_channel_credentials(root_certificates=f.read())
 
 
-def open_channel(module, address: str, credentials: grpc.ChannelCredentials | None):
-    """A channel of `module` (grpc or grpc.aio) to `address`, TLS when credentials are given."""
+def open_channel(module, address: str, credentials: grpc.ChannelCredentials | None, retries: int = DEFAULT_RETRIES):
+    """A channel of `module` (grpc or grpc.aio) to `address`, TLS when credentials are given,
+    retrying as retry_config(retries) says."""
+    options = [*_CHANNEL_OPTIONS, ("grpc.enable_retries", 1), ("grpc.service_config", retry_config(retries))]
     if credentials is None:
-        return module.insecure_channel(address, options=_CHANNEL_OPTIONS)
-    return module.secure_channel(address, credentials, options=_CHANNEL_OPTIONS)
+        return module.insecure_channel(address, options=options)
+    return module.secure_channel(address, credentials, options=options)
 
 
 def auth_metadata(token: str | None) -> tuple[tuple[str, str], ...]:
@@ -329,13 +351,16 @@ class Client:
         tls_ca: str | None = None,
         token: str | None = None,
         credentials: grpc.ChannelCredentials | None = None,
+        retries: int = DEFAULT_RETRIES,
     ):
         """Connect to the coordinator at `address` (host:port). `tls_ca`: path of the PEM CA
         that signed the coordinator's certificate (TLS); `token`: API token sent with every
-        call; `credentials`: full control over the channel's TLS (overrides tls_ca)."""
+        call; `credentials`: full control over the channel's TLS (overrides tls_ca); `retries`:
+        how often a call failing UNAVAILABLE before its first chunk is sent again (0 to 4, after
+        a random wait of up to 0.2 s, 0.4 s, ...; see retry_config)."""
         self.address = address
         self._metadata = auth_metadata(token)
-        self._channel = open_channel(grpc, address, channel_credentials(tls_ca, credentials))
+        self._channel = open_channel(grpc, address, channel_credentials(tls_ca, credentials), retries)
         self._stub = pb_grpc.CoordinatorStub(self._channel)
 
     def __enter__(self) -> "Client":
@@ -409,13 +434,16 @@ class AsyncClient:
         tls_ca: str | None = None,
         token: str | None = None,
         credentials: grpc.ChannelCredentials | None = None,
+        retries: int = DEFAULT_RETRIES,
     ):
         """Connect to the coordinator at `address` (host:port). `tls_ca`: path of the PEM CA
         that signed the coordinator's certificate (TLS); `token`: API token sent with every
-        call; `credentials`: full control over the channel's TLS (overrides tls_ca)."""
+        call; `credentials`: full control over the channel's TLS (overrides tls_ca); `retries`:
+        how often a call failing UNAVAILABLE before its first chunk is sent again (0 to 4, after
+        a random wait of up to 0.2 s, 0.4 s, ...; see retry_config)."""
         self.address = address
         self._metadata = auth_metadata(token)
-        self._channel = open_channel(grpc.aio, address, channel_credentials(tls_ca, credentials))
+        self._channel = open_channel(grpc.aio, address, channel_credentials(tls_ca, credentials), retries)
         self._stub = pb_grpc.CoordinatorStub(self._channel)
 
     async def __aenter__(self) -> "AsyncClient":

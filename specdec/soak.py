@@ -120,7 +120,7 @@ async def run_client(
     from specdec.client import AsyncClient, SpecdecClientError
 
     index = first
-    async with AsyncClient(address, **connect) as client:
+    async with AsyncClient(address, retries=0, **connect) as client:  # count every failure, retry none
         while time.monotonic() < deadline:
             prompt = prompts[index % len(prompts)]
             index += 1

@@ -115,6 +115,34 @@ def test_a_draft_call_may_take_the_draft_timeout_or_a_quarter_of_the_time_left()
     assert draft_budget(2.0, -1.0) > 0  # a deadline already past still gives a valid gRPC timeout
 
 
+def test_the_coordinator_commits_a_call_with_its_headers_once_its_session_exists(stack, redis_url):
+    """The coordinator sends the response headers right after creating the session, before the
+    first cycle. A client's retry policy (the SDK retries UNAVAILABLE) sends a call again only
+    before its headers came, so a retry never finds its own session id taken. With the draft
+    stopped the first cycle waits DRAFT_TIMEOUT_S for it: the headers come well before that."""
+    request = pb.GenerateRequest(prompt=PROMPT, max_new_tokens=4, session_id="headers-first", ignore_eos=True,
+                                 speculation=pb.SpeculationParams(num_speculative_tokens=3))  # fmt: skip
+    pid = stack.processes["draft"].pid
+    channel = grpc.insecure_channel(stack.address)
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        started = time.monotonic()
+        call = pb_grpc.CoordinatorStub(channel).Generate(request, timeout=60)
+        call.initial_metadata()
+        headers_at = time.monotonic() - started
+        _, stored = stored_session(redis_url, "headers-first")
+        next(call)
+        chunk_at = time.monotonic() - started
+        rest = list(call)
+    finally:
+        os.kill(pid, signal.SIGCONT)
+        channel.close()
+    print(f"\nheaders after {headers_at * 1000:.0f} ms, the first chunk after {chunk_at * 1000:.0f} ms")
+    assert stored, "the session exists when the headers arrive"
+    assert headers_at + DRAFT_TIMEOUT_S / 2 < chunk_at
+    assert rest[-1].finish_reason == pb.FINISH_REASON_LENGTH
+
+
 def test_a_stalled_draft_is_abandoned_and_the_stream_goes_on_target_only(stack):
     """SIGSTOP the draft mid-request: every Propose call now hangs. Each cycle gives up on
     it after --draft-timeout and runs target-only, drafting backs off; after SIGCONT
