@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import sys
 import time
@@ -626,6 +627,11 @@ def run_bench(args) -> int:
     from specdec.models import load_model
     from specdec.packed import should_pack
 
+    # transformers' assisted loop hands its assistant both a generation config and arguments,
+    # then warns as if the caller had ("Passing `generation_config` together with ..."): not ours.
+    logging.getLogger("transformers.generation.utils").addFilter(
+        lambda record: "together with generation-related arguments" not in record.getMessage()
+    )
     if args.threads:
         torch.set_num_threads(args.threads)
     progress(f"loading target {args.target}" + ("" if args.draft == NGRAM_DRAFT else f" and draft {args.draft}"))
