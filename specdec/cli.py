@@ -101,7 +101,8 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
         description="Distributed, lossless speculative decoding: a draft model proposes tokens, "
         "the target model verifies them in one pass, and the output is distributed exactly "
         "as the target's own.",
-        epilog="Quick start: `specdec generate \"Hello\"` brings a local stack up for the command. "
+        epilog="Quick start: `specdec generate --chat \"Write a haiku about the sea.\"` brings a local stack up "
+        "for the command and asks the built-in instruct model (without --chat the text is continued as it is). "
         "Run `specdec COMMAND --help` for each command's flags.",
     )
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
