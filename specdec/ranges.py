@@ -70,7 +70,7 @@ class Range:
 TEMPERATURE = Range(float, 0, note="0 = greedy")
 TOP_K = Range(int, 0, note="0 = off")
 TOP_P = Range(float, 0, 1, above=True, note="1 = off")
-# Seeds are kept as signed 64-bit integers (Redis, torch generators).
+# The seeds the services take: below 2**63, though the proto field is a uint64.
 SEED = Range(int, 0, 2**63 - 1)
 SECONDS = Range(float, 0, above=True)
 AT_LEAST_ONE = Range(int, 1)
@@ -85,7 +85,7 @@ SHARE = Range(float, 0, 1, below=True)  # a fraction that must leave something o
 
 def sampling_problem(temperature: object, top_k: object, top_p: object, seed: object = None) -> str | None:
     """None when a request's sampling settings are all in range, else what the first one breaks
-    (the SDK raises it as ValueError, the services as INVALID_ARGUMENT, the sampler as ValueError)."""
+    (the services refuse the request with it as INVALID_ARGUMENT, the sampler raises ValueError)."""
     for name, value, allowed in (("temperature", temperature, TEMPERATURE), ("top_k", top_k, TOP_K), ("top_p", top_p, TOP_P)):
         if problem := allowed.problem(name, value):
             return problem
