@@ -317,11 +317,19 @@ def test_the_calibration_prompts_pick_a_temperature_that_is_folded_into_the_writ
     ("--threads", "-2", "an integer at least 0 (0 = one per core)"),
     ("--seed", "-1", "an integer at least 0"),
 ])  # fmt: skip
-def test_a_numeric_flag_outside_its_range_is_refused_by_the_command_line_with_the_range(tiny, tmp_path, capsys, flag, value, rule):
+def test_a_numeric_flag_outside_its_range_is_refused_by_the_command_line_with_the_range(tmp_path, capsys, flag, value, rule):
     with pytest.raises(SystemExit) as exited:
-        parse(["--target", tiny[1], "--out", str(tmp_path / "run"), flag, value])
+        parse(["--target", "t", "--out", str(tmp_path / "run"), flag, value])
     assert exited.value.code == 2
     assert f"argument {flag}: expected {rule}" in capsys.readouterr().err
+
+
+def test_each_ranged_setting_is_a_config_field_whose_flag_takes_that_same_range():
+    distill_parser = add_distill_parser(argparse.ArgumentParser().add_subparsers(dest="command"))
+    types = {option: action.type for action in distill_parser._actions for option in action.option_strings}
+    fields = {field.name for field in dataclasses.fields(DistillConfig)}
+    for field, allowed in distill_module.RANGES.items():
+        assert field in fields and types[distill_module.flag_of(field)] is allowed, field
 
 
 @pytest.mark.parametrize(("changes", "message"), [
