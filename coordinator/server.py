@@ -29,7 +29,7 @@ from specdec.metrics import CoordinatorMetrics
 from specdec.ngram import DEFAULT_K, DEFAULT_MAX_NGRAM, DEFAULT_MIN_NGRAM, NGRAM_DRAFT
 from specdec.security import ChannelSecurity, ServerSecurity
 from specdec.session import SessionStore, check_session_id, new_session_id
-from specdec.vocab import chat_ids
+from specdec.vocab import chat_ids, has_chat_template
 from specdec.v1 import specdec_pb2 as pb
 from specdec.v1 import specdec_pb2_grpc as pb_grpc
 from specdec.wire import Sampling, check_token_ids, sampling_from_pb
@@ -363,7 +363,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         """The token ids of a conversation through the target tokenizer's chat template."""
         import jinja2
 
-        if not getattr(self.tokenizer, "chat_template", None):
+        if not has_chat_template(self.tokenizer):
             raise FailedPrecondition(f"the tokenizer of {self.config.tokenizer or self.target_info.model} has no "
                                      "chat template: send the conversation as prompt text instead")  # fmt: skip
         if not all(m.role for m in messages):

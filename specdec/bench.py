@@ -161,9 +161,9 @@ def load_prompts(path: str | None, kind: str | None = None) -> list[str]:
 
 
 def encode(tokenizer, prompt: str, chat: bool) -> list[int]:
-    from specdec.vocab import chat_ids
+    from specdec.vocab import chat_ids, has_chat_template
 
-    if chat and getattr(tokenizer, "chat_template", None):
+    if chat and has_chat_template(tokenizer):
         return chat_ids(tokenizer, [{"role": "user", "content": prompt}])
     return tokenizer.encode(prompt)
 

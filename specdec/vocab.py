@@ -37,11 +37,16 @@ class VocabMismatchError(ValueError):
     """Draft and target do not share a tokenizer, so their token ids mean different things."""
 
 
+def has_chat_template(tokenizer) -> bool:
+    """True when the tokenizer renders conversations (an instruct model's); chat_ids needs one."""
+    return bool(getattr(tokenizer, "chat_template", None))
+
+
 def chat_ids(tokenizer, messages: Sequence[Mapping[str, str]]) -> list[int]:
     """Token ids of a conversation (dicts with "role" and "content") as the tokenizer's chat
     template renders it, ending with the assistant's turn opened (add_generation_prompt): the
     prompt an instruct model answers. ValueError when the tokenizer has no chat template."""
-    if not getattr(tokenizer, "chat_template", None):
+    if not has_chat_template(tokenizer):
         raise ValueError("the tokenizer has no chat template")
     text = tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=True)
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
