@@ -51,12 +51,12 @@ def retry_config(retries: int) -> str:
     is never sent again: its tokens are out, and a retry would start a new session."""
     if not (isinstance(retries, int) and 0 <= retries <= MAX_RETRIES):
         raise ValueError(f"retries must be an integer from 0 to {MAX_RETRIES}, got {retries!r}")
-    if retries == 0:
-        return json.dumps({"methodConfig": [{"name": [{"service": "specdec.v1.Coordinator"}]}]})
-    initial, largest = RETRY_BACKOFF_S
-    policy = {"maxAttempts": retries + 1, "initialBackoff": f"{initial}s", "maxBackoff": f"{largest}s",
-              "backoffMultiplier": 2, "retryableStatusCodes": ["UNAVAILABLE"]}  # fmt: skip
-    return json.dumps({"methodConfig": [{"name": [{"service": "specdec.v1.Coordinator"}], "retryPolicy": policy}]})
+    method: dict = {"name": [{"service": "specdec.v1.Coordinator"}]}
+    if retries:
+        initial, largest = RETRY_BACKOFF_S
+        method["retryPolicy"] = {"maxAttempts": retries + 1, "initialBackoff": f"{initial}s", "maxBackoff": f"{largest}s",
+                                 "backoffMultiplier": 2, "retryableStatusCodes": ["UNAVAILABLE"]}  # fmt: skip
+    return json.dumps({"methodConfig": [method]})
 
 
 def channel_credentials(
