@@ -73,7 +73,7 @@ from specdec.ngram import (
     resolve_lookup_weights, write_lookup_file,
 )  # fmt: skip
 from specdec.prompts import PromptFileError, read_json_lines
-from specdec.ranges import AT_LEAST_ONE, SECONDS, SEED, SHARE, Range
+from specdec.ranges import AT_LEAST_ONE, SECONDS, SEED, SHARE, TEMPERATURE, Range
 
 DEFAULT_TOP_K = 256
 DEFAULT_PROMPTS = Path(__file__).parent / "data" / "distill_prompts.jsonl"
@@ -1374,7 +1374,7 @@ def add_distill_parser(subparsers) -> argparse.ArgumentParser:
 
 def valid_temperatures(values: tuple[float, ...]) -> bool:
     """At least one sampling temperature, each finite and >= 0 (0: greedy)."""
-    return bool(values) and all(math.isfinite(t) and t >= 0 for t in values)
+    return bool(values) and all(t in TEMPERATURE for t in values)
 
 
 def parse_temperatures(text: str) -> tuple[float, ...]:
