@@ -2,9 +2,10 @@
 
 A drafter's `propose(state, k, sampling, generator)` is a generator of
 (token, q, match_length) triples, at most k of them, computed one at a time so the
-service can stream each the moment it exists. q is the exact warped distribution [V]
-the token was sampled from, or None for a one-hot q (a drafter with no distribution, or a
-model drafting greedily, whose q is the one-hot of its token).
+service can stream each the moment it exists. q is the exact warped distribution the
+token was sampled from, as it travels (a draft_wire.WireQ), or None for a one-hot q (a
+drafter with no distribution, or a model drafting greedily, whose q is the one-hot of
+its token).
 match_length is the proposal's confidence class for adaptive K: the n-gram length an
 n-gram drafter matched, 0 for a model.
 
@@ -21,8 +22,8 @@ import torch
 
 from specdec.kvcache import SessionState, forward
 from specdec.ngram import DEFAULT_MAX_NGRAM, DEFAULT_MIN_NGRAM, NGRAM_DRAFT, find_continuation, lookup_token, mix_lookup
-from specdec.sampling import greedy_token, sample
-from specdec.draft_wire import wire_q
+from specdec.sampling import greedy_token
+from specdec.draft_wire import WireQ, wire_q
 from specdec.wire import Sampling
 
 
@@ -33,6 +34,10 @@ class ModelDrafter:
     q' = (1 − λ_n)·q + λ_n·δ_c, c the token the prompt lookup proposes after the context so
     far (drafts included), and q' is what travels; greedy, the token is the argmax of q' with
     q the model's softmax.
+
+    A draft whose head scores only part of the vocabulary (a SubsetHead: its output ids
+    [M]) is warped, rounded and sampled over those M ids alone: every other id has logit
+    -inf, so q is 0 there whatever the warp, and skipping them is the same q, sooner.
     """
 
     kind = "model"
@@ -41,10 +46,11 @@ class ModelDrafter:
         self.loaded = loaded
         self.model = loaded.model
         self.lookup_weights = dict(lookup_weights or {})
+        self.output_ids = getattr(self.model.get_output_embeddings(), "token_ids", None)  # [M] or None: all
 
     def propose(
         self, state: SessionState, k: int, sampling: Sampling, generator: torch.Generator
-    ) -> Iterator[tuple[int, torch.Tensor | None, int]]:
+    ) -> Iterator[tuple[int, WireQ | None, int]]:
         for _ in range(k):
             logits = forward(self.model, state.cache, state.pending)  # [1, V]: the last position
             state.feed(state.pending)  # held is now the whole context (pending is reset below)
@@ -58,13 +64,23 @@ class ModelDrafter:
                     if weight + (1 - weight) * float(q[looked_up]) >= (1 - weight) * float(q[token]):
                         token = looked_up
             else:
-                q = sampling.warp(logits[-1])  # [V]
-                if weight > 0:
-                    q = mix_lookup(q, looked_up, weight)
-                draft_probs = wire_q(q)  # [V], exactly as it will travel
-                token = sample(draft_probs, generator)
+                draft_probs = self.draw_q(logits[-1], sampling, looked_up, weight)
+                token = draft_probs.sample(generator)
             state.pending = [token]
             yield token, draft_probs, 0
+
+    def draw_q(self, logits: torch.Tensor, sampling: Sampling, looked_up: int, weight: float) -> WireQ:
+        """The q a token is drawn from, as it travels: logits [V] warped over the head's ids,
+        mixed with the lookup's token `looked_up` at `weight` (0: not mixed)."""
+        ids = self.output_ids
+        q = sampling.warp(logits if ids is None else logits[ids])  # [M]
+        if weight > 0:
+            if ids is not None and not bool((ids == looked_up).any()):
+                ids = torch.cat([ids, ids.new_tensor([looked_up])])  # [M + 1]: a token the head cannot score
+                q = torch.cat([q, q.new_zeros(1)])
+            at = looked_up if ids is None else int((ids == looked_up).nonzero()[0, 0])
+            q = mix_lookup(q, at, weight)
+        return wire_q(q, ids, logits.shape[-1])
 
 
 class NgramDrafter:

@@ -3,6 +3,7 @@ the target's decoding, per token, for q shaped like the distilled SmolLM2 draft'
 
     python scripts/q_wire_cost.py                     # this tree
     python scripts/q_wire_cost.py --against HEAD~3    # ... and specdec/draft_wire.py at a git revision
+                                                      # (one with the same wire_q / draft_token_to_pb calls)
 
 Each q is a softmax over a random 8,192 of 49,152 ids (the draft's output vocabulary), at
 temperature 1 and at top-p 0.9; 40 of each, best of --repeats passes, 1 thread. With
@@ -77,7 +78,7 @@ def main() -> int:
             for name, module in modules.items():
                 send, decode, sent[name] = time_module(module, qs)
                 best[name] = (min(best[name][0], send), min(best[name][1], decode))
-        ids = sum(int((draft_wire.wire_q(q) > 0).sum()) for q in qs) / len(qs)
+        ids = sum(int((draft_wire.wire_q(q).probs() > 0).sum()) for q in qs) / len(qs)
         size = sum(m.ByteSize() for m in sent["this tree"]) / len(qs)
         print(f"{label}: {ids:.0f} ids in fixed point, {size / 1000:.1f} kB a token")
         for name, (send, decode) in best.items():

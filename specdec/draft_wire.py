@@ -1,7 +1,7 @@
 """Draft tokens on the wire: the forms a draft's q travels in, and their exact decoding.
 
 The draft service encodes each drafted token with `draft_token_to_pb` after sampling it
-from `wire_q(q)`; the target service decodes it with `draft_from_pb`, which refuses a q
+from `wire_q(q)` (a WireQ); the target service decodes it with `draft_from_pb`, which refuses a q
 that is not a distribution (InvalidArgument). Apart from specdec.wire (sampling settings,
 model info: no torch, so the coordinator stays light) because this half needs torch.
 
@@ -58,86 +58,94 @@ class Draft:
     q: torch.Tensor | None
 
 
-def fixed_point(q: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
-    """q [V] -> (support [S], weights [S]): q rounded to integer weights that sum to exactly
-    FIXED_ONE (both int64; support = the ids where q > 0, ascending; a weight may be 0).
+@dataclass
+class WireQ:
+    """A draft's q exactly as it will travel, built once by `wire_q`: the draft samples from
+    it (`sample`) and sends it (`draft_token_to_pb`) without going back to a dense [V] tensor.
 
-    Cumulative rounding: the weights are the differences of round(cumsum(q) · FIXED_ONE),
+    Fixed point: `ids` [S] (ascending, int64) are the ids that carry mass, `weights` [S]
+    (int64, > 0) their integer weights, Σ = FIXED_ONE, so q(ids[i]) = weights[i] / FIXED_ONE.
+    Dense (when fixed point would move more than FIXED_MAX_L1 of q's mass): `dense` [V] holds
+    q's float16 values as float32; q is proportional to them (the target renormalises).
+    """
+
+    vocab_size: int
+    ids: np.ndarray | None = None
+    weights: np.ndarray | None = None
+    dense: torch.Tensor | None = None
+
+    def sample(self, generator: torch.Generator | None = None) -> int:
+        """One token id drawn from exactly this q (one uniform from `generator`)."""
+        if self.dense is not None:
+            return int(sampling_math.sample_rows(self.dense.unsqueeze(0), generator)[0])
+        index = sampling_math.sample_rows(torch.from_numpy(self.weights).unsqueeze(0), generator)[0]  # into ids
+        return int(self.ids[int(index)])
+
+    def probs(self) -> torch.Tensor:
+        """q as a dense float32 [V], as the target decodes it."""
+        if self.dense is not None:
+            return self.dense / float(self.dense.sum())
+        return _dense(self.ids, self.weights, self.vocab_size)
+
+
+def wire_q(q: torch.Tensor, ids: torch.Tensor | None = None, vocab_size: int | None = None) -> WireQ:
+    """q as it will travel: in fixed point when that moves at most FIXED_MAX_L1 of its mass
+    (any truncated q, and most others), else rounded to float16 (see WireQ).
+
+    q [M] is a distribution over `ids` [M] (distinct token ids, any order; None: q is over the
+    whole vocabulary, ids 0..M-1), so a draft whose head scores only part of the vocabulary
+    rounds and sends q over that part, never touching the other ids (0 there).
+    vocab_size: V (default M, when ids is None).
+    """
+    values = q.detach().to("cpu", torch.float32).numpy()  # [M], a view when q already is one
+    carried = np.flatnonzero(values > 0)  # [S] positions in q (on a bool mask: 5x faster than on the floats)
+    mass = values[carried].astype(np.float64)  # [S]
+    support = carried if ids is None else ids.cpu().numpy()[carried]  # [S] token ids
+    if ids is not None and len(support) > 1 and bool((np.diff(support) < 0).any()):
+        order = np.argsort(support)
+        support, mass = support[order], mass[order]
+    vocab_size = len(values) if vocab_size is None else vocab_size
+    weights = _cumulative_round(mass)  # [S]
+    moved = np.abs(weights / FIXED_ONE - mass).sum()  # 0 off the support: q = 0 there
+    if moved <= FIXED_MAX_L1:
+        kept = weights > 0  # a tiny q entry may round to weight 0: it cannot be drawn, nor travels
+        return WireQ(vocab_size, ids=support[kept].astype(np.int64), weights=weights[kept])
+    dense = torch.zeros(vocab_size)  # [V]
+    dense[torch.from_numpy(support)] = torch.from_numpy(mass).to(torch.float16).to(torch.float32)
+    return WireQ(vocab_size, dense=dense)
+
+
+def _cumulative_round(mass: np.ndarray) -> np.ndarray:
+    """mass [S] (float64, > 0) -> integer weights [S] (int64, ≥ 0, Σ = FIXED_ONE).
+
+    Cumulative rounding: the weights are the differences of round(cumsum(mass) · FIXED_ONE),
     so they are ≥ 0, sum to FIXED_ONE exactly, and move each token's mass by at most one
     unit (a run of tiny entries keeps its total: every few tokens get one unit). On the
     support only, in numpy: ~0.1 ms for a distilled draft's q (8,192 of 49,152 ids), where
     the same rounding over all V ids in torch took ~0.7 ms.
     """
-    support, mass = _support(q)
-    return support, _cumulative_round(mass)
-
-
-def _cumulative_round(mass: np.ndarray) -> np.ndarray:
-    """mass [S] (float64, > 0) -> integer weights [S] (int64, ≥ 0, Σ = FIXED_ONE); see fixed_point."""
     edges = np.rint(np.cumsum(mass) * (FIXED_ONE / mass.sum())).astype(np.int64)  # [S]
     edges[-1] = FIXED_ONE
     return np.diff(edges, prepend=0)
 
 
-def to_fixed_point(q: torch.Tensor) -> torch.Tensor:
-    """q [V] -> q rounded to multiples of 1/FIXED_ONE that sum to exactly 1 (float32, exact;
-    on q's device). See fixed_point."""
-    support, weights = fixed_point(q)
-    return _dense(support, weights, q.shape[-1], q.device)
-
-
-def fixed_weights(q: torch.Tensor) -> tuple[np.ndarray, np.ndarray] | None:
-    """(support [S], integer weights [S], both int64, Σ = FIXED_ONE) when q [V] is exactly in
-    fixed point, else None. The support is the ids where q > 0, ascending."""
-    support, mass = _support(q)
-    scaled = mass * FIXED_ONE  # [S]
-    weights = np.rint(scaled)
-    if not np.array_equal(weights, scaled) or int(weights.sum()) != FIXED_ONE:
-        return None
-    return support, weights.astype(np.int64)
-
-
-def wire_q(q: torch.Tensor) -> torch.Tensor:
-    """q [V] as it will travel: in fixed point when that moves at most FIXED_MAX_L1 of its
-    mass (any truncated q, and most others), else rounded to float16. A draft samples from
-    this, so the q the target receives is exactly the one sampled from."""
-    support, mass = _support(q)
-    weights = _cumulative_round(mass)
-    moved = np.abs(weights / FIXED_ONE - mass).sum()  # 0 off the support: q = 0 there
-    if moved <= FIXED_MAX_L1:
-        return _dense(support, weights, q.shape[-1], q.device)
-    return q.to(torch.float16).to(torch.float32)
-
-
-def draft_token_to_pb(index: int, token: int, q: torch.Tensor | None, match_length: int = 0) -> pb.DraftToken:
+def draft_token_to_pb(index: int, token: int, q: WireQ | None, match_length: int = 0) -> pb.DraftToken:
     """q None -> one_hot; q in fixed point -> fixed (or fixed_deflated, when smaller); else
-    dense float16. q is [V], already `wire_q(q)` (so either encoding is exact). match_length:
-    see DraftToken."""
+    dense float16. q is `wire_q`'s, so either encoding is exact. match_length: see DraftToken."""
     msg = pb.DraftToken(token_id=token, index=index, match_length=match_length)
     if q is None:
         msg.one_hot.SetInParent()
-        return msg
-    fixed = fixed_weights(q)
-    if fixed is not None:
-        carried = fixed[1] > 0  # [S]: the ids that carry mass (a tiny q entry may round to weight 0)
-        support, weights = fixed[0][carried], fixed[1][carried]  # [S'] each
-        fixed = pb.FixedProbs(id_gaps=np.diff(support, prepend=0).tolist(), weights=weights.tolist())
+    elif q.dense is not None:
+        msg.dense.fp16 = q.dense.to(torch.float16).numpy().astype("<f2").tobytes()
+    else:
+        fixed = pb.FixedProbs(id_gaps=np.diff(q.ids, prepend=0).tolist(), weights=q.weights.tolist())
         packed = fixed.SerializeToString()
         deflated = zlib.compress(packed, DEFLATE_LEVEL) if len(packed) >= DEFLATE_MIN_BYTES else packed
         if len(deflated) < len(packed):
             msg.fixed_deflated = deflated
         else:
             msg.fixed.CopyFrom(fixed)
-    else:
-        msg.dense.fp16 = q.to(torch.float16).cpu().numpy().astype("<f2").tobytes()
     return msg
-
-
-def _support(q: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
-    """(ids where q [V] > 0, ascending [S] int64; their q [S] as float64), on the CPU."""
-    values = q.detach().to("cpu", torch.float32).numpy()  # [V], a view when q already is one
-    support = np.flatnonzero(values > 0)  # [S] (on a bool mask: 5x faster than on the floats)
-    return support, values[support].astype(np.float64)
 
 
 def _dense(support: np.ndarray, weights: np.ndarray, vocab_size: int, device: torch.device | str = "cpu") -> torch.Tensor:

@@ -72,7 +72,8 @@ class Verifier:
             num_accepted, next_token = greedy_verdict(draft_tokens, draft_probs, logits)
         else:
             target_probs = sampling.warp(logits)  # [K+1, V]
-            num_accepted, next_token = rejection_sample(draft_tokens, draft_probs, target_probs, generator)
+            # draft_from_pb checked each q (a distribution, q(token) > 0) and p is warp's own.
+            num_accepted, next_token = rejection_sample(draft_tokens, draft_probs, target_probs, generator, validate=False)
 
         # Keep what the target saw up to the accepted prefix; `next_token` is not fed yet.
         accepted_length = len(state.held) + len(state.pending) + num_accepted

@@ -209,7 +209,7 @@ def test_a_greedy_model_draft_sends_one_hot_q_and_the_argmax_and_a_sampled_one_i
     assert [token for token, _, _ in greedy] == expected and all(q is None for _, q, _ in greedy)
     state = SessionState("s", pending=list(prompt), cache=new_cache(model.config))
     sampled = list(drafter.propose(state, 3, Sampling(1.0, 5, 1.0, 1), cycle_generator(1, 0, DRAFT)))
-    assert all(q is not None and q[token] > 0 and int((q > 0).sum()) <= 5 for token, q, _ in sampled)
+    assert all(q is not None and q.probs()[token] > 0 and int((q.probs() > 0).sum()) <= 5 for token, q, _ in sampled)
 
 
 def test_a_model_draft_with_lookup_weights_draws_from_q_mixed_with_the_lookups_token_and_sends_that(model):
@@ -237,9 +237,9 @@ def test_a_model_draft_with_lookup_weights_draws_from_q_mixed_with_the_lookups_t
             looked_up, weight = lookup_token(ids, weights)
             if weight:
                 expected, mixed = mix_lookup(expected, looked_up, weight), mixed + 1
-            assert torch.allclose(q, wire_q(expected), atol=1e-3) and q[token] > 0
+            assert torch.allclose(q.probs(), wire_q(expected).probs(), atol=1e-3) and q.probs()[token] > 0
             ids.append(token)
-    assert mixed >= 1 and proposals[0][1][2] >= 0.8, "the first draft sees the 3-gram match: 0.8 on token 2"
+    assert mixed >= 1 and proposals[0][1].probs()[2] >= 0.8, "the first draft sees the 3-gram match: 0.8 on token 2"
     state = SessionState("s", pending=list(prompt), cache=new_cache(model.config))
     greedy = list(drafter.propose(state, 1, Sampling(0.0, 0, 1.0, 1), cycle_generator(1, 0, DRAFT)))
     plain = list(ModelDrafter(SimpleNamespace(model=model)).propose(
@@ -254,7 +254,44 @@ def test_a_model_draft_with_lookup_weights_draws_from_q_mixed_with_the_lookups_t
     assert copied == [2, 5, 3, 9] and state.tokens() == prompt + [2, 5, 3, 9]
     sampled = SessionState("s", pending=list(prompt), cache=new_cache(model.config))
     copied = [(t, q) for t, q, _ in copier.propose(sampled, 4, sampling, cycle_generator(1, 0, DRAFT))]
-    assert [t for t, _ in copied] == [2, 5, 3, 9] and all(float(q[t]) == 1.0 for t, q in copied)
+    assert [t for t, _ in copied] == [2, 5, 3, 9] and all(float(q.probs()[t]) == 1.0 for t, q in copied)
+
+
+def test_a_draft_whose_head_scores_part_of_the_vocabulary_sends_the_q_of_its_full_logits(model):
+    """A SubsetHead draft warps, rounds and samples over its output ids only; that must be the
+    q its full [V] logits (-inf off the subset) give, at every warp, and a lookup token the
+    head cannot score must still be mixed in at its weight."""
+    import copy
+    from types import SimpleNamespace
+
+    from draft_service.drafters import ModelDrafter
+    from specdec.draft_wire import FIXED_ONE, wire_q
+    from specdec.kvcache import SessionState
+    from specdec.models import restrict_output_vocab
+    from specdec.rng import DRAFT, cycle_generator
+    from specdec.wire import Sampling
+
+    vocab = model.config.vocab_size
+    subset = copy.deepcopy(model)
+    restrict_output_vocab(subset, torch.arange(0, vocab, 2))  # the even ids
+    prompt = [3, 9, 14, 2]
+    for sampling in (Sampling(1.0, 0, 1.0, 1), Sampling(0.7, 4, 1.0, 2), Sampling(1.3, 0, 0.8, 3)):
+        state = SessionState("s", pending=list(prompt), cache=new_cache(subset.config))
+        proposals = list(ModelDrafter(SimpleNamespace(model=subset)).propose(state, 4, sampling, cycle_generator(1, 0, DRAFT)))
+        ids = list(prompt)
+        with torch.inference_mode():
+            for token, q, _ in proposals:
+                expected = wire_q(sampling.warp(subset(torch.tensor([ids])).logits[0, -1]))  # over all V ids
+                assert q.dense is None and q.ids.tolist() == expected.ids.tolist() and token % 2 == 0
+                assert torch.allclose(q.probs(), expected.probs(), rtol=0, atol=2 / FIXED_ONE), sampling
+                ids.append(token)
+    lookup = [3, 9, 14, 7, 5, 3, 9, 14]  # ends in "3 9 14", which was followed by 7: an odd id
+    state = SessionState("s", pending=list(lookup), cache=new_cache(subset.config))
+    drafter = ModelDrafter(SimpleNamespace(model=subset), {3: 0.8})
+    [(token, q, _)] = list(drafter.propose(state, 1, Sampling(1.0, 0, 1.0, 1), cycle_generator(1, 0, DRAFT)))
+    probs = q.probs()  # [V]
+    assert abs(float(probs[7]) - 0.8) <= 1 / FIXED_ONE and float(probs.sum()) == 1.0
+    assert set(torch.nonzero(probs).squeeze(1).tolist()) <= set(range(0, vocab, 2)) | {7}
 
 
 def test_the_in_place_caches_views_follow_its_buffers_through_a_crop_and_cannot_be_replaced(model):

@@ -1098,6 +1098,10 @@ def test_warp_rejects_invalid_parameters(kwargs, message):
         (torch.tensor([0.0, float("nan")]), "NaN"),
         (torch.tensor([0.0, math.inf]), r"\+inf"),
         (torch.tensor([-math.inf, -math.inf]), "-inf everywhere"),
+        (torch.tensor([[0.0, 1.0], [-math.inf, float("nan")]]), "NaN"),  # a NaN beside -inf, in a later row
+        (torch.tensor([[0.0, 1.0], [-math.inf, -math.inf]]), "-inf everywhere"),
+        (torch.tensor([[-math.inf, math.inf], [0.0, 1.0]]), r"\+inf"),
+        (torch.tensor([3.0, float("nan"), -1.0], dtype=torch.bfloat16), "NaN"),
         (torch.tensor([1, 2]), "floating point"),
         (torch.zeros(2, 0), "V > 0"),
     ],
@@ -1140,6 +1144,37 @@ def test_sample_draws_from_exactly_the_given_distribution():
     assert isinstance(sample(probs), int)
     with pytest.raises(ValueError, match=r"shape \[V\]"):
         sample(probs.unsqueeze(0))
+
+
+
+@pytest.mark.parametrize("form", ["fixed", "dense"])
+def test_a_drafts_wire_q_draws_each_token_with_the_probability_the_target_decodes(form):
+    """The draft samples from its WireQ (integer weights, or float16 values) without a dense
+    [V] q; the draws must follow exactly the q the target will decode from the message."""
+    from specdec.draft_wire import draft_from_pb, draft_token_to_pb, wire_q
+
+    generator = torch.Generator().manual_seed(13)
+    if form == "fixed":  # over ids [M] in no order, as a draft whose head scores part of V
+        ids = torch.tensor([40, 3, 17, 25, 8, 31])
+        sent = wire_q(torch.tensor([0.1, 0.3, 0.0, 0.25, 0.15, 0.2]), ids, vocab_size=48)
+    else:  # 0.1 of the mass spread over 40,000 ids: fixed point would move more than FIXED_MAX_L1
+        q = torch.zeros(49152)
+        q[torch.randperm(49152, generator=generator)[:40_000]] = 0.1 / 40_000
+        q[[7, 100, 2000]] = torch.tensor([0.5, 0.3, 0.1])
+        sent = wire_q(q)
+    assert (sent.dense is not None) == (form == "dense")
+    decoded = draft_from_pb(draft_token_to_pb(0, 3 if form == "fixed" else 7, sent), sent.vocab_size).q  # [V]
+    n = 10_000
+    draws = torch.tensor([sent.sample(generator) for _ in range(n)])
+    assert (decoded[draws] > 0).all()
+    if form == "fixed":
+        assert tv(empirical(draws, 48), decoded) < tv_bound(5, n)  # 5 ids carry mass
+    else:  # classes: the three heavy ids and all the rest
+        classes = {7: 0, 100: 1, 2000: 2}
+        drawn = torch.tensor([classes.get(int(token), 3) for token in draws])
+        expected = torch.cat([decoded[[7, 100, 2000]], 1 - decoded[[7, 100, 2000]].sum(0, keepdim=True)])
+        assert tv(empirical(drawn, 4), expected) < tv_bound(4, n)
+    assert sent.sample(torch.Generator().manual_seed(4)) == sent.sample(torch.Generator().manual_seed(4))
 
 
 # ---------------------------------------------------------------- fast truncation

@@ -4,6 +4,7 @@ import asyncio
 import contextlib
 import zlib
 
+import numpy as np
 import pytest
 import torch
 
@@ -213,7 +214,7 @@ def test_bad_sampling_params_are_invalid_arguments(msg, field):
 def test_truncated_q_travels_in_fixed_point_as_id_gaps_and_weights():
     q = torch.zeros(1000)
     q[[3, 17, 999]] = torch.tensor([0.5, 0.25, 0.25])
-    msg = draft_token_to_pb(0, 17, q)
+    msg = draft_token_to_pb(0, 17, draft_wire.wire_q(q))
     assert msg.WhichOneof("q") == "fixed"
     assert list(msg.fixed.id_gaps) == [3, 14, 982] and list(msg.fixed.weights) == [131072, 65536, 65536]
     assert torch.equal(draft_from_pb(msg, 1000).q, q)
@@ -223,12 +224,12 @@ def test_fixed_point_rounding_sums_exactly_and_moves_each_token_by_at_most_one_u
     generator = torch.Generator().manual_seed(5)
     for scale in (0.5, 3.0, 8.0):
         q = torch.softmax(torch.randn(5000, generator=generator) * scale, -1)
-        fixed = draft_wire.to_fixed_point(q)
-        support, weights = draft_wire.fixed_weights(fixed)
-        assert int(weights.sum()) == draft_wire.FIXED_ONE and int(weights.min()) >= 0
-        assert torch.equal(torch.from_numpy(support), torch.nonzero(fixed).squeeze(1))
+        sent = draft_wire.wire_q(q)
+        assert sent.dense is None, "fixed point moves under FIXED_MAX_L1 of these q's mass"
+        assert int(sent.weights.sum()) == draft_wire.FIXED_ONE and int(sent.weights.min()) > 0
+        fixed = sent.probs()  # [V]
+        assert torch.equal(torch.from_numpy(sent.ids), torch.nonzero(fixed).squeeze(1))
         assert float((fixed.double() - q.double()).abs().max()) <= 1 / draft_wire.FIXED_ONE + 1e-9
-        assert draft_wire.fixed_weights(q) is None  # a float q is not mistaken for fixed point
 
 
 
@@ -245,18 +246,38 @@ def test_fixed_point_on_the_support_is_cumulative_rounding_over_the_whole_vocabu
         edges = torch.round(torch.cumsum(q64, 0) * (draft_wire.FIXED_ONE / q64.sum())).long()
         edges[-1] = draft_wire.FIXED_ONE
         reference = torch.diff(edges, prepend=edges.new_zeros(1)).float() / draft_wire.FIXED_ONE  # [V]
-        assert torch.equal(draft_wire.to_fixed_point(q), reference)
-        assert torch.equal(draft_from_pb(draft_token_to_pb(0, int(q.argmax()), reference), vocab).q, reference)
+        sent = draft_wire.wire_q(q)
+        assert torch.equal(sent.probs(), reference)
+        assert torch.equal(draft_from_pb(draft_token_to_pb(0, int(q.argmax()), sent), vocab).q, reference)
+
+
+def test_a_q_over_part_of_the_vocabulary_travels_as_the_same_q_over_all_of_it():
+    """A draft whose head scores only ids [M] rounds q [M] over them; that must be the wire
+    form of the same q spread over V with zeros elsewhere, whatever the order of the ids."""
+    generator = torch.Generator().manual_seed(9)
+    vocab = 49152
+    for size, scale in ((8192, 2.5), (300, 1.0), (5000, 0.05)):  # the last is flat: dense float16
+        ids = torch.randperm(vocab, generator=generator)[:size]  # [M], unsorted
+        q = torch.softmax(torch.randn(size, generator=generator) * scale, -1)  # [M]
+        q[: size // 10] = 0.0  # zeros inside the subset too (a truncated q)
+        q = q / q.sum()
+        full = torch.zeros(vocab)
+        full[ids] = q
+        part, whole = draft_wire.wire_q(q, ids, vocab), draft_wire.wire_q(full)
+        assert part.vocab_size == whole.vocab_size == vocab
+        assert torch.equal(part.probs(), whole.probs()), size
+        assert draft_token_to_pb(0, 0, part).SerializeToString() == draft_token_to_pb(0, 0, whole).SerializeToString()
+        if part.dense is None:
+            assert (np.diff(part.ids) > 0).all() and (part.weights > 0).all()
 
 
 def test_any_q_round_trips_exactly_through_the_wire_whatever_its_form():
     generator = torch.Generator().manual_seed(6)
     for vocab, scale, top_k in ((50, 1.0, 0), (49152, 0.01, 0), (49152, 3.0, 50), (49152, 2.0, 0)):
         sent = draft_wire.wire_q(warp(torch.randn(vocab, generator=generator) * scale, 1.0, top_k=top_k))
-        token = int(torch.multinomial(sent, 1, generator=generator))
+        token = sent.sample(generator)
         received = draft_from_pb(draft_token_to_pb(0, token, sent), vocab).q
-        # exactly what the draft sampled from, up to float16 dense's renormalisation
-        assert torch.allclose(received, sent / sent.sum(), rtol=0, atol=1e-7)
+        assert torch.equal(received, sent.probs()) and received[token] > 0  # exactly what the draft sampled from
 
 
 def test_a_flat_full_support_q_travels_as_float16_dense_not_lossy_fixed_point():
@@ -287,16 +308,16 @@ def test_a_flat_draft_at_top_p_or_top_k_costs_under_a_fiftieth_of_dense_float32(
         sent = draft_wire.wire_q(q)
         msg = draft_token_to_pb(0, int(logits.argmax()), sent)
         assert msg.WhichOneof("q") == ("fixed" if top_k == 50 else "fixed_deflated")
-        assert torch.equal(draft_from_pb(msg, 49152).q, sent)  # exact either way
+        assert torch.equal(draft_from_pb(msg, 49152).q, sent.probs())  # exact either way
         support = int((q > 0).sum())
         assert (top_k == 50 and support == 50) or 700 < support < 3000
         assert msg.ByteSize() * 50 < float32_dense, (support, msg.ByteSize())
-        assert float((sent - q).abs().sum()) <= draft_wire.FIXED_MAX_L1  # costs ≤ 0.005 of α
+        assert float((sent.probs() - q).abs().sum()) <= draft_wire.FIXED_MAX_L1  # costs ≤ 0.005 of α
 
 
 def test_stacked_q_of_a_mixed_cycle_makes_one_hot_rows_explicit():
     q = torch.tensor([0.5, 0.5, 0.0])
-    drafts = [draft_from_pb(draft_token_to_pb(0, 1, q), 3), draft_from_pb(draft_token_to_pb(1, 2, None), 3)]
+    drafts = [draft_from_pb(draft_token_to_pb(0, 1, draft_wire.wire_q(q)), 3), draft_from_pb(draft_token_to_pb(1, 2, None), 3)]
     assert torch.equal(stack_draft_probs(drafts), torch.tensor([[0.5, 0.5, 0.0], [0.0, 0.0, 1.0]]))
 
 
@@ -307,7 +328,7 @@ def test_a_deflated_fixed_q_decodes_to_the_same_q_as_the_plain_one():
     plain = pb.DraftToken(token_id=1, fixed=pb.FixedProbs.FromString(FIXED_1_2))
     deflated = pb.DraftToken(token_id=1, fixed_deflated=zlib.compress(FIXED_1_2))
     assert torch.equal(draft_from_pb(plain, 10).q, draft_from_pb(deflated, 10).q)
-    assert draft_token_to_pb(0, 1, draft_from_pb(plain, 10).q).WhichOneof("q") == "fixed"  # too small to deflate
+    assert draft_token_to_pb(0, 1, draft_wire.wire_q(draft_from_pb(plain, 10).q)).WhichOneof("q") == "fixed"  # too small to deflate
 
 
 @pytest.mark.parametrize(
