@@ -14,7 +14,8 @@ from typing import NoReturn
 
 from specdec.ngram import DEFAULT_K, DEFAULT_MAX_NGRAM, DEFAULT_MIN_NGRAM, NGRAM_DRAFT
 from specdec.ranges import (
-    AT_LEAST_ONE, MAX_NEW_TOKENS, METRICS_PORT, PORT, SECONDS, SEED, SERVICE_PORT, TEMPERATURE, THREADS, TOP_K, TOP_P, Range,
+    AT_LEAST_ONE, DEFAULT_RETRIES, MAX_NEW_TOKENS, METRICS_PORT, PORT, RETRIES, SECONDS, SEED, SERVICE_PORT, TEMPERATURE,
+    THREADS, TOP_K, TOP_P, Range,
 )
 
 DEFAULT_ADDRESS = "127.0.0.1:50051"
@@ -314,6 +315,10 @@ def add_generate_flags(p: argparse.ArgumentParser) -> None:
              help="draft the next cycle during verification (default: the server's setting)")  # fmt: skip
     env_flag(p, "--json", "SPECDEC_JSON", action="store_true", help="print one JSON object instead of text")
     env_flag(p, "--timeout", "SPECDEC_TIMEOUT", default=None, type=SECONDS, help="deadline of the call in seconds")
+    env_flag(p, "--retries", "SPECDEC_RETRIES", default=DEFAULT_RETRIES, type=RETRIES,
+             help="times the call is sent again when it fails UNAVAILABLE before any answer (a coordinator "
+                  "restarting, or its Redis or model services unreachable as the request starts), after a "
+                  "random wait of up to 0.2 s, doubling; never once text has arrived (0 = never)")  # fmt: skip
     env_flag(p, "--target", "SPECDEC_TARGET", default="smollm2-135m-instruct", help="target for a local stack")
     env_flag(p, "--draft", "SPECDEC_DRAFT", default="",
              help=f"draft for a local stack ({DEFAULT_DRAFT_HELP})")  # fmt: skip
@@ -516,7 +521,7 @@ def run_generate(args) -> int:
     options, prompt = client_options(args), prompt_arguments(args)
     telemetry.setup_tracing("specdec-cli")
     try:
-        with serving_address(args) as address, Client(address, **options) as client:
+        with serving_address(args) as address, Client(address, retries=args.retries, **options) as client:
             if args.json:
                 print(json.dumps(client.generate(**prompt, **generate_options(args)).as_dict()))
                 return 0
@@ -545,7 +550,7 @@ def run_trace(args) -> int:
     options = client_options(args)
     telemetry.setup_tracing("specdec-cli")
     try:
-        with serving_address(args) as address, Client(address, **options) as client:
+        with serving_address(args) as address, Client(address, retries=args.retries, **options) as client:
             result = client.generate(**prompt_arguments(args), **generate_options(args))
     except SpecdecClientError as exc:
         print(client_error(exc, args), file=sys.stderr)

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from specdec.ranges import SEED
+from specdec.ranges import DEFAULT_RETRIES, RETRIES, SEED
 from specdec.v1 import specdec_pb2 as pb
 from specdec.v1 import specdec_pb2_grpc as pb_grpc
 
@@ -38,8 +38,7 @@ _CHANNEL_OPTIONS = [
     ("grpc.max_receive_message_length", 64 * 1024 * 1024),
     ("grpc.max_send_message_length", 64 * 1024 * 1024),
 ]
-DEFAULT_RETRIES = 2
-MAX_RETRIES = 4  # gRPC makes at most 5 attempts of a call
+MAX_RETRIES = RETRIES.high  # gRPC makes at most 5 attempts of a call
 RETRY_BACKOFF_S = (0.2, 2.0)  # the first wait is random in [0, 0.2 s], each next one up to twice as long, at most 2 s
 
 

@@ -103,3 +103,20 @@ def test_retries_outside_what_grpc_can_make_is_a_value_error(retries):
         retry_config(retries)
     with pytest.raises(ValueError, match="retries must be an integer from 0 to 4"):
         specdec.Client("127.0.0.1:1", retries=retries)
+
+
+def test_specdec_generate_retries_as_its_retries_flag_says(serve, capsys):
+    """`specdec generate --retries N` is the SDK's `retries=N` (default 2); the flag's range is the SDK's."""
+    from specdec.cli import main
+
+    flaky = FlakyCoordinator(failures=2)
+    assert main(["generate", "x", "--address", serve(flaky)]) == 0 and flaky.calls == 3
+    assert capsys.readouterr().out == "ab\n"
+    flaky = FlakyCoordinator(failures=1)
+    assert main(["generate", "x", "--address", serve(flaky), "--retries", "0"]) == 1 and flaky.calls == 1
+    assert "failure 1" in capsys.readouterr().err
+    flaky = FlakyCoordinator(failures=1)
+    assert main(["trace", "x", "--address", serve(flaky), "--retries", "1", "--json"]) == 0 and flaky.calls == 2
+    with pytest.raises(SystemExit):
+        main(["generate", "x", "--retries", "5"])
+    assert "--retries: expected an integer at least 0 and at most 4, got '5'" in capsys.readouterr().err
