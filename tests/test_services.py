@@ -15,6 +15,7 @@ import torch
 import specdec
 from coordinator.cycles import SOLO_STEPS
 from specdec.launcher import service_environment
+from specdec.draft_wire import FIXED_ONE, draft_from_pb
 from specdec.models import load_model
 from specdec.sampling import warp
 from specdec.session import meta_key
@@ -188,13 +189,21 @@ def test_first_two_tokens_through_the_stack_follow_the_targets_distribution(tiny
     assert 0 < accepted < drafted
 
 
-def test_a_draft_mixed_with_the_prompt_lookup_keeps_the_targets_output_and_law(redis_url, tiny_models):
+def test_a_draft_mixed_with_the_prompt_lookup_keeps_the_targets_output_and_law(redis_url, tiny_models, tmp_path):
     """`serve draft --lookup 1:0.3,2:0.8,3:0.9`: the model draft draws from q' = (1 − λ_n)·q +
     λ_n·δ(lookup token). Greedy output is still the target's own, and sampled, the first two
-    tokens still follow the target's law, not the draft's."""
-    from specdec.launcher import Stack, StackConfig, free_port
+    tokens still follow the target's law, not the draft's. The draft's head scores only part of
+    the vocabulary (an output-vocabulary file, as a distilled draft's), without the lookup's
+    token "b": q' puts 0.8 on a token q cannot hold, and the target must get exactly that q'."""
+    import shutil
 
-    config = StackConfig(port=free_port(), target=tiny_models.target, draft=tiny_models.draft, redis_url=redis_url,
+    from specdec.launcher import Stack, StackConfig, free_port
+    from specdec.models import write_output_vocab
+
+    draft = shutil.copytree(tiny_models.draft, tmp_path / "subset-draft")
+    outside = set(tiny_models.tokenizer.convert_tokens_to_ids(["b", "q", "z"]))
+    write_output_vocab(draft, torch.tensor([i for i in range(len(tiny_models.tokenizer)) if i not in outside]))
+    config = StackConfig(port=free_port(), target=tiny_models.target, draft=str(draft), redis_url=redis_url,
                          target_threads=1, draft_threads=1, ready_timeout_s=300,
                          draft_args=["--lookup", "1:0.3,2:0.8,3:0.9"])  # fmt: skip
     stack = Stack(config, quiet=True).start()
@@ -207,6 +216,15 @@ def test_a_draft_mixed_with_the_prompt_lookup_keeps_the_targets_output_and_law(r
                 assert result.token_ids == hf_greedy(tiny_models.target, ids, 40), prompt
         # "ld" was followed by "b" before: the first draft puts 0.8 on "b" (the target: 27%)
         prompt_ids = tiny_models.tokenizer.encode("ldb hello world")
+        with specdec.Client(stack.address) as client:
+            client.generate(prompt_token_ids=prompt_ids, max_new_tokens=1, session_id="outside")
+        sampling = pb.SamplingParams(temperature=1.0, top_k=3, seed=1)
+        [sent] = list(internal_stub(stack, "draft").Propose(pb.ProposeRequest(
+            session_id="outside", position=0, new_tokens=prompt_ids, k=1, sampling=sampling), timeout=30))  # fmt: skip
+        q = draft_from_pb(sent, len(tiny_models.tokenizer)).q  # [V], as the target decodes it
+        b = tiny_models.tokenizer.convert_tokens_to_ids("b")
+        assert abs(float(q[b]) - 0.8) <= 1 / FIXED_ONE and int((q > 0).sum()) == 4  # b and the draft's top 3
+        assert float(q[sorted(outside - {b})].sum()) == 0.0
         samples, temperature, top_k = 1500, 1.0, 3  # the wiring of a variant; the law itself: the test above
         results = draw_first_two(stack.address, prompt_ids, samples, temperature, top_k)
     finally:
