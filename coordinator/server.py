@@ -61,7 +61,8 @@ class CoordinatorConfig:
     # Tokenizer for text prompts; default: the model the target reports.
     tokenizer: str = ""
     # K used when a request does not set one; None = the draft's own K, as the draft service
-    # reports it (a catalog draft's), else specdec.ngram.DEFAULT_K. See pick_default_k.
+    # reports it (a catalog draft's, or a distilled draft directory's card's serving_k), else
+    # specdec.ngram.DEFAULT_K. See pick_default_k.
     default_k: int | None = None
     # Largest K a request may ask for (also bounded by what the services accept).
     max_k: int = 16
@@ -107,7 +108,7 @@ class CoordinatorConfig:
 def pick_default_k(configured: int | None, draft_k: int, max_k: int) -> int:
     """K for requests that set none: the coordinator's --default-k (`configured`) when set,
     else the K the draft service reports for its draft (`draft_k`, ModelInfoResponse.default_k:
-    a catalog draft's fastest; 0 = none), else DEFAULT_K; never above max_k."""
+    specdec.catalog.draft_default_k; 0 = none), else DEFAULT_K; never above max_k."""
     return min(configured or draft_k or DEFAULT_K, max_k)
 
 

@@ -92,8 +92,9 @@ def add_bench_parser(commands) -> None:
     p.add_argument("--ngram-first", type=ngram_first_value, default=0, metavar="N",
                    help=f"specdec's coordinator: {NGRAM_FIRST_HELP} (default: %(default)s)")
     p.add_argument("--k", type=k_value, default=None,
-                   help="tokens drafted per cycle, or `adaptive` (up to --max-k) (default: the draft's own K for a "
-                   f"catalog draft, 2 for smollm2-135m-instruct-draft; else {DEFAULT_K}, the coordinator's default)")  # fmt: skip
+                   help="tokens drafted per cycle, or `adaptive` (up to --max-k) (default: the draft's own K: a catalog "
+                   f"draft's, 2 for smollm2-135m-instruct-draft, or the serving_k on the card of a directory `specdec "
+                   f"distill` wrote; else {DEFAULT_K}, the coordinator's default)")  # fmt: skip
     p.add_argument("--max-k", type=AT_LEAST_ONE, default=8, help="largest K with --k adaptive (default: %(default)s)")
     p.add_argument("--prompts", default=None, help='JSONL file, one {"prompt": ...} per line (default: the shipped set)')
     p.add_argument("--kind", default=None,

@@ -57,6 +57,10 @@ CATALOG: dict[str, CatalogEntry] = {
 }
 
 
+# The card `specdec distill` writes into a draft's directory: figures, command, fingerprint.
+DRAFT_CARD_NAME = "specdec-draft.json"
+
+
 @dataclass(frozen=True)
 class DraftEntry:
     """A catalog draft: compact weights shipped in specdec/data, rebuilt on first use."""
@@ -102,10 +106,19 @@ def default_draft(target: str) -> str:
 
 
 def draft_default_k(draft: str) -> int | None:
-    """The K a stack running `draft` uses for requests that set none: a catalog draft's own
-    (DraftEntry.k, its fastest through the services), as its draft service reports it; None: none."""
+    """The K a stack running `draft` uses for requests that set none, as its draft service
+    reports it: a catalog draft's own (DraftEntry.k, its fastest through the services); for a
+    directory `specdec distill` wrote, its card's "serving_k" (the K with the most tokens per
+    ms by the seed's model on the verify passes it measured); None: none (the coordinator's 4)."""
     entry = draft_catalog().get(draft)
-    return entry.k if entry is not None else None  # DraftEntry.k may itself be None
+    if entry is not None:
+        return entry.k  # DraftEntry.k may itself be None
+    card = Path(draft) / DRAFT_CARD_NAME
+    try:
+        k = json.loads(card.read_text())["figures"]["serving_k"]
+    except (OSError, ValueError, KeyError, TypeError):  # no card, an older one, or not a card
+        return None
+    return k if isinstance(k, int) and k >= 1 else None
 
 
 def list_catalog() -> list[str]:

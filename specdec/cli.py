@@ -233,7 +233,8 @@ def add_coordinator_flags(p: argparse.ArgumentParser) -> None:
     env_flag(p, "--tokenizer", "SPECDEC_TOKENIZER", default="", help="tokenizer to use (default: the target's model)")
     env_flag(p, "--default-k", "SPECDEC_DEFAULT_K", type=AT_LEAST_ONE, metavar="K",
              help="K when a request sets none (default: the K the draft service reports for its draft, "
-                  f"e.g. 2 for smollm2-135m-instruct-draft; else {DEFAULT_K})")  # fmt: skip
+                  f"e.g. 2 for smollm2-135m-instruct-draft, or the serving_k on the card of a distilled draft's "
+                  f"directory; else {DEFAULT_K})")  # fmt: skip
     env_flag(p, "--max-k", "SPECDEC_COORDINATOR_MAX_K", default=16, type=AT_LEAST_ONE, help="largest K a request may ask for")
     env_flag(p, "--default-max-new-tokens", "SPECDEC_DEFAULT_MAX_NEW_TOKENS", default=128, type=AT_LEAST_ONE,
              help="max_new_tokens when a request sets none")  # fmt: skip

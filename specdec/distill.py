@@ -34,7 +34,9 @@ target itself sampled. Four steps, each resumable from files in `--out`:
    Σ_x min(p(x), q(x)) with both full softmaxes at temperature 1, greedy agreement (both
    also on the target's own greedy continuations of those prompts), the
    cost of one single-token step with a KV cache (1 thread) for draft and target, and the
-   seed's expected speedup at the best K; for q alone and, with lookup weights, for q'.
+   seed's expected speedup at the best K; for q alone and, with lookup weights, for q'. And
+   the K a stack serving the draft uses by default (`serving_k`): the seed's model with the
+   target's verify pass over K + 1 tokens measured, not taken as one step.
 4. **Write** (`export_draft`): a compact fp16 weights file (`draft-weights.safetensors`,
    no matrix of the full vocabulary's size inside) and, built from it by `materialize_draft`,
    a Hugging Face Llama directory (plus the output-vocabulary file) that
@@ -66,7 +68,8 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from specdec.catalog import (
-    CACHE_MARKER, CATALOG, DRAFT_CATALOG, ModelNotFoundError, catalog_model_dir, check_model, packaged_weights, sha256,
+    CACHE_MARKER, CATALOG, DRAFT_CARD_NAME, DRAFT_CATALOG, ModelNotFoundError, catalog_model_dir, check_model,
+    packaged_weights, sha256,
 )
 from specdec.ngram import (
     LOOKUP_MAX_NGRAM, LOOKUP_WEIGHT_GRID, find_continuation, format_lookup_weights, mix_lookup, parse_lookup_weights,
@@ -77,12 +80,13 @@ from specdec.ranges import AT_LEAST_ONE, SECONDS, SEED, SHARE, TEMPERATURE, Rang
 
 DEFAULT_TOP_K = 256
 DEFAULT_PROMPTS = Path(__file__).parent / "data" / "distill_prompts.jsonl"
-CARD_NAME = "specdec-draft.json"
+CARD_NAME = DRAFT_CARD_NAME
 WEIGHTS_NAME = "draft-weights.safetensors"
 WEIGHTS_FORMAT = "specdec-draft-v2"  # v1 (before the output vocabulary) is refused: re-run distill
 DATA_DIR = "distill-data"
 EVAL_FILES = ("eval-00000.pt", "eval-greedy-00000.pt")  # in DATA_DIR: the held-out sets (HeldOut.sampled, .greedy)
 CHECKPOINT_NAME = "distill-checkpoint.pt"
+SERVING_MAX_K = 8  # the largest K evaluate() considers for the card's serving_k
 CALIBRATION_TEMPERATURES = (0.5, 0.6, 0.7, 0.75, 0.8, 0.85, 0.9, 0.95, 1.0, 1.1, 1.25)  # the τ choose_temperature tries
 
 
@@ -937,14 +941,17 @@ def agreement(target, draft, records: list[dict], batch: int = 4,
 def evaluate(target, draft, held_out: HeldOut, *, max_k: int = 12,
              lookup_weights: dict[int, float] | None = None) -> dict[str, Any]:  # fmt: skip
     """Exact held-out figures: α and greedy agreement on the sampled held-out set (and, under
-    "greedy_path", on the target's greedy continuations), c_q, c_p, best K; with
+    "greedy_path", on the target's greedy continuations), c_q, c_p, best K by the seed's
+    formula, and "serving_k", the K of most tokens per ms with the target's verify passes over
+    K + 1 tokens measured on torch's current threads ("c_verify_ms", K -> ms) and c_q on one,
+    as a stack runs them; the draft service reports it; with
     `lookup_weights`, "with_lookup" holds the same for the draft mixed with the prompt lookup
     (what `specdec serve draft` drafts from; the lookup's own cost, µs per token, is left out).
 
     `target` and `draft` are specdec.models.LoadedModel (the draft as written to disk).
     """
-    from specdec.kvcache import step_ms
-    from specdec.speedup import expected_speedup, expected_tokens_per_cycle
+    from specdec.kvcache import step_ms, step_ms_by_size
+    from specdec.speedup import expected_speedup, expected_tokens_per_cycle, tokens_per_ms
 
     sampled = agreement(target, draft, held_out.sampled, lookup_weights=lookup_weights)
     greedy = agreement(target, draft, held_out.greedy, lookup_weights=lookup_weights)
@@ -958,6 +965,11 @@ def evaluate(target, draft, held_out: HeldOut, *, max_k: int = 12,
     finally:
         torch.set_num_threads(threads)
     ratio = c_q / c_p
+    # As a stack serves: the draft on one core (c_q above), the target's verify passes on all of
+    # `threads` (one per core by default), which a pass over several tokens uses well and one
+    # token poorly (SmolLM2 on 2 AVX2 cores: 3 tokens in 99 ms on 2 threads, 137 ms on 1; 1 token
+    # in 95 and 87 ms).
+    c_verify = step_ms_by_size(target.model, prompt, range(2, SERVING_MAX_K + 2), repeats=5)  # {K + 1: ms}
 
     def best(alpha: float) -> tuple[int, dict[int, float]]:
         speedups = {k: expected_speedup(min(alpha, 1.0), k, ratio) for k in range(1, max_k + 1)}
@@ -979,6 +991,13 @@ def evaluate(target, draft, held_out: HeldOut, *, max_k: int = 12,
             "weights": format_lookup_weights(lookup_weights), **sampled["with_lookup"], "best_k": mixed_k,
             "expected_speedup": round(mixed_speedups[mixed_k], 3), "greedy_path": greedy["with_lookup"],
         }  # fmt: skip
+    # The K a stack serving this draft uses for requests that set none (specdec.catalog.draft_default_k):
+    # the most tokens per ms at the α it serves with, the verify pass over K + 1 tokens measured.
+    serving_alpha = min(figures.get("with_lookup", figures)["alpha"], 1.0)
+    rates = {k: tokens_per_ms(serving_alpha, k, c_q, c_verify[k + 1]) for k in range(1, SERVING_MAX_K + 1)}
+    figures["serving_k"] = max(rates, key=rates.get)
+    figures["c_verify_ms"] = {str(k): round(c_verify[k + 1], 2) for k in rates}
+    figures["c_verify_threads"] = threads
     return figures
 
 
@@ -1430,7 +1449,8 @@ def run_distill(args: argparse.Namespace) -> int:
            f"{figures['with_lookup']['greedy_path']['greedy_agreement']:.3f}; expected speedup "
            f"{figures['with_lookup']['expected_speedup']:.2f}x at K={figures['with_lookup']['best_k']}\n"
            if "with_lookup" in figures else "")
-        + f"serve it: specdec serve draft --model {args.out}"
+        + f"serve it: specdec serve draft --model {args.out} (requests that set no K get K = {figures['serving_k']}, "
+          f"the most tokens per ms with the verify passes measured here)"
     )
     return 0
 

@@ -53,3 +53,12 @@ def expected_speedup(alpha: float, k: int, cost_ratio: float) -> float:
     if math.isnan(cost_ratio) or cost_ratio < 0:
         raise ValueError(f"cost_ratio must be >= 0, got {cost_ratio}")
     return expected_tokens_per_cycle(alpha, k) / (k * cost_ratio + 1.0)
+
+
+def tokens_per_ms(alpha: float, k: int, c_q: float, c_verify: float) -> float:
+    """Expected tokens per ms of sequential cycles that draft k tokens at c_q ms each and
+    verify them in one target pass over K + 1 positions of c_verify ms: the seed's model
+    with the verify pass measured instead of taken as c_p (on a CPU it grows with K)."""
+    if not (c_q >= 0 and c_verify > 0):
+        raise ValueError(f"need c_q >= 0 and c_verify > 0 ms, got {c_q}, {c_verify}")
+    return expected_tokens_per_cycle(alpha, k) / (k * c_q + c_verify)

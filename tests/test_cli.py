@@ -398,13 +398,23 @@ def test_a_stack_without_a_named_draft_runs_the_targets_distilled_draft_and_ngra
     assert "smollm2-135m-instruct-draft for the default target" in " ".join(run_cli("up", "--help").stdout.split())
 
 
-def test_requests_without_k_get_the_coordinators_default_k_else_the_drafts_own_else_four():
+def test_requests_without_k_get_the_coordinators_default_k_else_the_drafts_own_else_four(tmp_path):
     from coordinator.server import pick_default_k
     from specdec.cli import build_parser
-    from specdec.catalog import draft_default_k
+    from specdec.catalog import DRAFT_CARD_NAME, draft_default_k
 
     assert draft_default_k("smollm2-135m-instruct-draft") == 2  # what its draft service reports
     assert draft_default_k("ngram") is None and draft_default_k("/some/model") is None
+    # a directory `specdec distill` wrote: its card's serving_k; an older card, or no card: none
+    cards = {"distilled": {"figures": {"serving_k": 3}}, "older": {"figures": {"best_k": 3}},
+             "zero": {"figures": {"serving_k": 0}}, "text": {"figures": {"serving_k": "3"}}, "list": []}  # fmt: skip
+    for name, card in cards.items():
+        (tmp_path / name).mkdir()
+        (tmp_path / name / DRAFT_CARD_NAME).write_text(json.dumps(card))
+    (tmp_path / "garbled").mkdir()
+    (tmp_path / "garbled" / DRAFT_CARD_NAME).write_text("{not json")
+    assert draft_default_k(str(tmp_path / "distilled")) == 3
+    assert all(draft_default_k(str(tmp_path / name)) is None for name in ("older", "zero", "text", "list", "garbled"))
     assert pick_default_k(None, 2, 16) == 2  # the draft's own
     assert pick_default_k(3, 2, 16) == 3  # --default-k / SPECDEC_DEFAULT_K wins
     assert pick_default_k(None, 0, 16) == 4  # a draft without one: specdec.ngram.DEFAULT_K

@@ -33,7 +33,8 @@ from specdec.distill import (
     run_distill,
 )
 from specdec import catalog
-from specdec.catalog import is_cached
+from specdec.catalog import draft_default_k, is_cached
+from specdec.speedup import expected_tokens_per_cycle
 from specdec.models import build_tiny_model, build_tiny_tokenizer, load_model, save_model
 from specdec.vocab import VocabMismatchError
 
@@ -100,6 +101,13 @@ def test_card_records_fingerprint_figures_and_command(distilled, tiny):
         assert key in figures
     assert 0 <= figures["alpha"] <= 1 and 0 <= figures["greedy_agreement"] <= 1
     assert figures["c_q_ms"] > 0 and figures["c_p_ms"] > 0 and figures["best_k"] >= 1
+    # serving_k: the most tokens per ms with the verify passes measured, which the draft service reports
+    c_verify = {int(k): ms for k, ms in figures["c_verify_ms"].items()}
+    assert sorted(c_verify) == list(range(1, 9)) and all(ms > 0 for ms in c_verify.values())
+    alpha = figures.get("with_lookup", figures)["alpha"]
+    rates = {k: expected_tokens_per_cycle(alpha, k) / (k * figures["c_q_ms"] + ms) for k, ms in c_verify.items()}
+    assert rates[figures["serving_k"]] >= 0.97 * max(rates.values())  # the best, up to the card's rounding of costs
+    assert draft_default_k(str(out)) == figures["serving_k"]
     # the same figures on the target's own greedy continuations of the held-out prompts
     greedy_path = figures["greedy_path"]
     assert 0 <= greedy_path["alpha"] <= 1 and 0 <= greedy_path["greedy_agreement"] <= 1 and greedy_path["positions"] > 0
@@ -460,8 +468,10 @@ def test_distilled_draft_serves_losslessly(distilled, tiny, redis_url):
     try:
         with specdec.Client(stack.address) as client:
             result = client.generate(prompt_token_ids=prompt_ids, max_new_tokens=30, num_speculative_tokens=3)
+            default_k = client.info().default_num_speculative_tokens
     finally:
         stack.stop()
+    assert default_k == json.loads((out / CARD_NAME).read_text())["figures"]["serving_k"]  # the card's, not 4
     assert result.token_ids == reference[: len(result.token_ids)] and len(result.token_ids) > 0
     assert result.stats.draft_tokens > 0
 
