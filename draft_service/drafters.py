@@ -75,10 +75,13 @@ class ModelDrafter:
         ids = self.output_ids
         q = sampling.warp(logits if ids is None else logits[ids])  # [M]
         if weight > 0:
-            if ids is not None and not bool((ids == looked_up).any()):
-                ids = torch.cat([ids, ids.new_tensor([looked_up])])  # [M + 1]: a token the head cannot score
-                q = torch.cat([q, q.new_zeros(1)])
-            at = looked_up if ids is None else int((ids == looked_up).nonzero()[0, 0])
+            at = looked_up  # looked_up's index in q
+            if ids is not None:
+                found = (ids == looked_up).nonzero()  # [0 or 1, 1]
+                if len(found):
+                    at = int(found[0, 0])
+                else:  # a token the head cannot score: q [M + 1] over ids [M + 1], 0 there before mixing
+                    at, ids, q = len(ids), torch.cat([ids, ids.new_tensor([looked_up])]), torch.cat([q, q.new_zeros(1)])
             q = mix_lookup(q, at, weight)
         return wire_q(q, ids, logits.shape[-1])
 

@@ -38,7 +38,6 @@ _CHANNEL_OPTIONS = [
     ("grpc.max_receive_message_length", 64 * 1024 * 1024),
     ("grpc.max_send_message_length", 64 * 1024 * 1024),
 ]
-MAX_RETRIES = RETRIES.high  # gRPC makes at most 5 attempts of a call
 RETRY_BACKOFF_S = (0.2, 2.0)  # the first wait is random in [0, 0.2 s], each next one up to twice as long, at most 2 s
 
 
@@ -48,8 +47,8 @@ def retry_config(retries: int) -> str:
     replaced, its model services or Redis unreachable as the request starts) is sent again, up to
     `retries` times, after a random wait (RETRY_BACKOFF_S). A stream that has sent its first chunk
     is never sent again: its tokens are out, and a retry would start a new session."""
-    if not (isinstance(retries, int) and 0 <= retries <= MAX_RETRIES):
-        raise ValueError(f"retries must be an integer from 0 to {MAX_RETRIES}, got {retries!r}")
+    if retries not in RETRIES:  # the range `specdec generate --retries` takes
+        raise ValueError(f"retries must be an integer from {RETRIES.low} to {RETRIES.high}, got {retries!r}")
     method: dict = {"name": [{"service": "specdec.v1.Coordinator"}]}
     if retries:
         initial, largest = RETRY_BACKOFF_S

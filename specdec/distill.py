@@ -80,7 +80,6 @@ from specdec.ranges import AT_LEAST_ONE, SECONDS, SEED, SHARE, TEMPERATURE, Rang
 
 DEFAULT_TOP_K = 256
 DEFAULT_PROMPTS = Path(__file__).parent / "data" / "distill_prompts.jsonl"
-CARD_NAME = DRAFT_CARD_NAME
 WEIGHTS_NAME = "draft-weights.safetensors"
 WEIGHTS_FORMAT = "specdec-draft-v2"  # v1 (before the output vocabulary) is refused: re-run distill
 DATA_DIR = "distill-data"
@@ -1298,7 +1297,7 @@ def distill(config: DistillConfig) -> dict:
         "command": config.command(),
         "created_unix": time.time(),
     }
-    (out / CARD_NAME).write_text(json.dumps(card, indent=2) + "\n")
+    (out / DRAFT_CARD_NAME).write_text(json.dumps(card, indent=2) + "\n")
     return card
 
 
@@ -1335,7 +1334,7 @@ def add_distill_parser(subparsers) -> argparse.ArgumentParser:
         description="Sample text from the target, train a small Llama draft to match the target's "
         "distributions (KL(p||q) on its top-k), evaluate α, greedy agreement and step costs on held-out "
         "prompts, and write a model directory `specdec serve draft --model OUT` loads, with a card "
-        f"({CARD_NAME}). --minutes covers data generation and training; the final evaluation and writing "
+        f"({DRAFT_CARD_NAME}). --minutes covers data generation and training; the final evaluation and writing "
         "take about a minute more.",
     )
     parser.add_argument("--target", required=True, help="catalog name or path of the target model")

@@ -19,7 +19,6 @@ import torch
 
 from specdec import distill as distill_module
 from specdec.distill import (
-    CARD_NAME,
     CHECKPOINT_NAME,
     DATA_DIR,
     DEFAULT_PROMPTS,
@@ -33,7 +32,7 @@ from specdec.distill import (
     run_distill,
 )
 from specdec import catalog
-from specdec.catalog import draft_default_k, is_cached
+from specdec.catalog import DRAFT_CARD_NAME, draft_default_k, is_cached
 from specdec.speedup import expected_tokens_per_cycle
 from specdec.models import build_tiny_model, build_tiny_tokenizer, load_model, save_model
 from specdec.vocab import VocabMismatchError
@@ -78,11 +77,11 @@ def distilled(tiny):
     out = root / "draft"
     argv = ["--target", target, "--out", str(out), "--prompts", prompts, "--minutes", "0.1", *DISTILL_FLAGS]
     assert run_distill(parse(argv)) == 0
-    first = json.loads((out / CARD_NAME).read_text())
+    first = json.loads((out / DRAFT_CARD_NAME).read_text())
     data_before = {p.name: p.stat().st_mtime_ns for p in (out / DATA_DIR).glob("*.pt")}
     resumed = [*argv[:-len(DISTILL_FLAGS)], *DISTILL_FLAGS, "--minutes", "0.05", "--weight-decay", "0.05", "--resume"]
     assert run_distill(parse(resumed)) == 0
-    second = json.loads((out / CARD_NAME).read_text())
+    second = json.loads((out / DRAFT_CARD_NAME).read_text())
     return out, first, second, data_before
 
 
@@ -401,10 +400,10 @@ def test_a_run_interrupted_while_sampling_keeps_its_shards_and_resume_finishes_i
     argv = ["--target", tiny[1], "--out", str(out), "--prompts", tiny[2], *DISTILL_FLAGS, "--data-tokens", "100000"]
     interrupt_distill([*argv, "--minutes", "2"], until=lambda: list((out / DATA_DIR).glob("train-*.pt")))
     kept = sorted(p.name for p in (out / DATA_DIR).glob("train-*.pt"))
-    assert kept and not (out / CARD_NAME).exists()
+    assert kept and not (out / DRAFT_CARD_NAME).exists()
     assert run_distill(parse([*argv, "--minutes", "0.05", "--resume"])) == 0
     assert set(kept) <= {p.name for p in (out / DATA_DIR).glob("train-*.pt")}
-    assert json.loads((out / CARD_NAME).read_text())["training"]["steps"] > 0
+    assert json.loads((out / DRAFT_CARD_NAME).read_text())["training"]["steps"] > 0
 
 
 def test_a_run_interrupted_while_training_writes_a_checkpoint_of_where_it_stopped_and_resume_goes_on(tiny, tmp_path):
@@ -419,9 +418,9 @@ def test_a_run_interrupted_while_training_writes_a_checkpoint_of_where_it_stoppe
 
     interrupt_distill([*argv, "--minutes", "2"], until=training_a_while)  # 2-minute checkpoints: none yet
     stopped_at = torch.load(out / CHECKPOINT_NAME, weights_only=False)["step"]
-    assert stopped_at > 0 and not (out / CARD_NAME).exists()
+    assert stopped_at > 0 and not (out / DRAFT_CARD_NAME).exists()
     assert run_distill(parse([*argv, "--minutes", "0.05", "--resume"])) == 0
-    assert json.loads((out / CARD_NAME).read_text())["training"]["steps"] > stopped_at
+    assert json.loads((out / DRAFT_CARD_NAME).read_text())["training"]["steps"] > stopped_at
 
 
 def test_evaluating_a_draft_that_does_not_exist_names_it(distilled, tiny, capsys):
@@ -471,7 +470,7 @@ def test_distilled_draft_serves_losslessly(distilled, tiny, redis_url):
             default_k = client.info().default_num_speculative_tokens
     finally:
         stack.stop()
-    assert default_k == json.loads((out / CARD_NAME).read_text())["figures"]["serving_k"]  # the card's, not 4
+    assert default_k == json.loads((out / DRAFT_CARD_NAME).read_text())["figures"]["serving_k"]  # the card's, not 4
     assert result.token_ids == reference[: len(result.token_ids)] and len(result.token_ids) > 0
     assert result.stats.draft_tokens > 0
 
