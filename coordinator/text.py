@@ -30,7 +30,10 @@ class TextStream:
     stopped: bool = False
 
     def add(self, new_ids: Sequence[int]) -> None:
-        """Append tokens; look for stop strings in the text they add."""
+        """Append tokens; look for stop strings in the text they add. Once a stop string was
+        found the text is complete: later tokens (a cycle commits some past it) add nothing."""
+        if self.stopped:
+            return
         self.ids.extend(new_ids)
         self.text += self._decode_delta()
         if self.stop and not self.stopped:

@@ -7,13 +7,16 @@ Terms:
 
 Layout (the `{session_id}` hash tag keeps one session in one Redis Cluster slot):
     specdec:{<id>}:meta    hash: sampling params, seed, models, cycle, length,
-                           prompt_tokens, statistics, status, timestamps
+                           prompt_tokens, statistics, status, owner, plan (what
+                           Resume needs besides), timestamps
     specdec:{<id>}:tokens  list of committed token ids (decimal strings)
 
 Every write that advances a session runs as one Lua script that first checks the
 cycle number it expects, so a retried or duplicated cycle never commits twice, and
-refreshes the TTL of both keys. A script either runs whole or not at all, so a session
-is never half-written, whatever fails around it.
+refreshes the TTL of both keys. The meta hash's `owner` names the run that may commit:
+Resume's `take_over` gives it a new one, and the old run's commits are refused. A script
+either runs whole or not at all, so a session is never half-written, whatever fails
+around it.
 
 When Redis is unreachable every call fails fast (no silent retries: see
 `SessionStore`) with a redis ConnectionError/TimeoutError, which servers report as
@@ -70,20 +73,24 @@ redis.call('EXPIRE', KEYS[2], ARGV[1])
 return 1
 """
 
-# KEYS: meta, tokens. ARGV: expected cycle, ttl, now, n_incr, field, incr, ..., token, ...
-# Returns {1, new_cycle, new_length} on success, {0, current_cycle, length} when fenced.
+# KEYS: meta, tokens. ARGV: expected cycle, ttl, now, owner ('' = any), n_incr, field, incr, ...,
+# token, ... Returns {1, new_cycle, new_length} on success, {0, current_cycle, length} when
+# fenced by the cycle, {-2, current_cycle, length} when another run owns the session (Resume).
 _COMMIT = """
 local cycle = redis.call('HGET', KEYS[1], 'cycle')
 if not cycle then return {-1, 0, 0} end
-if tonumber(cycle) ~= tonumber(ARGV[1]) then
-  return {0, tonumber(cycle), tonumber(redis.call('HGET', KEYS[1], 'length'))}
-end
-local n = tonumber(ARGV[4])
-for i = 0, n - 1 do
-  redis.call('HINCRBY', KEYS[1], ARGV[5 + 2 * i], ARGV[6 + 2 * i])
-end
-local first_token = 5 + 2 * n
 local length = tonumber(redis.call('HGET', KEYS[1], 'length'))
+if ARGV[4] ~= '' and redis.call('HGET', KEYS[1], 'owner') ~= ARGV[4] then
+  return {-2, tonumber(cycle), length}
+end
+if tonumber(cycle) ~= tonumber(ARGV[1]) then
+  return {0, tonumber(cycle), length}
+end
+local n = tonumber(ARGV[5])
+for i = 0, n - 1 do
+  redis.call('HINCRBY', KEYS[1], ARGV[6 + 2 * i], ARGV[7 + 2 * i])
+end
+local first_token = 6 + 2 * n
 if #ARGV >= first_token then
   length = redis.call('RPUSH', KEYS[2], unpack(ARGV, first_token))
 end
@@ -92,6 +99,25 @@ redis.call('HSET', KEYS[1], 'length', length, 'updated_at', ARGV[3])
 redis.call('EXPIRE', KEYS[1], ARGV[2])
 redis.call('EXPIRE', KEYS[2], ARGV[2])
 return {1, new_cycle, length}
+"""
+
+# KEYS: meta, tokens. ARGV: owner, ttl. Makes ARGV[1] the session's owner (its commits go
+# through, any other run's are refused) and returns the meta hash and the tokens as they are
+# then, so no commit of an earlier run can land after them. {} when the session does not exist.
+_TAKE_OVER = """
+if redis.call('EXISTS', KEYS[1]) == 0 then return {} end
+redis.call('HSET', KEYS[1], 'owner', ARGV[1], 'status', 'running')
+redis.call('EXPIRE', KEYS[1], ARGV[2])
+redis.call('EXPIRE', KEYS[2], ARGV[2])
+return {redis.call('HGETALL', KEYS[1]), redis.call('LRANGE', KEYS[2], 0, -1)}
+"""
+
+# KEYS: meta. ARGV: owner, field, value, ... Sets the fields only while ARGV[1] owns the
+# session; returns 1 if it did.
+_SET_IF_OWNER = """
+if redis.call('HGET', KEYS[1], 'owner') ~= ARGV[1] then return 0 end
+redis.call('HSET', KEYS[1], unpack(ARGV, 2))
+return 1
 """
 
 
@@ -153,6 +179,8 @@ class SessionStore:
         )
         self._create = self.redis.register_script(_CREATE)
         self._commit = self.redis.register_script(_COMMIT)
+        self._take_over = self.redis.register_script(_TAKE_OVER)
+        self._set_if_owner = self.redis.register_script(_SET_IF_OWNER)
 
     async def close(self) -> None:
         await self.redis.aclose()
@@ -179,26 +207,47 @@ class SessionStore:
         expected_cycle: int,
         tokens: Sequence[int],
         increments: Mapping[str, int] | None = None,
+        owner: str = "",
     ) -> tuple[int, int]:
-        """Append one cycle's tokens if the session is still at `expected_cycle`.
+        """Append one cycle's tokens if the session is still at `expected_cycle` and, when
+        `owner` is given, that run still owns it (`take_over`).
 
         `increments` are integer statistics added to the meta hash in the same step.
         Returns (new cycle, new length). Raises Aborted when the session has moved
-        on (a stale or replayed cycle) and NotFound when it does not exist; in both
-        cases nothing is written."""
+        on (a stale or replayed cycle, or another run took it over) and NotFound when it
+        does not exist; in all cases nothing is written."""
         pairs: list[object] = []
         for name, value in (increments or {}).items():
             pairs += [name, int(value)]
-        args = [expected_cycle, self.ttl_s, time.time(), len(pairs) // 2, *pairs, *[int(t) for t in tokens]]
+        args = [expected_cycle, self.ttl_s, time.time(), owner, len(pairs) // 2, *pairs, *[int(t) for t in tokens]]
         status, cycle, length = await self._commit(keys=[meta_key(session_id), tokens_key(session_id)], args=args)
         if status == -1:
             raise NotFound(f"session {session_id!r} does not exist (expired or never created)")
+        if status == -2:
+            raise Aborted(f"session {session_id!r} was resumed by another request, which goes on with it; "
+                          "this one stops")  # fmt: skip
         if status == 0:
             raise Aborted(
                 f"session {session_id!r} is at cycle {cycle}, not {expected_cycle}: "
                 "this cycle was already committed or the session moved on"
             )
         return int(cycle), int(length)
+
+    async def take_over(self, session_id: str, owner: str) -> tuple[dict[str, str], list[int]]:
+        """Make `owner` the run that goes on with a session (Resume): from now on only its
+        commits land. Returns the session's meta and committed tokens as of that moment.
+        Raises NotFound when it does not exist."""
+        check_session_id(session_id)
+        found = await self._take_over(keys=[meta_key(session_id), tokens_key(session_id)], args=[owner, self.ttl_s])
+        if not found:
+            raise NotFound(f"session {session_id!r} does not exist (expired, or never created)")
+        flat, tokens = found
+        return dict(zip(flat[::2], flat[1::2])), [int(t) for t in tokens]
+
+    async def set_if_owner(self, session_id: str, owner: str, fields: Mapping[str, object]) -> bool:
+        """Set bookkeeping fields only while `owner` owns the session; whether it did."""
+        args = [owner, *[str(v) for pair in fields.items() for v in pair]]
+        return bool(await self._set_if_owner(keys=[meta_key(session_id)], args=args))
 
     async def exists(self, session_id: str) -> bool:
         return bool(await self.redis.exists(meta_key(session_id)))
@@ -208,11 +257,6 @@ class SessionStore:
         if not meta:
             raise NotFound(f"session {session_id!r} does not exist (expired or never created)")
         return meta
-
-    async def set_fields(self, session_id: str, fields: Mapping[str, object]) -> None:
-        """Set bookkeeping fields (status, finish reason) that do not advance the session."""
-        if fields and await self.redis.exists(meta_key(session_id)):
-            await self.redis.hset(meta_key(session_id), mapping={k: str(v) for k, v in fields.items()})
 
     async def tokens(self, session_id: str, start: int = 0, end: int | None = None) -> list[int]:
         """Committed tokens [start, end) (end None means all)."""

@@ -99,6 +99,32 @@ def test_concurrent_commits_of_the_same_cycle_commit_exactly_once(redis_url):
     run(go())
 
 
+def test_a_session_taken_over_refuses_its_first_owners_commits_and_bookkeeping(redis_url):
+    """Resume's fence: take_over makes a new owner; the old run's next commit is Aborted and
+    writes nothing, its status updates are dropped, and the new owner goes on from the cycle
+    and tokens take_over returned."""
+
+    async def go():
+        store = SessionStore(redis_url)
+        await store.create("s-owned", [1, 2], {"owner": "first", "status": "running"})
+        await store.commit("s-owned", 0, [3], {"cycles": 1}, owner="first")
+        meta, tokens = await store.take_over("s-owned", "second")
+        assert (meta["owner"], meta["status"], meta["cycle"], tokens) == ("second", "running", "1", [1, 2, 3])
+        with pytest.raises(Aborted, match="resumed by another request"):
+            await store.commit("s-owned", 1, [4], {"cycles": 1}, owner="first")
+        assert not await store.set_if_owner("s-owned", "first", {"status": "cancelled"})
+        assert await store.commit("s-owned", 1, [5], {"cycles": 1}, owner="second") == (2, 4)
+        assert await store.set_if_owner("s-owned", "second", {"status": "finished"})
+        meta = await store.meta("s-owned")
+        assert (meta["status"], meta["cycles"], await store.tokens("s-owned")) == ("finished", "2", [1, 2, 3, 5])
+        with pytest.raises(NotFound):
+            await store.take_over("s-never-made", "third")
+        assert not await store.exists("s-never-made")
+        await store.close()
+
+    run(go())
+
+
 def test_commit_to_a_missing_session_is_not_found(redis_url):
     async def go():
         store = SessionStore(redis_url)
