@@ -144,6 +144,11 @@ class Plan:
     # With a model draft: (min_ngram, max_ngram) of the n-gram matches whose cycles draft by
     # lookup instead of asking the model (module doc: n-gram first); None = off.
     ngram_first: tuple[int, int] | None = None
+    # Strings that end the output (the coordinator's TextStream looks for them).
+    stop: tuple[str, ...] = ()
+    # The run that owns the session (SessionStore.take_over): its commits name it, so a
+    # run whose session was resumed elsewhere stops at its next commit. "" = no check.
+    owner: str = ""
 
 
 @dataclass
@@ -314,6 +319,15 @@ class CycleLoop:
         self.trace_context = trace_context
         self.tracer = telemetry.tracer()
 
+    def resume_at(self, committed: list[int], cycle: int, stats: "Stats") -> None:
+        """Go on with a session another run began (Resume): its committed tokens, the number of
+        its next cycle and its statistics so far, as Redis holds them. The model services are
+        told they hold all but the last token: one that lacks some fetches them from Redis."""
+        self.committed = list(committed)
+        self.cycle = cycle
+        self.stats = stats
+        self.draft_seen = self.target_seen = len(committed) - 1
+
     async def run(self) -> AsyncIterator[Outcome]:
         """Each cycle's outcome once its commit is in; the cycles themselves run ahead in a
         task (`produce`), so a commit overlaps the next cycle (module doc)."""
@@ -360,7 +374,8 @@ class CycleLoop:
         try:
             if previous is not None:
                 await previous
-            await self.store.commit(self.plan.session_id, outcome.info.index, outcome.tokens, increments)
+            await self.store.commit(self.plan.session_id, outcome.info.index, outcome.tokens, increments,
+                                    self.plan.owner)  # fmt: skip
         except Exception as exc:  # noqa: BLE001 - handed to the consumer, which raises it
             self.outbox.put_nowait(exc)
             raise
@@ -521,7 +536,7 @@ class CycleLoop:
         if self.speculation is None and not eos and generated < self.plan.max_new_tokens:
             self.speculation = self.prefetch_draft()  # drafts while Redis commits and the client reads
 
-        increments = {"cycles": 1, "draft_tokens": len(drafts), "accepted_tokens": n}
+        increments = {"cycles": 1, "draft_cycles": int(bool(drafts)), "draft_tokens": len(drafts), "accepted_tokens": n}
         increments.update({f"accepted_pos_{i}": 1 for i in range(n)})
         info = pb.CycleInfo(
             index=self.cycle,

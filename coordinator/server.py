@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import secrets
 import time
@@ -16,6 +17,7 @@ from coordinator.adaptive import AdaptiveK
 from coordinator.cycles import DRAFT_TIMEOUT_S, CycleLoop, Plan, Stats
 from coordinator.text import TextStream
 from specdec import serving, telemetry
+from specdec.client import SESSION_HEADER
 from specdec.errors import (
     FailedPrecondition,
     InvalidArgument,
@@ -166,6 +168,16 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
 
     @grpc_handler
     async def Generate(self, request: pb.GenerateRequest, context):
+        async for chunk in self.admitted(self.generate(request, context)):
+            yield chunk
+
+    @grpc_handler
+    async def Resume(self, request: pb.ResumeRequest, context):
+        async for chunk in self.admitted(self.resume(request, context)):
+            yield chunk
+
+    async def admitted(self, chunks):
+        """`chunks` if this coordinator is ready and below its limit of requests at once."""
         if self.tokenizer is None:
             raise Unavailable("the coordinator is still starting; retry shortly")
         if self.running >= self.config.max_concurrent_requests:
@@ -174,7 +186,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             )
         self.running += 1
         try:
-            async for chunk in self.generate(request, context):
+            async for chunk in chunks:
                 yield chunk
         finally:
             self.running -= 1
@@ -186,19 +198,63 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         await self.store.create(plan.session_id, plan.prompt, session_meta(plan, self))
         # The response headers commit the call: a client's retry policy (the SDK retries
         # UNAVAILABLE) sends a call again only while no header came, that is only while no
-        # session was created for it, so a retry never finds its session id taken.
-        await context.send_initial_metadata(())
+        # session was created for it, so a retry never finds its session id taken. They name
+        # the session: a stream that breaks after them is one the SDK may Resume.
+        await context.send_initial_metadata(((SESSION_HEADER, plan.session_id),))
+        text = TextStream(self.tokenizer, plan.stop)
+        async for chunk in self.stream(plan, context, text):
+            yield chunk
+
+    async def resume(self, request: pb.ResumeRequest, context):
+        """Resume: check the request against the session as it is, take the session over (a
+        run of it still going stops at its next commit), send the client what it lacks, then go
+        on generating. A finished session only gets what the client lacks."""
+        session_id = check_session_id(request.session_id)
+        meta = await self.store.meta(session_id)
+        committed = await self.store.tokens(session_id)
+        plan = self.resumed_plan(session_id, meta, committed)  # refused before the session is touched
+        output = committed[len(plan.prompt):]
+        text = replay_text(self.tokenizer, plan.stop, output)
+        if request.received_tokens > len(output) or request.received_chars > len(text.text):
+            raise OutOfRange(f"the client says it received {request.received_tokens} tokens and "
+                             f"{request.received_chars} characters, but session {session_id!r} has "
+                             f"{len(output)} output tokens and {len(text.text)} characters so far")  # fmt: skip
+        if meta.get("status") != "finished":
+            plan.owner = secrets.token_hex(8)
+            meta, committed = await self.store.take_over(session_id, plan.owner)
+            replay_tokens(text, committed[len(plan.prompt) + len(output):])
+        text.emitted = request.received_chars
+        await context.send_initial_metadata(((SESSION_HEADER, session_id),))
+        catch_up = pb.GenerateChunk(token_ids=committed[len(plan.prompt) + request.received_tokens:],
+                                    session_id=session_id)  # fmt: skip
+        resume_at = (committed, int(meta["cycle"]), stored_stats(meta, len(committed) - len(plan.prompt)))
+        if meta.get("status") == "finished":
+            catch_up.text = text.take(final=True)
+            catch_up.finish_reason = FINISH[finished_as(plan, text, committed) or "length"]
+            catch_up.stats.CopyFrom(stats_pb(resume_at[2], len(plan.prompt), 0.0, 0.0))
+            yield catch_up
+            return
+        async for chunk in self.stream(plan, context, text, resume_at, catch_up):
+            yield chunk
+
+    async def stream(self, plan: Plan, context, text: TextStream, resume_at=None, catch_up=None):
+        """Run the cycles of a session this request owns and stream its chunks, with the
+        request's span and metrics; release the session however the stream ends. Resume
+        passes where the session is (`resume_at`, see generate_chunks) and the `catch_up`
+        chunk to send first."""
         deadline = None if context.time_remaining() is None else time.monotonic() + context.time_remaining()
-        span = telemetry.tracer().start_span(telemetry.GENERATE_SPAN, attributes=generate_attributes(plan, self))
+        attributes = generate_attributes(plan, self) | {"specdec.resumed": resume_at is not None}
+        span = telemetry.tracer().start_span(telemetry.GENERATE_SPAN, attributes=attributes)
         metrics = self.metrics
         metrics.requests_running.inc()
         status = "cancelled"
         try:
-            async for chunk in self.generate_chunks(request, plan, deadline, trace.set_span_in_context(span)):
+            chunks = self.generate_chunks(plan, text, deadline, trace.set_span_in_context(span), resume_at, catch_up)
+            async for chunk in chunks:
                 if chunk.finish_reason != pb.FINISH_REASON_UNSPECIFIED:
                     # Recorded before the last chunk leaves, so a client that reads the session
                     # once its stream has ended sees its final status, never "running".
-                    await self.store.set_fields(plan.session_id, {"status": "finished"})
+                    await self.store.set_if_owner(plan.session_id, plan.owner, {"status": "finished"})
                     status = "finished"
                 yield chunk
             finish_reason = FINISH_NAMES[chunk.finish_reason]  # generate_chunks always yields a last chunk
@@ -215,18 +271,32 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             metrics.requests_running.dec()
             span.end()
             # Runs on cancellation too; the release must outlive the cancelled handler task.
-            self.spawn(self.finish(plan.session_id, status))
+            self.spawn(self.finish(plan.session_id, plan.owner, status))
 
-    async def generate_chunks(self, request, plan: Plan, deadline: float | None, trace_context):
-        """Run the cycles of a created session and turn each outcome into a GenerateChunk."""
+    async def generate_chunks(self, plan: Plan, text: TextStream, deadline: float | None, trace_context,
+                              resume_at: tuple[list[int], int, Stats] | None = None,
+                              catch_up: pb.GenerateChunk | None = None):  # fmt: skip
+        """Run the cycles of a session and turn each outcome into a GenerateChunk. Resume
+        passes `resume_at` (committed tokens, the next cycle's number, statistics so far) and
+        `catch_up`, the chunk of what the client lacks: it goes first, and last if the session
+        had already finished."""
         metrics = self.metrics
-        metrics.prompt_tokens.inc(len(plan.prompt))
+        if resume_at is None:
+            metrics.prompt_tokens.inc(len(plan.prompt))
         loop = CycleLoop(
             self.draft, self.target, self.store, plan, deadline, trace_context, self.shared_k,
             draft_timeout_s=self.config.draft_timeout_s,
         )  # fmt: skip
-        text = TextStream(self.tokenizer, list(request.stop))
         started = time.perf_counter()
+        if resume_at is not None:
+            loop.resume_at(*resume_at)
+            finish = finished_as(plan, text, resume_at[0])
+            catch_up.text = text.take(final=bool(finish))
+            catch_up.finish_reason = FINISH[finish] if finish else pb.FINISH_REASON_UNSPECIFIED
+            catch_up.stats.CopyFrom(stats_pb(loop.stats, len(plan.prompt), 0.0, 0.0))
+            yield catch_up
+            if finish:
+                return
         first_token_s = 0.0
         last_chunk_at = None
         finish = ""
@@ -313,13 +383,50 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             k=0 if spec.disabled else k,
             eos_token_ids=eos,
             max_context=max_context,
-            draft_model=self.draft_info.model,
-            draft_fingerprint="" if self.draft_info.kind == NGRAM_DRAFT else self.draft_info.vocab_fingerprint,
             pipeline=pipeline,
             pipeline_min_keep=min_keep,
             adaptive=adaptive,
+            stop=tuple(request.stop),
+            owner=secrets.token_hex(8),
+            **self.draft_fields(),
+        )
+
+    def resumed_plan(self, session_id: str, meta: dict[str, str], committed: list[int]) -> Plan:
+        """The Plan of a session to resume, from what its creator stored (session_meta), with
+        this coordinator's draft (any draft keeps the output the target's). FailedPrecondition
+        when this coordinator's target is not the session's, or the session cannot be resumed."""
+        if "plan" not in meta:
+            raise FailedPrecondition(f"session {session_id!r} was started by a coordinator too old to resume it")
+        target = self.target_info
+        if (meta.get("target_model"), meta.get("target_fingerprint")) != (target.model, target.vocab_fingerprint):
+            raise FailedPrecondition(f"session {session_id!r} was generated by the target {meta.get('target_model')!r}; "
+                                     f"this coordinator serves {target.model!r}: resume it through one that serves "
+                                     "the session's target")  # fmt: skip
+        saved = json.loads(meta["plan"])
+        k = int(meta["k"])
+        pipeline = saved["pipeline"] and (not self.draft_info.max_k or k < self.draft_info.max_k)
+        return Plan(
+            session_id=session_id,
+            prompt=committed[: int(meta["prompt_tokens"])],
+            max_new_tokens=int(meta["max_new_tokens"]),
+            sampling=Sampling(float(meta["temperature"]), int(meta["top_k"]), float(meta["top_p"]), int(meta["seed"])),
+            k=min(k, self.max_k()),
+            eos_token_ids=frozenset(saved["eos_token_ids"]),
+            max_context=target.max_context,
+            pipeline=pipeline,
+            pipeline_min_keep=saved["pipeline_min_keep"],
+            adaptive=saved["adaptive"],
+            stop=tuple(saved["stop"]),
+            **self.draft_fields(),
+        )
+
+    def draft_fields(self) -> dict:
+        """The Plan fields that come from this coordinator's draft."""
+        return dict(
+            draft_model=self.draft_info.model,
+            draft_fingerprint="" if self.draft_info.kind == NGRAM_DRAFT else self.draft_info.vocab_fingerprint,
             ngram=self.ngram_lengths(),
-            local_ngram=self.draft_info.kind == NGRAM_DRAFT and not cfg.ngram_via_draft_service,
+            local_ngram=self.draft_info.kind == NGRAM_DRAFT and not self.config.ngram_via_draft_service,
             ngram_first=self.ngram_first_lengths(),
         )
 
@@ -374,12 +481,17 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         except (jinja2.TemplateError, ValueError, TypeError) as exc:  # a template may refuse roles or their order
             raise InvalidArgument(f"the chat template refused the messages: {exc}") from None
 
-    async def finish(self, session_id: str, status: str) -> None:
-        """Record how the session ended and free it on both model services."""
+    async def finish(self, session_id: str, owner: str, status: str) -> None:
+        """Record how the session ended and free it on both model services, unless another
+        request resumed it meanwhile (it owns the session then, and uses the services' caches)."""
+        try:
+            if not await self.store.set_if_owner(session_id, owner, {"status": status}):
+                return
+        except Exception as exc:  # noqa: BLE001 - Redis down: free the caches anyway
+            log.warning("recording the end of session %s: %s", session_id, exc)
         calls = [
             self.draft.Release(pb.ReleaseRequest(session_id=session_id), timeout=RELEASE_TIMEOUT_S),
             self.target.Release(pb.ReleaseRequest(session_id=session_id), timeout=RELEASE_TIMEOUT_S),
-            self.store.set_fields(session_id, {"status": status}),
         ]
         for result in await asyncio.gather(*calls, return_exceptions=True):
             if isinstance(result, grpc.aio.AioRpcError):
@@ -436,7 +548,54 @@ def session_meta(plan: Plan, servicer: CoordinatorServicer) -> dict:
         "draft_model": servicer.draft_info.model,
         "draft_fingerprint": servicer.draft_info.vocab_fingerprint,
         "status": "running",
+        "owner": plan.owner,
+        "plan": session_meta_plan(plan),
     }
+
+
+def session_meta_plan(plan: Plan) -> str:
+    """What Resume needs of a plan beyond session_meta's own fields (resumed_plan), as JSON."""
+    return json.dumps({
+        "stop": list(plan.stop),
+        "eos_token_ids": sorted(plan.eos_token_ids),
+        "pipeline": plan.pipeline,
+        "pipeline_min_keep": plan.pipeline_min_keep,
+        "adaptive": plan.adaptive,
+    })  # fmt: skip
+
+
+def replay_text(tokenizer, stop, output: list[int]) -> TextStream:
+    """A TextStream that has streamed `output` (Resume): fed token by token, as a stream is fed."""
+    text = TextStream(tokenizer, list(stop))
+    replay_tokens(text, output)
+    return text
+
+
+def replay_tokens(text: TextStream, tokens: list[int]) -> None:
+    for token in tokens:
+        text.add([token])
+        text.take()
+
+
+def finished_as(plan: Plan, text: TextStream, committed: list[int]) -> str:
+    """How a session with these committed tokens finished ("stop", "eos", "length"), or ""."""
+    generated = len(committed) - len(plan.prompt)
+    if text.stopped:
+        return "stop"
+    if generated and committed[-1] in plan.eos_token_ids:
+        return "eos"
+    if generated >= plan.max_new_tokens or (plan.max_context and len(committed) >= plan.max_context):
+        return "length"
+    return ""
+
+
+def stored_stats(meta: dict[str, str], generated: int) -> Stats:
+    """A session's statistics as its commits counted them in Redis."""
+    positions = []
+    while f"accepted_pos_{len(positions)}" in meta:
+        positions.append(int(meta[f"accepted_pos_{len(positions)}"]))
+    count = {name: int(meta.get(name, 0)) for name in ("cycles", "draft_cycles", "draft_tokens", "accepted_tokens")}
+    return Stats(**count, accepted_per_position=positions, generated_tokens=generated)
 
 
 def stats_pb(stats: Stats, prompt_tokens: int, elapsed_s: float, first_token_s: float) -> pb.GenerateStats:

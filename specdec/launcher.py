@@ -121,6 +121,7 @@ class Stack:
         self.quiet = quiet
         self.redis: EmbeddedRedis | None = None
         self.processes: dict[str, subprocess.Popen] = {}
+        self.kinds: dict[str, str] = {}  # process name -> its service, where they differ (add_coordinator)
         self.envs: dict[str, dict[str, str]] = {}
         self.ports: dict[str, int] = {}
         self.logs: dict[str, IO[bytes]] = {}  # a quiet service's output
@@ -177,19 +178,31 @@ class Stack:
                        "--solo-threads", str(cfg.target_threads or solo_threads()), *cfg.target_args)  # fmt: skip
             self.spawn("draft", "draft", "--model", cfg.draft,
                        "--threads", str(cfg.draft_threads or draft_threads), *cfg.draft_args)  # fmt: skip
-            auth = ["--auth-token-file", cfg.auth_token_file] if cfg.auth_token_file else []
-            lookups = ["--ngram-first", str(cfg.ngram_first)] if cfg.ngram_first else []
-            self.spawn(
-                "coordinator", "coordinator",
-                "--draft-address", f"127.0.0.1:{self.ports['draft']}",
-                "--target-address", f"127.0.0.1:{self.ports['target']}",
-                *auth, *lookups, *cfg.coordinator_args,
-            )  # fmt: skip
+            self.spawn("coordinator", "coordinator", *self.coordinator_args())
             self.wait_ready()
         except BaseException:
             self.stop()
             raise
         return self
+
+    def coordinator_args(self) -> list[str]:
+        cfg = self.config
+        auth = ["--auth-token-file", cfg.auth_token_file] if cfg.auth_token_file else []
+        lookups = ["--ngram-first", str(cfg.ngram_first)] if cfg.ngram_first else []
+        return [
+            "--draft-address", f"127.0.0.1:{self.ports['draft']}",
+            "--target-address", f"127.0.0.1:{self.ports['target']}",
+            *auth, *lookups, *cfg.coordinator_args,
+        ]  # fmt: skip
+
+    def add_coordinator(self, name: str) -> str:
+        """Start one more coordinator, called `name`, on a free port, in front of this stack's
+        draft, target and Redis (a replica, as behind a load balancer); wait until it serves
+        and return its address. stop() stops it with the first one."""
+        self.ports[name] = free_port_except(self.ports.values())
+        self.spawn(name, "coordinator", *self.coordinator_args())
+        self.wait_ready((name,))
+        return f"{self.config.host}:{self.ports[name]}"
 
     def spawn(self, name: str, service: str, *args: str) -> None:
         host = self.config.host if name == "coordinator" else "127.0.0.1"
@@ -204,6 +217,7 @@ class Stack:
         # Each process gets its own service name in traces: specdec-draft, or <yours>-draft.
         env["OTEL_SERVICE_NAME"] = f"{env.get('OTEL_SERVICE_NAME') or 'specdec'}-{name}"
         self.envs[name] = env
+        self.kinds[name] = service
         self.processes[name] = subprocess.Popen(command, env=env, **self.output(name))
 
     def restart(self, name: str, *, kill: bool = False) -> None:
@@ -231,13 +245,17 @@ class Stack:
         lines = log.read().decode(errors="replace").splitlines()[-LOG_TAIL_LINES:]
         return "".join(f"\n  {line}" for line in lines)
 
+    def kind(self, name: str) -> str:
+        """The service a process runs: coordinator, draft or target."""
+        return self.kinds.get(name, name)
+
     def wait_ready(self, names: tuple[str, ...] = ("target", "draft", "coordinator")) -> None:
         services = {"target": TARGET_SERVICE, "draft": DRAFT_SERVICE, "coordinator": COORDINATOR_SERVICE}
         deadline = time.monotonic() + self.config.ready_timeout_s
         credentials = self.channel_credentials()  # read the PEM files once, not every poll
         for name in names:
             address = f"127.0.0.1:{self.ports[name]}"
-            while not is_serving(address, services[name], credentials=credentials):
+            while not is_serving(address, services[self.kind(name)], credentials=credentials):
                 self.check_running(names)  # any of them: a draft that cannot load fails at once, not after the target
                 if time.monotonic() > deadline:
                     raise StackStartError(f"the {name} service did not report SERVING in {self.config.ready_timeout_s}s")
@@ -252,9 +270,10 @@ class Stack:
                                       + (f"; its last output:{tail}" if (tail := self.log_tail(name)) else ""))  # fmt: skip
 
     def stop(self) -> None:
-        """Stop the coordinator first (it releases sessions on the model services), then the rest."""
-        ordered = [self.processes[n] for n in ("coordinator", "draft", "target") if n in self.processes]
-        for group in (ordered[:1], ordered[1:]):
+        """Stop the coordinators first (they release sessions on the model services), then the rest."""
+        coordinators = [p for n, p in self.processes.items() if self.kind(n) == "coordinator"]
+        models = [p for n, p in self.processes.items() if self.kind(n) != "coordinator"]
+        for group in (coordinators, models):
             for process in group:
                 if process.poll() is None:
                     process.send_signal(signal.SIGTERM)

@@ -323,6 +323,21 @@ def test_fuzzed_generate_requests_get_a_clear_status_and_disturb_nobody(stubs, s
     record(storm, lambda: list(stubs["coordinator"].Generate(request, timeout=30)))
 
 
+@settings(max_examples=100, **FUZZ)
+@given(
+    session_id=mostly(st.just(BYSTANDER), wild_session_ids),
+    received_tokens=mostly(st.integers(0, MAX_NEW_TOKENS_LIMIT), st.integers(0, 2**32 - 1)),
+    received_chars=mostly(st.integers(0, 6), st.integers(0, 2**32 - 1)),
+)
+def test_fuzzed_resume_requests_get_a_clear_status_and_disturb_nobody(
+    stubs, storm, session_id, received_tokens, received_chars
+):
+    """Resumes of the finished bystander (which read it and must not touch it) and of ids
+    that name nothing, claiming any count of tokens and characters received."""
+    request = pb.ResumeRequest(session_id=session_id, received_tokens=received_tokens, received_chars=received_chars)
+    record(storm, lambda: list(stubs["coordinator"].Resume(request, timeout=30)))
+
+
 @settings(max_examples=250, **FUZZ)
 @given(data=st.data())
 def test_fuzzed_propose_requests_get_a_clear_status_and_disturb_nobody(stubs, storm, committed, data):
@@ -347,7 +362,7 @@ def test_an_ngram_stop_outside_its_bounds_is_an_invalid_argument_that_says_them(
 
 
 RPCS = [
-    ("Coordinator", "Generate", True), ("Coordinator", "Info", False),
+    ("Coordinator", "Generate", True), ("Coordinator", "Resume", True), ("Coordinator", "Info", False),
     ("Draft", "Propose", True), ("Draft", "Release", False), ("Draft", "ModelInfo", False),
     ("Target", "Verify", False), ("Target", "Release", False), ("Target", "ModelInfo", False),
 ]  # fmt: skip

@@ -184,6 +184,33 @@ def test_text_without_stop_strings_streams_everything():
     assert out[:2] == ["ab", "cd"] and not stream.stopped
 
 
+def test_the_text_and_its_stop_do_not_depend_on_how_the_tokens_were_chunked():
+    """Resume replays a session's tokens one by one: it must reach the text the stream reached
+    cycle by cycle, and tokens committed past a stop string add nothing."""
+    from specdec.models import build_tiny_tokenizer
+
+    tokenizer = build_tiny_tokenizer()
+    rng = np.random.default_rng(5)
+    stopped = 0
+    for _ in range(300):
+        ids = rng.integers(0, tokenizer.vocab_size, 30).tolist()
+        full = tokenizer.decode(ids, skip_special_tokens=True)
+        start = int(rng.integers(0, max(1, len(full) - 3)))
+        stop = full[start : start + 3] or "zzz"
+        one_by_one, in_chunks = TextStream(tokenizer, [stop]), TextStream(tokenizer, [stop])
+        for token in ids:
+            one_by_one.add([token])
+            one_by_one.take()
+        cuts = np.cumsum(rng.integers(1, 6, 30))
+        for begin, end in zip([0, *cuts], cuts):
+            in_chunks.add(ids[begin:end])
+            in_chunks.take()
+        expected = full[: full.find(stop)] if stop in full else full
+        assert one_by_one.text == in_chunks.text == expected, (ids, stop)
+        stopped += one_by_one.stopped
+    assert stopped > 250  # the stop strings were found, nearly always
+
+
 def test_first_stop_picks_the_earliest_of_several():
     assert first_stop("xx STOP yy END", ["END", "STOP"], 0) == 3
 
@@ -999,7 +1026,7 @@ class CommitWatchingStore:
         self.draft = draft
         self.asked_before_commit: list[bool] = []
 
-    async def commit(self, session_id, cycle, tokens, increments):
+    async def commit(self, session_id, cycle, tokens, increments, owner=""):
         self.draft.started.clear()
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self.draft.started.wait(), 0.5)

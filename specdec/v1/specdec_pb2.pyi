@@ -150,6 +150,16 @@ class GenerateRequest(_message.Message):
     messages: _containers.RepeatedCompositeFieldContainer[ChatMessage]
     def __init__(self, prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., max_new_tokens: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., stop: _Optional[_Iterable[str]] = ..., speculation: _Optional[_Union[SpeculationParams, _Mapping]] = ..., session_id: _Optional[str] = ..., ignore_eos: _Optional[bool] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ...) -> None: ...
 
+class ResumeRequest(_message.Message):
+    __slots__ = ("session_id", "received_tokens", "received_chars")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    RECEIVED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    RECEIVED_CHARS_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    received_tokens: int
+    received_chars: int
+    def __init__(self, session_id: _Optional[str] = ..., received_tokens: _Optional[int] = ..., received_chars: _Optional[int] = ...) -> None: ...
+
 class CycleInfo(_message.Message):
     __slots__ = ("index", "drafted", "accepted", "bonus", "draft_ms", "verify_ms", "k", "draft_bytes", "pipelined", "forward_ms", "commit_ms", "looked_up")
     INDEX_FIELD_NUMBER: _ClassVar[int]

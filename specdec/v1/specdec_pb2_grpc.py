@@ -41,6 +41,11 @@ class CoordinatorStub:
                 request_serializer=specdec_dot_v1_dot_specdec__pb2.GenerateRequest.SerializeToString,
                 response_deserializer=specdec_dot_v1_dot_specdec__pb2.GenerateChunk.FromString,
                 _registered_method=True)
+        self.Resume = channel.unary_stream(
+                '/specdec.v1.Coordinator/Resume',
+                request_serializer=specdec_dot_v1_dot_specdec__pb2.ResumeRequest.SerializeToString,
+                response_deserializer=specdec_dot_v1_dot_specdec__pb2.GenerateChunk.FromString,
+                _registered_method=True)
         self.Info = channel.unary_unary(
                 '/specdec.v1.Coordinator/Info',
                 request_serializer=specdec_dot_v1_dot_specdec__pb2.InfoRequest.SerializeToString,
@@ -60,6 +65,15 @@ class CoordinatorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Resume(self, request, context):
+        """Go on with a session whose stream broke (its coordinator restarted or was replaced, the
+        connection dropped): stream what it committed after what the client already has, then
+        generate the rest as Generate would have. Any coordinator on the session's Redis serves it.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Info(self, request, context):
         """Models the stack serves (target and draft).
         """
@@ -73,6 +87,11 @@ def add_CoordinatorServicer_to_server(servicer, server):
             'Generate': grpc.unary_stream_rpc_method_handler(
                     servicer.Generate,
                     request_deserializer=specdec_dot_v1_dot_specdec__pb2.GenerateRequest.FromString,
+                    response_serializer=specdec_dot_v1_dot_specdec__pb2.GenerateChunk.SerializeToString,
+            ),
+            'Resume': grpc.unary_stream_rpc_method_handler(
+                    servicer.Resume,
+                    request_deserializer=specdec_dot_v1_dot_specdec__pb2.ResumeRequest.FromString,
                     response_serializer=specdec_dot_v1_dot_specdec__pb2.GenerateChunk.SerializeToString,
             ),
             'Info': grpc.unary_unary_rpc_method_handler(
@@ -109,6 +128,33 @@ class Coordinator:
             target,
             '/specdec.v1.Coordinator/Generate',
             specdec_dot_v1_dot_specdec__pb2.GenerateRequest.SerializeToString,
+            specdec_dot_v1_dot_specdec__pb2.GenerateChunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Resume(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/specdec.v1.Coordinator/Resume',
+            specdec_dot_v1_dot_specdec__pb2.ResumeRequest.SerializeToString,
             specdec_dot_v1_dot_specdec__pb2.GenerateChunk.FromString,
             options,
             channel_credentials,
