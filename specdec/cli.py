@@ -15,7 +15,7 @@ from typing import NoReturn
 from specdec.ngram import DEFAULT_K, DEFAULT_MAX_NGRAM, DEFAULT_MIN_NGRAM, NGRAM_DRAFT
 from specdec.ranges import (
     AT_LEAST_ONE, DEFAULT_RETRIES, MAX_NEW_TOKENS, METRICS_PORT, PORT, RETRIES, SECONDS, SEED, SERVICE_PORT, TEMPERATURE,
-    THREADS, TOP_K, TOP_P, Range,
+    THREADS, TOP_K, TOP_P, UINT32, Range,
 )
 
 DEFAULT_ADDRESS = "127.0.0.1:50051"
@@ -144,6 +144,25 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
         "what you would otherwise read off a trace viewer. Takes the flags of `generate`.",
     )
     add_generate_flags(trace)
+
+    resume = commands.add_parser(
+        "resume",
+        help="go on with a session whose stream broke",
+        description="Print the rest of a session from any coordinator on its Redis: what it committed after "
+        "the tokens and characters you already have, then what it generates until it finishes (a finished "
+        "session's text, without generating). The session id is in every chunk, in `generate --json` and "
+        "`trace` output, or the one you chose. `generate` and the SDK resume a broken stream by themselves "
+        "(--retries); this is for starting over from another process.",
+    )
+    resume.add_argument("session_id", help="the session to go on with")
+    env_flag(resume, "--address", "SPECDEC_ADDRESS", default=DEFAULT_ADDRESS, help="coordinator address")
+    resume.add_argument("--received-tokens", type=UINT32, default=0,
+                        help="output tokens you already have; printing starts after them (default 0: all)")  # fmt: skip
+    resume.add_argument("--received-chars", type=UINT32, default=0,
+                        help="characters of output text you already have (default 0: all)")  # fmt: skip
+    env_flag(resume, "--json", "SPECDEC_JSON", action="store_true", help="print one JSON object instead of text")
+    env_flag(resume, "--timeout", "SPECDEC_TIMEOUT", default=None, type=SECONDS, help="deadline of the call in seconds")
+    add_client_security_flags(resume)
 
     from specdec.bench import add_bench_parser
 
@@ -318,8 +337,10 @@ def add_generate_flags(p: argparse.ArgumentParser) -> None:
     env_flag(p, "--timeout", "SPECDEC_TIMEOUT", default=None, type=SECONDS, help="deadline of the call in seconds")
     env_flag(p, "--retries", "SPECDEC_RETRIES", default=DEFAULT_RETRIES, type=RETRIES,
              help="times the call is sent again when it fails UNAVAILABLE before any answer (a coordinator "
-                  "restarting, or its Redis or model services unreachable as the request starts), after a "
-                  "random wait of up to 0.2 s, doubling; never once text has arrived (0 = never)")  # fmt: skip
+                  "restarting, or its Redis or model services unreachable as the request starts), and times "
+                  "a stream that breaks UNAVAILABLE once begun is resumed where it broke (Resume: any "
+                  "coordinator on the session's Redis goes on with it), each after a random wait of up to "
+                  "0.2 s, doubling (0 = never)")  # fmt: skip
     env_flag(p, "--target", "SPECDEC_TARGET", default="smollm2-135m-instruct", help="target for a local stack")
     env_flag(p, "--draft", "SPECDEC_DRAFT", default="",
              help=f"draft for a local stack ({DEFAULT_DRAFT_HELP})")  # fmt: skip
@@ -521,15 +542,15 @@ def run_generate(args) -> int:
 
     options, prompt = client_options(args), prompt_arguments(args)
     telemetry.setup_tracing("specdec-cli")
+    last, text, tokens = None, "", 0
     try:
         with serving_address(args) as address, Client(address, retries=args.retries, **options) as client:
             if args.json:
                 print(json.dumps(client.generate(**prompt, **generate_options(args)).as_dict()))
                 return 0
-            last, text = None, ""
             for chunk in client.generate_stream(**prompt, **generate_options(args)):
                 print(chunk.text, end="", flush=True)
-                last, text = chunk, text + chunk.text
+                last, text, tokens = chunk, text + chunk.text, tokens + len(chunk.token_ids)
             print()
             if last is not None:
                 print(format_stats(last.stats, last.finish_reason), file=sys.stderr)
@@ -537,10 +558,36 @@ def run_generate(args) -> int:
                     print("(the model ended its text at once; an instruct or chat model answers a question "
                           "asked with --chat)", file=sys.stderr)  # fmt: skip
     except SpecdecClientError as exc:
-        print(client_error(exc, args), file=sys.stderr)
+        print(("\n" if last is not None else "") + client_error(exc, args), file=sys.stderr)
+        if last is not None and not last.finish_reason and args.address:
+            print(f"(the rest: specdec resume {last.session_id} --address {args.address} "
+                  f"--received-tokens {tokens} --received-chars {len(text)})", file=sys.stderr)  # fmt: skip
         return 1
     finally:
         telemetry.shutdown_tracing()
+    return 0
+
+
+def run_resume(args) -> int:
+    from specdec.client import Client, SpecdecClientError
+
+    options = client_options(args)
+    where = dict(received_tokens=args.received_tokens, received_chars=args.received_chars, timeout=args.timeout)
+    try:
+        with Client(args.address, **options) as client:
+            if args.json:
+                print(json.dumps(client.resume(args.session_id, **where).as_dict()))
+                return 0
+            last = None
+            for chunk in client.resume_stream(args.session_id, **where):
+                print(chunk.text, end="", flush=True)
+                last = chunk
+            print()
+            if last is not None:
+                print(format_stats(last.stats, last.finish_reason), file=sys.stderr)
+    except SpecdecClientError as exc:
+        print(client_error(exc, args), file=sys.stderr)
+        return 1
     return 0
 
 
@@ -638,7 +685,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.verbose:
         logging.basicConfig(level=logging.INFO)
     handlers = {
-        "up": run_up, "serve": run_serve, "generate": run_generate, "trace": run_trace, "models": run_models,
+        "up": run_up, "serve": run_serve, "generate": run_generate, "trace": run_trace, "resume": run_resume, "models": run_models,
         "bench": run_bench, "distill": run_distill, "soak": run_soak,
     }  # fmt: skip
     from specdec.launcher import StackStartError

@@ -11,14 +11,21 @@
 Every gRPC failure surfaces as `SpecdecClientError`, carrying the status code
 (`.code`, a grpc.StatusCode) and the server's message (`.message`).
 
+A stream that breaks once begun (its coordinator restarted or replaced, the connection
+lost) is resumed where it broke, by any coordinator on the same Redis; the chunks go on
+as if nothing happened. `client.resume(session_id)` does it by hand, e.g. from another process.
+
 A secured coordinator: `Client(address, tls_ca="ca.pem", token="...")` connects with
 TLS, trusting the CA in that file, and sends the token as `authorization: Bearer`.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
+import random
 import time
+import uuid
 from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -38,6 +45,9 @@ _CHANNEL_OPTIONS = [
     ("grpc.max_receive_message_length", 64 * 1024 * 1024),
     ("grpc.max_send_message_length", 64 * 1024 * 1024),
 ]
+# The coordinator's response headers name the session once it exists (Generate and Resume):
+# a stream that fails after them can be resumed; one that fails before them never began.
+SESSION_HEADER = "specdec-session-id"
 RETRY_BACKOFF_S = (0.2, 2.0)  # the first wait is random in [0, 0.2 s], each next one up to twice as long, at most 2 s
 
 
@@ -45,8 +55,9 @@ def retry_config(retries: int) -> str:
     """gRPC service config (JSON) of a channel to the coordinator: a call that fails UNAVAILABLE
     before the server has answered anything (nothing serving yet, a coordinator restarting or
     replaced, its model services or Redis unreachable as the request starts) is sent again, up to
-    `retries` times, after a random wait (RETRY_BACKOFF_S). A stream that has sent its first chunk
-    is never sent again: its tokens are out, and a retry would start a new session."""
+    `retries` times, after a random wait (RETRY_BACKOFF_S). A stream that has begun is never sent
+    again (its session exists; a retry would start another): the SDK resumes it instead
+    (_Resumption)."""
     if retries not in RETRIES:  # the range `specdec generate --retries` takes
         raise ValueError(f"retries must be an integer from {RETRIES.low} to {RETRIES.high}, got {retries!r}")
     method: dict = {"name": [{"service": "specdec.v1.Coordinator"}]}
@@ -55,6 +66,50 @@ def retry_config(retries: int) -> str:
         method["retryPolicy"] = {"maxAttempts": retries + 1, "initialBackoff": f"{initial}s", "maxBackoff": f"{largest}s",
                                  "backoffMultiplier": 2, "retryableStatusCodes": ["UNAVAILABLE"]}  # fmt: skip
     return json.dumps({"methodConfig": [method]})
+
+
+class _Resumption:
+    """How far a stream got, so that one broken after its session began can go on (Resume).
+
+    A stream that fails UNAVAILABLE (its coordinator restarted, was replaced, or the connection
+    dropped) is resumed on any coordinator of the same Redis, up to `retries` times, after the
+    same random waits as retry_config's, within the call's timeout: the server sends the tokens
+    and text committed after what came here, then goes on generating. The session's id is the
+    caller's, else one made here, so that even a stream that broke before its first chunk can
+    be resumed."""
+
+    def __init__(self, session_id: str, retries: int, timeout: float | None):
+        self.session_id = session_id
+        self.tokens = 0  # output tokens received
+        self.chars = 0  # characters of output text received
+        self.finished = False
+        self.began = False  # a call of this stream was told the session exists (SESSION_HEADER)
+        self.resumes = 0
+        self.retries = retries
+        self.deadline = None if timeout is None else time.monotonic() + timeout
+
+    def saw(self, chunk: "Chunk") -> "Chunk":
+        self.tokens += len(chunk.token_ids)
+        self.chars += len(chunk.text)
+        self.finished = chunk.finish_reason is not None
+        return chunk
+
+    def next_call(self, error: grpc.RpcError, headers) -> tuple[pb.ResumeRequest, float, float | None] | None:
+        """(the Resume request, seconds to wait before it, its timeout) after `error` ended a
+        call that received `headers` (its initial metadata, None if none), or None when the
+        error stands: not UNAVAILABLE, the session never began or had finished, no retry or
+        time left."""
+        self.began = self.began or any(key == SESSION_HEADER for key, _ in headers or ())
+        if error.code() != grpc.StatusCode.UNAVAILABLE or not self.began or self.finished or self.resumes >= self.retries:
+            return None
+        initial, largest = RETRY_BACKOFF_S
+        wait = random.uniform(0, min(largest, initial * 2**self.resumes))
+        timeout = None if self.deadline is None else self.deadline - time.monotonic() - wait
+        if timeout is not None and timeout <= 0:
+            return None
+        self.resumes += 1
+        request = pb.ResumeRequest(session_id=self.session_id, received_tokens=self.tokens, received_chars=self.chars)
+        return request, wait, timeout
 
 
 def channel_credentials(
@@ -276,6 +331,22 @@ def build_request(
     return request
 
 
+def headers_of(call):
+    """The response headers a finished streaming call received (None if none, or if the call
+    is wrapped, e.g. by OpenTelemetry's instrumentation, and does not say)."""
+    try:
+        return call.initial_metadata()
+    except (AttributeError, grpc.RpcError):
+        return None
+
+
+async def headers_of_async(call):
+    try:
+        return await call.initial_metadata()
+    except (AttributeError, grpc.RpcError):
+        return None
+
+
 def stop_call(call) -> None:
     """Cancel a streaming call (a no-op once it finished), so a caller that stops reading
     early frees the server. With OpenTelemetry's gRPC instrumentation the call is wrapped
@@ -331,7 +402,8 @@ _GENERATE_DOC = """
             speculate: False decodes with the target alone, through the same services.
             stop: strings that end generation; the output ends before them.
             timeout: seconds for the whole call (a gRPC deadline).
-            session_id: optional id for the session (unique); the server makes one.
+            session_id: optional id for the session (unique); else one is made here (a uuid4).
+                A stream that breaks is resumed under it (see `retries`).
             ignore_eos: keep generating past end-of-sequence tokens.
             pipeline: draft the next cycle while the target verifies (None = server default).
             adaptive_k: choose K per cycle to maximise expected tokens/s (0 when drafting
@@ -354,10 +426,12 @@ class Client:
         """Connect to the coordinator at `address` (host:port). `tls_ca`: path of the PEM CA
         that signed the coordinator's certificate (TLS); `token`: API token sent with every
         call; `credentials`: full control over the channel's TLS (overrides tls_ca); `retries`:
-        how often a call failing UNAVAILABLE before its first chunk is sent again (0 to 4, after
-        a random wait of up to 0.2 s, 0.4 s, ...; see retry_config)."""
+        how often a call failing UNAVAILABLE before it began is sent again, and how often a
+        stream failing UNAVAILABLE once begun is resumed where it broke (0 to 4, after a random
+        wait of up to 0.2 s, 0.4 s, ...; see retry_config and _Resumption)."""
         self.address = address
         self._metadata = auth_metadata(token)
+        self.retries = retries
         self._channel = open_channel(grpc, address, channel_credentials(tls_ca, credentials), retries)
         self._stub = pb_grpc.CoordinatorStub(self._channel)
 
@@ -396,7 +470,36 @@ class Client:
             speculate=speculate, stop=stop, session_id=session_id, ignore_eos=ignore_eos, pipeline=pipeline,
             adaptive_k=adaptive_k, messages=messages,
         )  # fmt: skip
+        request.session_id = request.session_id or uuid.uuid4().hex
+        resumption = _Resumption(request.session_id, self.retries, timeout)
         call = self._stub.Generate(request, timeout=timeout, metadata=self._metadata)
+        while True:
+            try:
+                for msg in call:
+                    yield resumption.saw(Chunk.from_pb(msg))
+                return
+            except grpc.RpcError as exc:
+                if (resume := resumption.next_call(exc, headers_of(call))) is None:
+                    raise SpecdecClientError(exc.code(), exc.details() or "") from None
+            finally:
+                stop_call(call)
+            resume_request, wait, timeout = resume
+            time.sleep(wait)
+            call = self._stub.Resume(resume_request, timeout=timeout, metadata=self._metadata)
+
+    generate_stream.__doc__ = "Yield a Chunk per cycle as the server commits it.\n" + _GENERATE_DOC
+
+    def resume_stream(self, session_id: str, *, received_tokens: int = 0, received_chars: int = 0,
+                      timeout: float | None = None) -> Iterator[Chunk]:  # fmt: skip
+        """Go on with the session `session_id` (a Chunk's session_id, or the id you chose) after
+        its stream broke: yield a Chunk of what it committed after the first `received_tokens`
+        output tokens and `received_chars` characters of text you have, then a Chunk per cycle
+        until it finishes (at once, if it had). generate_stream resumes by itself; this is for a
+        process that starts over. NOT_FOUND for an unknown or expired session, OUT_OF_RANGE when
+        you claim more than it committed, FAILED_PRECONDITION from a coordinator of another target."""
+        request = pb.ResumeRequest(session_id=session_id, received_tokens=received_tokens,
+                                   received_chars=received_chars)  # fmt: skip
+        call = self._stub.Resume(request, timeout=timeout, metadata=self._metadata)
         try:
             for msg in call:
                 yield Chunk.from_pb(msg)
@@ -405,7 +508,12 @@ class Client:
         finally:
             stop_call(call)
 
-    generate_stream.__doc__ = "Yield a Chunk per cycle as the server commits it.\n" + _GENERATE_DOC
+    def resume(self, session_id: str, **kwargs) -> Result:
+        """Resume and return the rest as a Result (same arguments as resume_stream)."""
+        collector = _Collector()
+        for chunk in self.resume_stream(session_id, **kwargs):
+            collector.add(chunk)
+        return collector.result()
 
     def generate(self, prompt: str | None = None, **kwargs) -> Result:
         """Generate and return the whole Result (same arguments as generate_stream)."""
@@ -437,10 +545,12 @@ class AsyncClient:
         """Connect to the coordinator at `address` (host:port). `tls_ca`: path of the PEM CA
         that signed the coordinator's certificate (TLS); `token`: API token sent with every
         call; `credentials`: full control over the channel's TLS (overrides tls_ca); `retries`:
-        how often a call failing UNAVAILABLE before its first chunk is sent again (0 to 4, after
-        a random wait of up to 0.2 s, 0.4 s, ...; see retry_config)."""
+        how often a call failing UNAVAILABLE before it began is sent again, and how often a
+        stream failing UNAVAILABLE once begun is resumed where it broke (0 to 4, after a random
+        wait of up to 0.2 s, 0.4 s, ...; see retry_config and _Resumption)."""
         self.address = address
         self._metadata = auth_metadata(token)
+        self.retries = retries
         self._channel = open_channel(grpc.aio, address, channel_credentials(tls_ca, credentials), retries)
         self._stub = pb_grpc.CoordinatorStub(self._channel)
 
@@ -479,7 +589,31 @@ class AsyncClient:
             speculate=speculate, stop=stop, session_id=session_id, ignore_eos=ignore_eos, pipeline=pipeline,
             adaptive_k=adaptive_k, messages=messages,
         )  # fmt: skip
+        request.session_id = request.session_id or uuid.uuid4().hex
+        resumption = _Resumption(request.session_id, self.retries, timeout)
         call = self._stub.Generate(request, timeout=timeout, metadata=self._metadata)
+        while True:
+            try:
+                async for msg in call:
+                    yield resumption.saw(Chunk.from_pb(msg))
+                return
+            except grpc.aio.AioRpcError as exc:
+                if (resume := resumption.next_call(exc, await headers_of_async(call))) is None:
+                    raise SpecdecClientError(exc.code(), exc.details() or "") from None
+            finally:
+                stop_call(call)
+            resume_request, wait, timeout = resume
+            await asyncio.sleep(wait)
+            call = self._stub.Resume(resume_request, timeout=timeout, metadata=self._metadata)
+
+    generate_stream.__doc__ = "Yield a Chunk per cycle as the server commits it.\n" + _GENERATE_DOC
+
+    async def resume_stream(self, session_id: str, *, received_tokens: int = 0, received_chars: int = 0,
+                            timeout: float | None = None) -> AsyncIterator[Chunk]:  # fmt: skip
+        """Client.resume_stream, awaited."""
+        request = pb.ResumeRequest(session_id=session_id, received_tokens=received_tokens,
+                                   received_chars=received_chars)  # fmt: skip
+        call = self._stub.Resume(request, timeout=timeout, metadata=self._metadata)
         try:
             async for msg in call:
                 yield Chunk.from_pb(msg)
@@ -488,7 +622,12 @@ class AsyncClient:
         finally:
             stop_call(call)
 
-    generate_stream.__doc__ = "Yield a Chunk per cycle as the server commits it.\n" + _GENERATE_DOC
+    async def resume(self, session_id: str, **kwargs) -> Result:
+        """Resume and return the rest as a Result (same arguments as resume_stream)."""
+        collector = _Collector()
+        async for chunk in self.resume_stream(session_id, **kwargs):
+            collector.add(chunk)
+        return collector.result()
 
     async def generate(self, prompt: str | None = None, **kwargs) -> Result:
         """Generate and return the whole Result (same arguments as generate_stream)."""

@@ -73,11 +73,13 @@ TOP_P = Range(float, 0, 1, above=True, note="1 = off")
 # The seeds the services take: below 2**63, though the proto field is a uint64.
 SEED = Range(int, 0, 2**63 - 1)
 SECONDS = Range(float, 0, above=True)
-# How often the SDK sends a call that failed UNAVAILABLE before any answer again: gRPC makes at
-# most 5 attempts of a call (specdec.client.retry_config).
+# How often the SDK sends a call that failed UNAVAILABLE before any answer again (gRPC makes at
+# most 5 attempts of a call: specdec.client.retry_config), and resumes a stream that broke.
 RETRIES = Range(int, 0, 4)
 DEFAULT_RETRIES = 2
 AT_LEAST_ONE = Range(int, 1)
+# A count in a uint32 proto field (ResumeRequest's received_tokens and received_chars).
+UINT32 = Range(int, 0, 2**32 - 1)
 MAX_NEW_TOKENS = AT_LEAST_ONE
 # Ports, and the service flags no deployment can use outside their range.
 PORT = Range(int, 1, 65535)

@@ -1,5 +1,6 @@
-"""The SDK sends a call that failed UNAVAILABLE before its first chunk again, and never one
-that has streamed: through a real gRPC server on loopback whose Generate fails as told."""
+"""The SDK sends a call that failed UNAVAILABLE before it began again, and resumes (never
+resends) one that broke once begun: through a real gRPC server on loopback whose Generate and
+Resume fail as told."""
 
 from __future__ import annotations
 
@@ -10,26 +11,41 @@ import grpc
 import pytest
 
 import specdec
-from specdec.client import retry_config
+from specdec.client import SESSION_HEADER, retry_config
 from specdec.v1 import specdec_pb2 as pb
 from specdec.v1 import specdec_pb2_grpc as pb_grpc
 
 
 class FlakyCoordinator(pb_grpc.CoordinatorServicer):
     """Generate fails `code` on its first `failures` calls, before any chunk; then streams "ab",
-    failing UNAVAILABLE between the two chunks when `fail_mid_stream`."""
+    failing `mid_stream_code` between the two chunks when `fail_mid_stream`. Resume fails
+    UNAVAILABLE its first `resume_failures` calls, then streams what the client lacks of "ab"."""
 
-    def __init__(self, failures: int, code=grpc.StatusCode.UNAVAILABLE, fail_mid_stream: bool = False):
+    def __init__(self, failures: int, code=grpc.StatusCode.UNAVAILABLE, fail_mid_stream: bool = False,
+                 mid_stream_code=grpc.StatusCode.UNAVAILABLE, resume_failures: int = 0):  # fmt: skip
         self.calls, self.failures, self.code, self.fail_mid_stream = 0, failures, code, fail_mid_stream
+        self.mid_stream_code, self.resume_failures = mid_stream_code, resume_failures
+        self.session_ids: list[str] = []
+        self.resumes: list[pb.ResumeRequest] = []
 
     def Generate(self, request, context):
         self.calls += 1
+        self.session_ids.append(request.session_id)
         if self.calls <= self.failures:
             context.abort(self.code, f"failure {self.calls}")
-        yield pb.GenerateChunk(text="a", token_ids=[1], session_id="s")
+        context.send_initial_metadata(((SESSION_HEADER, request.session_id),))  # the session exists
+        yield pb.GenerateChunk(text="a", token_ids=[1], session_id=request.session_id)
         if self.fail_mid_stream:
-            context.abort(grpc.StatusCode.UNAVAILABLE, "lost mid-stream")
+            context.abort(self.mid_stream_code, "lost mid-stream")
         yield pb.GenerateChunk(text="b", token_ids=[2], finish_reason=pb.FINISH_REASON_LENGTH)
+
+    def Resume(self, request, context):
+        self.resumes.append(request)
+        if len(self.resumes) <= self.resume_failures:
+            context.abort(grpc.StatusCode.UNAVAILABLE, f"resume failure {len(self.resumes)}")
+        context.send_initial_metadata(((SESSION_HEADER, request.session_id),))
+        yield pb.GenerateChunk(text="ab"[request.received_chars :], token_ids=[1, 2][request.received_tokens :],
+                               finish_reason=pb.FINISH_REASON_LENGTH, session_id=request.session_id)  # fmt: skip
 
 
 @pytest.fixture
@@ -61,17 +77,43 @@ def test_a_call_failing_unavailable_before_its_first_chunk_is_sent_again_up_to_t
     with pytest.raises(specdec.SpecdecClientError) as failed:
         generate(serve(flaky))
     assert failed.value.code == grpc.StatusCode.UNAVAILABLE and failed.value.message == "failure 3" and flaky.calls == 3
+    assert not flaky.resumes, "a call that never began has no session to resume"
     flaky = FlakyCoordinator(failures=4)
     assert generate(serve(flaky), retries=4) == "ab" and flaky.calls == 5
 
 
-def test_a_stream_that_has_sent_a_chunk_is_never_sent_again(serve):
+def test_a_stream_broken_after_a_chunk_is_resumed_where_it_broke_and_never_sent_again(serve):
     flaky = FlakyCoordinator(failures=0, fail_mid_stream=True)
+    with specdec.Client(serve(flaky)) as client:
+        chunks = [chunk.text for chunk in client.generate_stream("x", max_new_tokens=2)]
+    assert chunks == ["a", "b"] and flaky.calls == 1
+    [resume] = flaky.resumes
+    session_id = flaky.session_ids[0]
+    assert len(session_id) == 32, "the SDK names the session, so it can resume it"
+    assert (resume.session_id, resume.received_tokens, resume.received_chars) == (session_id, 1, 1)
+    # A resume that fails UNAVAILABLE is tried again, within the same retries.
+    flaky = FlakyCoordinator(failures=0, fail_mid_stream=True, resume_failures=1)
+    result = specdec.Client(serve(flaky)).generate("x", max_new_tokens=2, session_id="mine")
+    assert (result.text, result.token_ids, flaky.calls, len(flaky.resumes)) == ("ab", [1, 2], 1, 2)
+    assert {r.session_id for r in flaky.resumes} == {"mine"}
+
+
+@pytest.mark.parametrize("retries, resume_failures, mid_stream_code, resumes, message", [
+    (0, 0, grpc.StatusCode.UNAVAILABLE, 0, "lost mid-stream"),
+    # Each of the SDK's 2 resumes is itself a call its channel sends up to 3 times (retry_config).
+    (2, 99, grpc.StatusCode.UNAVAILABLE, 6, "resume failure 6"),
+    (2, 0, grpc.StatusCode.INTERNAL, 0, "lost mid-stream"),
+])  # fmt: skip
+def test_a_broken_stream_fails_when_it_may_not_be_resumed_or_its_resumes_fail(
+    serve, retries, resume_failures, mid_stream_code, resumes, message
+):
+    flaky = FlakyCoordinator(failures=0, fail_mid_stream=True, mid_stream_code=mid_stream_code,
+                             resume_failures=resume_failures)  # fmt: skip
     chunks = []
-    with specdec.Client(serve(flaky)) as client, pytest.raises(specdec.SpecdecClientError) as failed:
+    with specdec.Client(serve(flaky), retries=retries) as client, pytest.raises(specdec.SpecdecClientError) as failed:
         for chunk in client.generate_stream("x", max_new_tokens=2):
             chunks.append(chunk.text)
-    assert chunks == ["a"] and failed.value.message == "lost mid-stream" and flaky.calls == 1
+    assert chunks == ["a"] and failed.value.message == message and flaky.calls == 1 and len(flaky.resumes) == resumes
 
 
 @pytest.mark.parametrize("code", [grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED,
@@ -95,6 +137,8 @@ def test_retries_zero_sends_a_call_once_and_the_async_client_retries_alike(serve
 
     flaky = FlakyCoordinator(failures=2)
     assert asyncio.run(generate_async(serve(flaky))) == "ab" and flaky.calls == 3
+    flaky = FlakyCoordinator(failures=0, fail_mid_stream=True, resume_failures=1)
+    assert asyncio.run(generate_async(serve(flaky))) == "ab" and flaky.calls == 1 and len(flaky.resumes) == 2
 
 
 @pytest.mark.parametrize("retries", [-1, 5, 1.5, "2"])
@@ -120,3 +164,15 @@ def test_specdec_generate_retries_as_its_retries_flag_says(serve, capsys):
     with pytest.raises(SystemExit):
         main(["generate", "x", "--retries", "5"])
     assert "--retries: expected an integer at least 0 and at most 4, got '5'" in capsys.readouterr().err
+
+
+def test_specdec_generate_whose_stream_breaks_for_good_says_how_to_resume_it(serve, capsys):
+    from specdec.cli import main
+
+    flaky = FlakyCoordinator(failures=0, fail_mid_stream=True, resume_failures=99)
+    address = serve(flaky)
+    assert main(["generate", "x", "--address", address, "--retries", "1"]) == 1
+    out, err = capsys.readouterr()
+    session_id = flaky.session_ids[0]
+    assert out == "a" and "error: UNAVAILABLE: resume failure 2" in err  # one resume, sent twice by its channel
+    assert f"specdec resume {session_id} --address {address} --received-tokens 1 --received-chars 1" in err

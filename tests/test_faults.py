@@ -225,7 +225,7 @@ def test_redis_lost_mid_request_fails_the_stream_with_unavailable_and_later_requ
     UNAVAILABLE (not INTERNAL, not a hang). Redis comes back empty; a new request, even
     one reusing the session id whose KV caches the model services may still hold, gets
     the no-fault output."""
-    with specdec.Client(redis_stack.address) as client:
+    with specdec.Client(redis_stack.address, retries=0) as client:  # the failure is under test: no Resume
         expected = client.generate(PROMPT, max_new_tokens=200, **OPTIONS).token_ids
         try:
             chunks, error, failed_in = stream_until_failure(
@@ -250,7 +250,7 @@ def test_a_frozen_redis_fails_the_stream_with_unavailable_and_leaves_a_consisten
     plus a prefix of the no-fault output, never a half-written cycle."""
     prompt_ids = tiny_models.tokenizer.encode(PROMPT)
     pid = own_redis.process.pid
-    with specdec.Client(redis_stack.address) as client:
+    with specdec.Client(redis_stack.address, retries=0) as client:  # the failure is under test: no Resume
         expected = client.generate(prompt_token_ids=prompt_ids, max_new_tokens=200, **OPTIONS).token_ids
         try:
             chunks, error, failed_in = stream_until_failure(
@@ -323,11 +323,12 @@ def test_a_coordinator_killed_mid_request_fails_the_stream_and_leaves_a_clean_pr
 ):
     """SIGKILL the coordinator mid-stream: the client gets UNAVAILABLE; Redis holds the
     prompt plus a prefix of the no-fault output (at least what was streamed); the
-    restarted coordinator serves. The session is not resumed: it stays `running` until
-    its TTL, and a new request with its id is refused with ALREADY_EXISTS."""
+    restarted coordinator serves. The client does not resume here (retries=0; test_resume
+    does): the session stays `running` until its TTL or a Resume, and a new request with
+    its id is refused with ALREADY_EXISTS."""
     prompt_ids = tiny_models.tokenizer.encode(PROMPT)
     options = dict(prompt_token_ids=prompt_ids, **OPTIONS)
-    with specdec.Client(stack.address) as client:
+    with specdec.Client(stack.address, retries=0) as client:  # the failure is under test: no Resume
         expected = client.generate(max_new_tokens=200, **options).token_ids
         chunks, error, failed_in = stream_until_failure(
             client, lambda: stack.restart("coordinator", kill=True),
