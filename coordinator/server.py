@@ -29,6 +29,7 @@ from specdec.errors import (
 )
 from specdec.metrics import CoordinatorMetrics
 from specdec.ngram import DEFAULT_K, DEFAULT_MAX_NGRAM, DEFAULT_MIN_NGRAM, NGRAM_DRAFT
+from specdec.ranges import DEFAULT_DRAIN_S
 from specdec.security import ChannelSecurity, ServerSecurity
 from specdec.session import SessionStore, check_session_id, new_session_id
 from specdec.vocab import chat_ids, has_chat_template
@@ -98,6 +99,8 @@ class CoordinatorConfig:
     # Longest a cycle waits for the draft before running target-only (0 = only the request
     # deadline bounds it); see coordinator.cycles.draft_budget.
     draft_timeout_s: float = DRAFT_TIMEOUT_S
+    # On SIGTERM, how long running requests may go on before they are cancelled (serving.run).
+    drain_s: float = DEFAULT_DRAIN_S
     # With an n-gram draft, call the draft service for drafts instead of looking them up
     # here (coordinator.cycles.NgramLookup: the same tokens, no network hop).
     ngram_via_draft_service: bool = False
@@ -642,6 +645,7 @@ async def serve(config: CoordinatorConfig) -> None:
         close=servicer.close,
         metrics_registry=servicer.metrics.registry,
         metrics_port=config.metrics_port,
+        grace_s=config.drain_s,
         security=config.security,
         credential="an API token",
     )

@@ -14,8 +14,8 @@ from typing import NoReturn
 
 from specdec.ngram import DEFAULT_K, DEFAULT_MAX_NGRAM, DEFAULT_MIN_NGRAM, NGRAM_DRAFT
 from specdec.ranges import (
-    AT_LEAST_ONE, DEFAULT_RETRIES, MAX_NEW_TOKENS, METRICS_PORT, PORT, RETRIES, SECONDS, SEED, SERVICE_PORT, TEMPERATURE,
-    THREADS, TOP_K, TOP_P, UINT32, Range,
+    AT_LEAST_ONE, DEFAULT_DRAIN_S, DEFAULT_RETRIES, DRAIN_S, MAX_NEW_TOKENS, METRICS_PORT, PORT, RETRIES, SECONDS, SEED,
+    SERVICE_PORT, TEMPERATURE, THREADS, TOP_K, TOP_P, UINT32, Range,
 )
 
 DEFAULT_ADDRESS = "127.0.0.1:50051"
@@ -124,7 +124,7 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     add_draft_flags(services.add_parser("draft", help="the draft service", description="Serve Draft.Propose."))
     add_target_flags(services.add_parser("target", help="the target service", description="Serve Target.Verify."))
     add_coordinator_flags(
-        services.add_parser("coordinator", help="the public coordinator", description="Serve Coordinator.Generate.")
+        services.add_parser("coordinator", help="the public coordinator", description="Serve Coordinator.Generate and Coordinator.Resume.")
     )
 
     gen = commands.add_parser(
@@ -289,6 +289,10 @@ def add_coordinator_flags(p: argparse.ArgumentParser) -> None:
     env_flag(p, "--draft-timeout", "SPECDEC_DRAFT_TIMEOUT", default=2.0, type=Range(float, 0, note="0 = only the deadline"),
              help="seconds a cycle waits for the draft before running target-only (also at most a quarter "
                   "of a request's remaining deadline; 0 = only the deadline)")  # fmt: skip
+    env_flag(p, "--drain-s", "SPECDEC_DRAIN_S", default=DEFAULT_DRAIN_S, type=DRAIN_S,
+             help="on SIGTERM, seconds running requests may go on before they are cancelled (UNAVAILABLE; "
+                  "the SDK resumes them through another coordinator); keep it below the pod's "
+                  "terminationGracePeriodSeconds minus its preStop wait")  # fmt: skip
 
 
 def add_stack_flags(p: argparse.ArgumentParser) -> None:
@@ -419,7 +423,7 @@ def run_serve(args) -> NoReturn:
             redis_url=args.redis_url, tokenizer=args.tokenizer, default_k=args.default_k, max_k=args.max_k,
             default_max_new_tokens=args.default_max_new_tokens, max_new_tokens_limit=args.max_new_tokens_limit,
             metrics_port=args.metrics_port, pipeline=not args.no_pipeline, adaptive_k=args.adaptive_k,
-            pipeline_min_keep=args.pipeline_min_keep, draft_timeout_s=args.draft_timeout,
+            pipeline_min_keep=args.pipeline_min_keep, draft_timeout_s=args.draft_timeout, drain_s=args.drain_s,
             ngram_via_draft_service=args.ngram_via_draft_service, ngram_first=args.ngram_first,
             max_prompt_tokens=args.max_prompt_tokens, max_concurrent_requests=args.max_concurrent_requests,
             security=server_security(args, load_tokens(args.auth_token_file, AUTH_TOKEN_ENV)),

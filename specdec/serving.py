@@ -23,6 +23,7 @@ from grpc_reflection.v1alpha import reflection
 from specdec import telemetry
 from specdec.errors import MalformedRequest
 from specdec.metrics import serve_metrics
+from specdec.ranges import DEFAULT_DRAIN_S
 from specdec.security import ChannelSecurity, ServerSecurity, TokenChannel
 from specdec.v1 import specdec_pb2 as pb
 
@@ -42,7 +43,6 @@ CLIENT_OPTIONS = GRPC_OPTIONS + [
     ("grpc.initial_reconnect_backoff_ms", 200),
     ("grpc.max_reconnect_backoff_ms", 1_000),
 ]
-DEFAULT_GRACE_S = 5.0
 
 COORDINATOR_SERVICE = pb.DESCRIPTOR.services_by_name["Coordinator"].full_name
 DRAFT_SERVICE = pb.DESCRIPTOR.services_by_name["Draft"].full_name
@@ -133,7 +133,7 @@ async def run(
     servicer,
     load: Callable[[], Awaitable[None]],
     close: Callable[[], Awaitable[None]] | None = None,
-    grace_s: float = DEFAULT_GRACE_S,
+    grace_s: float = DEFAULT_DRAIN_S,
     metrics_registry=None,
     metrics_port: int = 0,
     security: ServerSecurity | None = None,

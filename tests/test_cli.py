@@ -64,6 +64,8 @@ def test_ngram_first_outside_its_range_is_refused_with_the_range_on_every_comman
     (["serve", "coordinator"], "--max-k", "0", "an integer at least 1"),
     (["serve", "coordinator"], "--max-concurrent-requests", "0", "an integer at least 1"),
     (["serve", "coordinator"], "--draft-timeout", "-1", "a number at least 0 (0 = only the deadline)"),
+    (["serve", "coordinator"], "--drain-s", "-1", "a number at least 0"),
+    (["resume", "some-session"], "--received-tokens", "-1", "an integer at least 0 and at most 4294967295"),
     (["serve", "coordinator"], "--pipeline-min-keep", "1.5", "a number at least 0 and at most 1"),
     (["serve", "draft"], "--max-k", "0", "an integer at least 1"),
     (["serve", "draft"], "--max-cache-mb", "-1", "a number at least 0 (0 = no limit)"),

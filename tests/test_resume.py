@@ -15,12 +15,13 @@ from specdec.session import meta_key
 
 PROMPT_OPTIONS = dict(ignore_eos=True, num_speculative_tokens=3)
 LONG = 1500  # tokens: a stream that is still running when the test breaks it (a few seconds)
+DRAIN_S = 0.5  # the coordinators' --drain-s: how long a stopping one lets running calls go on
 
 
 @pytest.fixture(scope="module")
 def stack(redis_url, tiny_models):
     """A stack with a second coordinator ("spare") on the same draft, target and Redis."""
-    stack = start_stack(redis_url, tiny_models.target, tiny_models.draft)
+    stack = start_stack(redis_url, tiny_models.target, tiny_models.draft, coordinator_args=["--drain-s", str(DRAIN_S)])
     try:
         stack.add_coordinator("spare")
         yield stack
@@ -91,6 +92,32 @@ def test_a_stream_whose_coordinator_is_killed_goes_on_through_the_other_with_the
             name: getattr(expected.stats, name) for name in counted
         }
     finally:
+        stack.restart("coordinator")
+        stack.wait_ready(("coordinator",))
+
+
+def test_a_stream_running_past_its_stopping_coordinators_drain_is_resumed_through_the_other(stack):
+    """SIGTERM, as a rolling update sends: the coordinator takes no new calls, lets running ones
+    go on for --drain-s, then cancels them (UNAVAILABLE), and the SDK resumes the stream."""
+    options = dict(prompt="hello world", max_new_tokens=300, **PROMPT_OPTIONS)
+    with specdec.Client(spare(stack)) as client:
+        expected = client.generate(**options)
+    chunks = []
+    with specdec.Client(both(stack)) as client:
+        for chunk in client.generate_stream(**options):
+            chunks.append(chunk)
+            if len(chunks) == 3:
+                stack.processes["coordinator"].terminate()
+                stopped_at = time.monotonic()
+    try:
+        resumed = [i for i, c in enumerate(chunks) if c.cycle is None]
+        print(f"\ncoordinator stopped: resumed after {len(chunks[:resumed[0]])} chunks, "
+              f"{time.monotonic() - stopped_at:.1f} s from SIGTERM to the stream's end")  # fmt: skip
+        assert len(resumed) == 1 and resumed[0] > 3, "the drain let the stream go on, then it was resumed once"
+        assert [t for c in chunks for t in c.token_ids] == expected.token_ids
+        assert "".join(c.text for c in chunks) == expected.text
+    finally:
+        stack.processes["coordinator"].wait(timeout=30)
         stack.restart("coordinator")
         stack.wait_ready(("coordinator",))
 
