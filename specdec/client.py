@@ -83,12 +83,13 @@ class _Resumption:
         self.tokens = 0  # output tokens received
         self.chars = 0  # characters of output text received
         self.finished = False
-        self.began = False  # a call of this stream was told the session exists (SESSION_HEADER)
+        self.began = False  # a call of this stream was told the session exists (SESSION_HEADER, a chunk)
         self.resumes = 0
         self.retries = retries
         self.deadline = None if timeout is None else time.monotonic() + timeout
 
     def saw(self, chunk: "Chunk") -> "Chunk":
+        self.began = True  # a chunk comes from a session that exists, headers seen or not
         self.tokens += len(chunk.token_ids)
         self.chars += len(chunk.text)
         self.finished = chunk.finish_reason is not None

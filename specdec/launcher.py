@@ -205,13 +205,13 @@ class Stack:
         return f"{self.config.host}:{self.ports[name]}"
 
     def spawn(self, name: str, service: str, *args: str) -> None:
-        host = self.config.host if name == "coordinator" else "127.0.0.1"
+        host = self.config.host if service == "coordinator" else "127.0.0.1"
         command = [
             sys.executable, "-m", "specdec.cli", "serve", service,
             "--host", host, "--port", str(self.ports[name]), *self.tls_args(name), *args,
         ]  # fmt: skip
         if self.metrics_ports:
-            command += ["--metrics-port", str(self.metrics_ports[name])]
+            command += ["--metrics-port", str(self.metrics_ports.get(name, 0))]  # an added coordinator: none
         secrets_env = {REDIS_URL_ENV: self.redis_url, INTERNAL_TOKEN_ENV: self.internal_token}
         env = service_environment(os.environ, {**self.config.env, **secrets_env})
         # Each process gets its own service name in traces: specdec-draft, or <yours>-draft.

@@ -240,7 +240,7 @@ class SessionStore:
         check_session_id(session_id)
         found = await self._take_over(keys=[meta_key(session_id), tokens_key(session_id)], args=[owner, self.ttl_s])
         if not found:
-            raise NotFound(f"session {session_id!r} does not exist (expired, or never created)")
+            raise NotFound(f"session {session_id!r} does not exist (expired or never created)")
         flat, tokens = found
         return dict(zip(flat[::2], flat[1::2])), [int(t) for t in tokens]
 
