@@ -229,16 +229,13 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             replay_tokens(text, committed[len(plan.prompt) + len(output):])
         text.emitted = request.received_chars
         await context.send_initial_metadata(((SESSION_HEADER, session_id),))
-        catch_up = pb.GenerateChunk(token_ids=committed[len(plan.prompt) + request.received_tokens:],
-                                    session_id=session_id)  # fmt: skip
-        resume_at = (committed, int(meta["cycle"]), stored_stats(meta, len(committed) - len(plan.prompt)))
+        stats = stored_stats(meta, len(committed) - len(plan.prompt))
+        catch_up = catch_up_chunk(plan, text, committed, request.received_tokens, stats,
+                                  finished=meta.get("status") == "finished")  # fmt: skip
         if meta.get("status") == "finished":
-            catch_up.text = text.take(final=True)
-            catch_up.finish_reason = FINISH[finished_as(plan, text, committed) or "length"]
-            catch_up.stats.CopyFrom(stats_pb(resume_at[2], len(plan.prompt), 0.0, 0.0))
             yield catch_up
             return
-        async for chunk in self.stream(plan, context, text, resume_at, catch_up):
+        async for chunk in self.stream(plan, context, text, (committed, int(meta["cycle"]), stats), catch_up):
             yield chunk
 
     async def stream(self, plan: Plan, context, text: TextStream, resume_at=None, catch_up=None):
@@ -294,12 +291,8 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         started = time.perf_counter()
         if resume_at is not None:
             loop.resume_at(*resume_at)
-            finish = finished_as(plan, text, resume_at[0])
-            catch_up.text = text.take(final=bool(finish))
-            catch_up.finish_reason = FINISH[finish] if finish else pb.FINISH_REASON_UNSPECIFIED
-            catch_up.stats.CopyFrom(stats_pb(loop.stats, len(plan.prompt), 0.0, 0.0))
             yield catch_up
-            if finish:
+            if catch_up.finish_reason != pb.FINISH_REASON_UNSPECIFIED:
                 return
         first_token_s = 0.0
         last_chunk_at = None
@@ -591,6 +584,21 @@ def finished_as(plan: Plan, text: TextStream, committed: list[int]) -> str:
     if generated >= plan.max_new_tokens or (plan.max_context and len(committed) >= plan.max_context):
         return "length"
     return ""
+
+
+def catch_up_chunk(plan: Plan, text: TextStream, committed: list[int], received_tokens: int, stats: Stats,
+                   finished: bool) -> pb.GenerateChunk:  # fmt: skip
+    """Resume's first chunk: the committed tokens after the `received_tokens` the client has, the
+    text after what `text` has emitted, the session's statistics, and its finish reason when the
+    tokens end it (or, for a session recorded as `finished`, "length" at least)."""
+    finish = finished_as(plan, text, committed) or ("length" if finished else "")
+    return pb.GenerateChunk(
+        token_ids=committed[len(plan.prompt) + received_tokens :],
+        text=text.take(final=bool(finish)),
+        finish_reason=FINISH[finish] if finish else pb.FINISH_REASON_UNSPECIFIED,
+        stats=stats_pb(stats, len(plan.prompt), 0.0, 0.0),
+        session_id=plan.session_id,
+    )
 
 
 def stored_stats(meta: dict[str, str], generated: int) -> Stats:
