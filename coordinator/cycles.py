@@ -74,6 +74,7 @@ import grpc
 from opentelemetry import context as otel_context
 
 from coordinator.adaptive import AdaptiveK
+from coordinator.replicas import Replica, Replicas
 from specdec import telemetry
 from specdec.ngram import find_continuation
 from specdec.session import SessionStore
@@ -191,14 +192,16 @@ class DraftCall:
     `budget` is the call's gRPC deadline: past it the call ends with DEADLINE_EXCEEDED
     even if the draft never answers, and the cycle treats that as a draft fault."""
 
-    def __init__(self, stub, request: pb.ProposeRequest, budget: float | None, eos_token_ids: frozenset[int]):
+    def __init__(self, replica: Replica, request: pb.ProposeRequest, budget: float | None,
+                 eos_token_ids: frozenset[int]):  # fmt: skip
+        self.replica = replica  # the draft replica asked
         self.k = request.k  # tokens asked for
         self.tokens: list[pb.DraftToken] = []
         self.error: grpc.aio.AioRpcError | None = None
         self.finished = False
         self.eos_token_ids = eos_token_ids
         self.changed = asyncio.Event()
-        self.call = stub.Propose(request, timeout=budget)
+        self.call = replica.stub.Propose(request, timeout=budget)
         self.task = asyncio.get_running_loop().create_task(self.pump())
 
     async def pump(self) -> None:
@@ -280,8 +283,8 @@ class Speculation:
 class CycleLoop:
     def __init__(
         self,
-        draft,
-        target,
+        drafts: Replicas,
+        targets: Replicas,
         store: SessionStore,
         plan: Plan,
         deadline: float | None,
@@ -289,8 +292,8 @@ class CycleLoop:
         shared_k: AdaptiveK | None = None,
         draft_timeout_s: float = DRAFT_TIMEOUT_S,
     ):
-        self.draft = draft  # DraftStub
-        self.target = target  # TargetStub
+        self.drafts = drafts  # the draft service's replicas (coordinator.replicas)
+        self.targets = targets  # the target service's
         self.store = store
         self.plan = plan
         self.deadline = deadline  # time.monotonic() by which the request must end
@@ -636,7 +639,8 @@ class CycleLoop:
             cycle=cycle,
         )
         remaining = None if self.deadline is None else self.deadline - time.monotonic()
-        return DraftCall(self.draft, request, draft_budget(self.draft_timeout_s, remaining), self.plan.eos_token_ids)
+        replica = self.drafts.pick(self.plan.session_id)
+        return DraftCall(replica, request, draft_budget(self.draft_timeout_s, remaining), self.plan.eos_token_ids)
 
     async def take_drafts(self, call: DraftCall, k: int) -> list[pb.DraftToken]:
         """The first k drafts of `call`; on a draft fault (an error, or the call's budget
@@ -650,6 +654,8 @@ class CycleLoop:
         except grpc.aio.AioRpcError as exc:
             if exc.code() not in DRAFT_FAULTS:
                 raise
+            if exc.code() == grpc.StatusCode.UNAVAILABLE and isinstance(call, DraftCall):
+                call.replica.failed()
             call.cancel()
             self.pause_drafting(exc.code())
             return []
@@ -731,16 +737,24 @@ class CycleLoop:
             awaits_commit=self.committing is not None and not self.committing.done(),
         )
         for attempt, pause in enumerate((*TARGET_RETRY_BACKOFF_S, None)):
+            # Each attempt asks the session's replica as of now: one that failed is skipped.
+            replica = self.targets.pick(self.plan.session_id)
             try:
                 with self.tracer.start_as_current_span(telemetry.VERIFY_SPAN) as span:
                     span.set_attribute("specdec.drafts", len(drafts))
                     span.set_attribute("specdec.attempt", attempt)
-                    reply = await self.target.Verify(request, timeout=self.timeout(), wait_for_ready=True)
+                    span.set_attribute("specdec.replica", replica.endpoint)
+                    # One target: wait for it to come back. Several: fail fast and ask another.
+                    reply = await replica.stub.Verify(
+                        request, timeout=self.timeout(), wait_for_ready=self.targets.single
+                    )
                     span.set_attribute("specdec.forward_ms", reply.forward_ms)
                     span.set_attribute("specdec.accept_ms", reply.accept_ms)
                     span.set_attribute("specdec.accepted", reply.num_accepted)
                     return reply
             except grpc.aio.AioRpcError as exc:
+                if exc.code() == grpc.StatusCode.UNAVAILABLE:
+                    replica.failed()
                 if exc.code() not in RETRYABLE or pause is None:
                     raise
                 if self.deadline is not None and time.monotonic() + pause > self.deadline:

@@ -15,6 +15,7 @@ from opentelemetry.trace import StatusCode
 
 from coordinator.adaptive import AdaptiveK
 from coordinator.cycles import DRAFT_TIMEOUT_S, CycleLoop, Plan, Stats
+from coordinator.replicas import Replicas, parse_replica_address
 from coordinator.text import TextStream
 from specdec import serving, telemetry
 from specdec.client import SESSION_HEADER
@@ -121,10 +122,9 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
     def __init__(self, config: CoordinatorConfig, store: SessionStore):
         self.config = config
         self.store = store
-        self.draft_channel = serving.channel(config.draft_address, config.internal)
-        self.target_channel = serving.channel(config.target_address, config.internal)
-        self.draft = pb_grpc.DraftStub(self.draft_channel)
-        self.target = pb_grpc.TargetStub(self.target_channel)
+        # Every call of a session goes to one replica of each model service (coordinator.replicas).
+        self.drafts = Replicas(parse_replica_address(config.draft_address), pb_grpc.DraftStub, config.internal)
+        self.targets = Replicas(parse_replica_address(config.target_address), pb_grpc.TargetStub, config.internal)
         self.draft_info: pb.ModelInfoResponse | None = None
         self.target_info: pb.ModelInfoResponse | None = None
         self.tokenizer = None
@@ -137,8 +137,8 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
     async def load(self) -> None:
         """Wait for both model services, check they share a vocabulary, load the tokenizer."""
         timeout = self.config.startup_timeout_s
-        self.target_info = await wait_for_model_info(self.target, "target", self.config.target_address, timeout)
-        self.draft_info = await wait_for_model_info(self.draft, "draft", self.config.draft_address, timeout)
+        self.target_info = await wait_for_model_info(self.targets, "target", timeout)
+        self.draft_info = await wait_for_model_info(self.drafts, "draft", timeout)
         if self.draft_info.kind != NGRAM_DRAFT:
             from specdec.vocab import check_vocab_match
 
@@ -159,8 +159,8 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
                  self.draft_info.model, self.target_info.model, self.default_k(), source)  # fmt: skip
 
     async def close(self) -> None:
-        await self.draft_channel.close()
-        await self.target_channel.close()
+        await self.drafts.close()
+        await self.targets.close()
         await self.store.close()
 
     def max_k(self) -> int:
@@ -285,7 +285,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         if resume_at is None:
             metrics.prompt_tokens.inc(len(plan.prompt))
         loop = CycleLoop(
-            self.draft, self.target, self.store, plan, deadline, trace_context, self.shared_k,
+            self.drafts, self.targets, self.store, plan, deadline, trace_context, self.shared_k,
             draft_timeout_s=self.config.draft_timeout_s,
         )  # fmt: skip
         started = time.perf_counter()
@@ -487,8 +487,8 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         except Exception as exc:  # noqa: BLE001 - Redis down: free the caches anyway
             log.warning("recording the end of session %s: %s", session_id, exc)
         calls = [
-            self.draft.Release(pb.ReleaseRequest(session_id=session_id), timeout=RELEASE_TIMEOUT_S),
-            self.target.Release(pb.ReleaseRequest(session_id=session_id), timeout=RELEASE_TIMEOUT_S),
+            replicas.pick(session_id).stub.Release(pb.ReleaseRequest(session_id=session_id), timeout=RELEASE_TIMEOUT_S)
+            for replicas in (self.drafts, self.targets)
         ]
         for result in await asyncio.gather(*calls, return_exceptions=True):
             if isinstance(result, grpc.aio.AioRpcError):
@@ -624,19 +624,29 @@ def stats_pb(stats: Stats, prompt_tokens: int, elapsed_s: float, first_token_s: 
     )
 
 
-async def wait_for_model_info(stub, name: str, address: str, timeout_s: float) -> pb.ModelInfoResponse:
-    """ModelInfo from a model service, waiting while it starts and loads its model."""
+async def wait_for_model_info(replicas: Replicas, name: str, timeout_s: float) -> pb.ModelInfoResponse:
+    """ModelInfo from a model service (one of its replicas), waiting while it starts and loads
+    its model, and, for a dns:/// address, until the name resolves."""
     deadline = time.monotonic() + timeout_s
+    await replicas.start()
     while True:
+        if not replicas.replicas:
+            await replicas.refresh()
         try:
-            info = await stub.ModelInfo(pb.ModelInfoRequest(), timeout=5.0, wait_for_ready=True)
-            if info.vocab_size or info.kind == NGRAM_DRAFT:
-                return info
+            if replicas.replicas:
+                replica = replicas.any()
+                info = await replica.stub.ModelInfo(pb.ModelInfoRequest(), timeout=5.0, wait_for_ready=replicas.single)
+                if info.vocab_size or info.kind == NGRAM_DRAFT:
+                    return info
         except grpc.aio.AioRpcError as exc:
             if exc.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
                 raise
+            if exc.code() == grpc.StatusCode.UNAVAILABLE:
+                replica.failed()
         if time.monotonic() > deadline:
-            raise FailedPrecondition(f"the {name} service at {address} did not become ready in {timeout_s:.0f}s")
+            raise FailedPrecondition(
+                f"the {name} service at {replicas.address} did not become ready in {timeout_s:.0f}s"
+            )
         await asyncio.sleep(0.2)
 
 

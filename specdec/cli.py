@@ -15,7 +15,7 @@ from typing import NoReturn
 from specdec.ngram import DEFAULT_K, DEFAULT_MAX_NGRAM, DEFAULT_MIN_NGRAM, NGRAM_DRAFT
 from specdec.ranges import (
     AT_LEAST_ONE, DEFAULT_DRAIN_S, DEFAULT_RETRIES, DRAIN_S, MAX_NEW_TOKENS, METRICS_PORT, PORT, RETRIES, SECONDS, SEED,
-    SERVICE_PORT, TEMPERATURE, THREADS, TOP_K, TOP_P, UINT32, Range,
+    REPLICA_REFRESH_S, SERVICE_PORT, TEMPERATURE, THREADS, TOP_K, TOP_P, UINT32, Range,
 )
 
 DEFAULT_ADDRESS = "127.0.0.1:50051"
@@ -65,6 +65,26 @@ def lookup_value(text: str) -> str:
     except ValueError as exc:
         raise argparse.ArgumentTypeError(f"{exc}; or auto, or off") from None
     return text
+
+
+def replica_address(text: str) -> str:
+    """--draft-address / --target-address: HOST:PORT, a comma-separated list of them, or
+    dns:///HOST:PORT (checked here, used by coordinator.replicas)."""
+    from coordinator.replicas import parse_replica_address
+
+    try:
+        parse_replica_address(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
+
+
+REPLICAS_HELP = (
+    "; several replicas: a comma-separated list (HOST:PORT,HOST:PORT), or dns:///HOST:PORT for every "
+    f"address the name resolves to (re-resolved every {REPLICA_REFRESH_S:g} s; a Kubernetes headless Service). Each session "
+    "keeps to one replica, so its KV caches stay warm; sessions spread over the replicas; one that fails "
+    "is skipped and its sessions move to the others (rebuilt from Redis)"
+)
 
 
 def add_ngram_first_flag(p: argparse.ArgumentParser, scope: str = "") -> None:
@@ -247,8 +267,10 @@ def add_target_flags(p: argparse.ArgumentParser) -> None:
 
 def add_coordinator_flags(p: argparse.ArgumentParser) -> None:
     add_common_service_flags(p, "SPECDEC_COORDINATOR", 50051)
-    env_flag(p, "--draft-address", "SPECDEC_DRAFT_ADDRESS", default="127.0.0.1:50052", help="draft service address")
-    env_flag(p, "--target-address", "SPECDEC_TARGET_ADDRESS", default="127.0.0.1:50053", help="target service address")
+    env_flag(p, "--draft-address", "SPECDEC_DRAFT_ADDRESS", default="127.0.0.1:50052", type=replica_address,
+             help="draft service address" + REPLICAS_HELP)  # fmt: skip
+    env_flag(p, "--target-address", "SPECDEC_TARGET_ADDRESS", default="127.0.0.1:50053", type=replica_address,
+             help="target service address (the same forms)")  # fmt: skip
     env_flag(p, "--tokenizer", "SPECDEC_TOKENIZER", default="", help="tokenizer to use (default: the target's model)")
     env_flag(p, "--default-k", "SPECDEC_DEFAULT_K", type=AT_LEAST_ONE, metavar="K",
              help="K when a request sets none (default: the K the draft service reports for its draft, "

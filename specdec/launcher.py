@@ -121,7 +121,7 @@ class Stack:
         self.quiet = quiet
         self.redis: EmbeddedRedis | None = None
         self.processes: dict[str, subprocess.Popen] = {}
-        self.kinds: dict[str, str] = {}  # process name -> its service, where they differ (add_coordinator)
+        self.kinds: dict[str, str] = {}  # process name -> its service, where they differ (add_replica)
         self.envs: dict[str, dict[str, str]] = {}
         self.ports: dict[str, int] = {}
         self.logs: dict[str, IO[bytes]] = {}  # a quiet service's output
@@ -169,21 +169,28 @@ class Stack:
         try:
             if not cfg.redis_url:
                 self.redis = EmbeddedRedis().start()
-            target_threads, draft_threads = default_threads(cfg.draft)
             self.ports = {"coordinator": cfg.port}
             self.ports["draft"] = free_port_except(self.ports.values())
             self.ports["target"] = free_port_except(self.ports.values())
-            self.spawn("target", "target", "--model", cfg.target,
-                       "--threads", str(cfg.target_threads or target_threads),
-                       "--solo-threads", str(cfg.target_threads or solo_threads()), *cfg.target_args)  # fmt: skip
-            self.spawn("draft", "draft", "--model", cfg.draft,
-                       "--threads", str(cfg.draft_threads or draft_threads), *cfg.draft_args)  # fmt: skip
-            self.spawn("coordinator", "coordinator", *self.coordinator_args())
+            self.spawn("target", "target", *self.service_args("target"))
+            self.spawn("draft", "draft", *self.service_args("draft"))
+            self.spawn("coordinator", "coordinator", *self.service_args("coordinator"))
             self.wait_ready()
         except BaseException:
             self.stop()
             raise
         return self
+
+    def service_args(self, service: str) -> list[str]:
+        """The flags this stack starts `service` with (but its address, TLS and metrics port)."""
+        cfg = self.config
+        target_threads, draft_threads = default_threads(cfg.draft)
+        if service == "target":
+            return ["--model", cfg.target, "--threads", str(cfg.target_threads or target_threads),
+                    "--solo-threads", str(cfg.target_threads or solo_threads()), *cfg.target_args]  # fmt: skip
+        if service == "draft":
+            return ["--model", cfg.draft, "--threads", str(cfg.draft_threads or draft_threads), *cfg.draft_args]
+        return self.coordinator_args()
 
     def coordinator_args(self) -> list[str]:
         cfg = self.config
@@ -195,14 +202,23 @@ class Stack:
             *auth, *lookups, *cfg.coordinator_args,
         ]  # fmt: skip
 
-    def add_coordinator(self, name: str) -> str:
+    def add_coordinator(self, name: str, *args: str) -> str:
         """Start one more coordinator, called `name`, on a free port, in front of this stack's
-        draft, target and Redis (a replica, as behind a load balancer); wait until it serves
-        and return its address. stop() stops it with the first one."""
+        draft, target and Redis (a replica, as behind a load balancer), with `args` added to
+        its flags (later flags win); wait until it serves and return its address. stop()
+        stops it with the first one."""
+        return self.add_replica(name, "coordinator", *args)
+
+    def add_replica(self, name: str, service: str, *args: str) -> str:
+        """Start one more process of `service` (coordinator, draft or target), called `name`,
+        with the first one's flags plus `args`, on a free port; wait until it serves and
+        return its address. The stack's coordinator does not call an added model service:
+        name it in a coordinator's --target-address / --draft-address."""
         self.ports[name] = free_port_except(self.ports.values())
-        self.spawn(name, "coordinator", *self.coordinator_args())
+        self.spawn(name, service, *self.service_args(service), *args)
         self.wait_ready((name,))
-        return f"{self.config.host}:{self.ports[name]}"
+        host = self.config.host if service == "coordinator" else "127.0.0.1"
+        return f"{host}:{self.ports[name]}"
 
     def spawn(self, name: str, service: str, *args: str) -> None:
         host = self.config.host if service == "coordinator" else "127.0.0.1"
@@ -211,7 +227,7 @@ class Stack:
             "--host", host, "--port", str(self.ports[name]), *self.tls_args(name), *args,
         ]  # fmt: skip
         if self.metrics_ports:
-            command += ["--metrics-port", str(self.metrics_ports.get(name, 0))]  # an added coordinator: none
+            command += ["--metrics-port", str(self.metrics_ports.get(name, 0))]  # an added process: none
         secrets_env = {REDIS_URL_ENV: self.redis_url, INTERNAL_TOKEN_ENV: self.internal_token}
         env = service_environment(os.environ, {**self.config.env, **secrets_env})
         # Each process gets its own service name in traces: specdec-draft, or <yours>-draft.

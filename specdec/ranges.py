@@ -89,6 +89,8 @@ THREADS = Range(int, 0, note="0 = torch's choice")
 # Seconds a stopping service lets running calls go on (serving.run's grace; `--drain-s`).
 DRAIN_S = Range(float, 0)
 DEFAULT_DRAIN_S = 5.0
+# Seconds between two resolutions of a dns:/// replica address (coordinator.replicas).
+REPLICA_REFRESH_S = 10.0
 SHARE = Range(float, 0, 1, below=True)  # a fraction that must leave something over
 
 

@@ -82,14 +82,17 @@ def create_server(interceptors=()) -> grpc.aio.Server:
     return grpc.aio.server(options=SERVER_OPTIONS, interceptors=list(interceptors))
 
 
-def channel(address: str, security: ChannelSecurity | None = None) -> grpc.aio.Channel:
-    """An aio channel to `address`: TLS when `security` names a CA, and its token on every call."""
+def channel(address: str, security: ChannelSecurity | None = None, server_name: str = "") -> grpc.aio.Channel:
+    """An aio channel to `address`: TLS when `security` names a CA, and its token on every call.
+    `server_name`: the name the server's certificate must hold, where `address` is an IP that
+    a name resolved to (coordinator.replicas)."""
     security = security or ChannelSecurity()
     credentials = security.credentials()
     if credentials is None:
         opened = grpc.aio.insecure_channel(address, options=CLIENT_OPTIONS)
     else:
-        opened = grpc.aio.secure_channel(address, credentials, options=CLIENT_OPTIONS)
+        named = [("grpc.ssl_target_name_override", server_name)] if server_name else []
+        opened = grpc.aio.secure_channel(address, credentials, options=CLIENT_OPTIONS + named)
     return TokenChannel(opened, security.metadata()) if security.token else opened
 
 

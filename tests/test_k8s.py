@@ -38,6 +38,7 @@ from urllib.parse import urlsplit
 import pytest
 import yaml
 
+from coordinator.replicas import parse_replica_address
 from specdec import catalog, serving
 from specdec.cli import build_parser
 
@@ -444,11 +445,14 @@ def test_services_match_the_cli(overlay, monkeypatch):
         if service != "coordinator":
             check_model_placement(r, service, args, container)
 
-    # the coordinator talks to the Services of the draft and the target, on their ports
+    # the coordinator talks to the Services of the draft and the target, on their ports, each
+    # pod a replica: a dns:/// address of a headless Service (a ClusterIP resolves to one address)
     for service, address in (("draft", parsed["coordinator"].draft_address),
                              ("target", parsed["coordinator"].target_address)):  # fmt: skip
-        host, port = address.rsplit(":", 1)
-        svc, svc_port = r.service_for(host, int(port))
+        replicas = parse_replica_address(address)
+        assert replicas.host, f"--{service}-address {address}: not dns:///, so one pod would get every session"
+        svc, svc_port = r.service_for(replicas.host, replicas.port)
+        assert svc["spec"].get("clusterIP") == "None", f"Service {svc['metadata']['name']} must be headless"
         (workload,) = r.selected_workloads(svc["spec"]["selector"])
         assert component_of(workload) == service, f"--{service}-address {address} reaches {component_of(workload)}"
         ports = {p["name"]: p["containerPort"] for p in r.container(service)["ports"]}

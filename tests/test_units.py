@@ -1011,6 +1011,20 @@ class FakeDraftStream:
         pass
 
 
+class OneReplica:
+    """coordinator.replicas.Replicas of one fixed replica whose stub is `stub`."""
+
+    single = True
+
+    def __init__(self, stub):
+        from coordinator.replicas import Replica
+
+        self.replica = Replica("test", None, stub)
+
+    def pick(self, session_id):
+        return self.replica
+
+
 class AcceptingTargetStub:
     """A target that accepts every draft and answers 7 as its next token."""
 
@@ -1047,7 +1061,7 @@ def test_the_next_cycle_drafts_while_this_cycle_commits_and_nothing_else_changes
         plan = Plan(session_id="s", prompt=[1, 2, 3], max_new_tokens=9, sampling=Sampling(0.0, 0, 1.0, 1), k=2,
                     eos_token_ids=frozenset(), max_context=0, draft_model="", draft_fingerprint="",
                     pipeline=False)  # fmt: skip
-        loop = CycleLoop(draft, AcceptingTargetStub(), store, plan, None)
+        loop = CycleLoop(OneReplica(draft), OneReplica(AcceptingTargetStub()), store, plan, None)
         outcomes = [outcome async for outcome in loop.run()]
         return draft.requests, store.asked_before_commit, outcomes
 

@@ -1,0 +1,199 @@
+"""Which replica of a model service serves a session.
+
+A model service (draft or target) may run as several replicas: processes serving the same
+model, each keeping KV caches of the sessions it served. The coordinator sends every call of
+a session to one replica, so that replica's caches stay warm, and spreads the sessions over
+the replicas by rendezvous hashing: session s goes to the replica r with the highest
+score(s, r). Adding or removing a replica moves only the sessions it gains or held; a
+session that moves is rebuilt from Redis by its new replica (specdec.kvcache), so a move
+costs one prefill, never a token.
+
+Terms:
+    address   what --target-address / --draft-address names. One of
+                `host:port`            one replica (or one load balancer in front of several);
+                `h1:p1,h2:p2,...`      one replica each;
+                `dns:///host:port`     every address `host` resolves to is a replica, resolved
+                                       again every REPLICA_REFRESH_S seconds (a Kubernetes headless
+                                       Service: one address per ready pod).
+    down      a replica whose call failed UNAVAILABLE, or whose connection is failing, is
+              skipped for DOWN_S seconds: its sessions go to their next-best replica.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import ipaddress
+import logging
+import socket
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+
+import grpc
+
+from specdec import serving
+from specdec.errors import Unavailable
+from specdec.ranges import REPLICA_REFRESH_S
+from specdec.security import ChannelSecurity
+
+log = logging.getLogger("specdec.coordinator")
+
+DNS_SCHEME = "dns:///"
+DOWN_S = 5.0
+# How long a removed replica's channel stays open for the calls still running on it.
+CLOSE_GRACE_S = 30.0
+
+
+@dataclass(frozen=True)
+class ReplicaAddress:
+    """A parsed --target-address / --draft-address: fixed `endpoints`, or a `host` and `port`
+    to resolve (dns:///)."""
+
+    endpoints: tuple[str, ...] = ()
+    host: str = ""
+    port: int = 0
+
+    def __str__(self) -> str:
+        return f"{DNS_SCHEME}{self.host}:{self.port}" if self.host else ",".join(self.endpoints)
+
+
+def parse_replica_address(text: str) -> ReplicaAddress:
+    """A ReplicaAddress, or ValueError with a message naming what is wrong."""
+    text = text.strip()
+    if text.startswith(DNS_SCHEME):
+        host, port = split_host_port(text[len(DNS_SCHEME) :], text)
+        return ReplicaAddress(host=host, port=port)
+    parts = [part.strip() for part in text.split(",")]
+    if len(parts) == 1:
+        if not parts[0]:
+            raise ValueError("the address is empty")
+        return ReplicaAddress(endpoints=(parts[0],))  # any gRPC target, as before: unix:..., a name
+    for part in parts:
+        split_host_port(part, text)
+    if len(set(parts)) != len(parts):
+        raise ValueError(f"{text!r} names a replica twice")
+    return ReplicaAddress(endpoints=tuple(parts))
+
+
+def split_host_port(part: str, whole: str) -> tuple[str, int]:
+    host, sep, port = part.rpartition(":")
+    host = host.strip("[]")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"{part!r} in {whole!r} is not HOST:PORT (a port from 1 to 65535)")
+    return host, int(port)
+
+
+def endpoint_of(ip: str, port: int) -> str:
+    """The gRPC target of one resolved address."""
+    return f"ipv6:[{ip}]:{port}" if ipaddress.ip_address(ip).version == 6 else f"ipv4:{ip}:{port}"
+
+
+def score(session_id: str, endpoint: str) -> int:
+    """The rendezvous score of a replica for a session: the highest-scoring replica serves it."""
+    digest = hashlib.blake2b(f"{endpoint}\0{session_id}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big")
+
+
+@dataclass
+class Replica:
+    endpoint: str  # the gRPC target this replica's channel connects to
+    channel: object  # grpc.aio.Channel (or specdec.security.TokenChannel)
+    stub: object  # DraftStub / TargetStub on `channel`
+    down_until: float = 0.0  # time.monotonic() before which it is skipped
+
+    def failed(self) -> None:
+        """Skip this replica for DOWN_S seconds (a call to it failed UNAVAILABLE)."""
+        self.down_until = time.monotonic() + DOWN_S
+
+    def usable(self, now: float) -> bool:
+        if now < self.down_until:
+            return False
+        state = self.channel.get_state(try_to_connect=False)
+        return state != grpc.ChannelConnectivity.TRANSIENT_FAILURE
+
+
+Resolver = Callable[[str, int], Awaitable[list[str]]]
+
+
+async def resolve(host: str, port: int) -> list[str]:
+    """The IP addresses `host` resolves to, sorted, without duplicates."""
+    infos = await asyncio.get_running_loop().getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    return sorted({info[4][0] for info in infos})
+
+
+@dataclass
+class Replicas:
+    """The replicas of one model service (see the module doc). `start()` before `pick()`;
+    `close()` at the end."""
+
+    address: ReplicaAddress
+    stub_class: type
+    security: ChannelSecurity | None = None
+    refresh_s: float = REPLICA_REFRESH_S
+    resolver: Resolver = resolve
+    replicas: dict[str, Replica] = field(default_factory=dict)  # endpoint -> replica
+    refresher: asyncio.Task | None = None
+    closing: set[asyncio.Task] = field(default_factory=set)
+
+    @property
+    def single(self) -> bool:
+        """A single fixed address: calls wait for it to come back (wait_for_ready) rather
+        than fail over, as there is nowhere else to go."""
+        return len(self.address.endpoints) == 1
+
+    async def start(self) -> None:
+        if not self.address.host:
+            self.update(list(self.address.endpoints))
+            return
+        await self.refresh()
+        self.refresher = asyncio.get_running_loop().create_task(self.keep_refreshing())
+
+    def pick(self, session_id: str) -> Replica:
+        """The replica that serves `session_id`: the highest-scoring usable one, or the
+        highest-scoring one when none is usable (its calls then fail or wait)."""
+        if not self.replicas:
+            raise Unavailable(f"{self.address} resolves to no address yet; retry shortly")
+        ranked = sorted(self.replicas.values(), key=lambda r: score(session_id, r.endpoint), reverse=True)
+        now = time.monotonic()
+        return next((r for r in ranked if r.usable(now)), ranked[0])
+
+    def any(self) -> Replica:
+        """A replica for calls that concern no session (ModelInfo)."""
+        return self.pick("")
+
+    async def refresh(self) -> None:
+        try:
+            ips = await self.resolver(self.address.host, self.address.port)
+        except OSError as exc:
+            log.warning("resolving %s: %s; keeping %d replica(s)", self.address, exc, len(self.replicas))
+            return
+        if ips:  # a name that resolves to nothing keeps the last replicas rather than none
+            self.update([endpoint_of(ip, self.address.port) for ip in ips])
+
+    async def keep_refreshing(self) -> None:
+        while True:
+            await asyncio.sleep(self.refresh_s)
+            await self.refresh()
+
+    def update(self, endpoints: list[str]) -> None:
+        """Open channels to new endpoints and close (after CLOSE_GRACE_S) those gone."""
+        added = [endpoint for endpoint in endpoints if endpoint not in self.replicas]
+        gone = [endpoint for endpoint in self.replicas if endpoint not in endpoints]
+        for endpoint in added:
+            # A resolved address is an IP: TLS checks the certificate against the name.
+            channel = serving.channel(endpoint, self.security, server_name=self.address.host)
+            self.replicas[endpoint] = Replica(endpoint, channel, self.stub_class(channel))
+        for endpoint in gone:
+            replica = self.replicas.pop(endpoint)
+            task = asyncio.get_running_loop().create_task(replica.channel.close(CLOSE_GRACE_S))
+            self.closing.add(task)
+            task.add_done_callback(self.closing.discard)
+        if self.address.host and (added or gone):
+            log.info("%s: %d replica(s): %s", self.address, len(self.replicas), ", ".join(sorted(self.replicas)))
+
+    async def close(self) -> None:
+        if self.refresher is not None:
+            self.refresher.cancel()
+        await asyncio.gather(*(r.channel.close() for r in self.replicas.values()), *self.closing,
+                             return_exceptions=True)  # fmt: skip

@@ -1,0 +1,257 @@
+"""Model service replicas (coordinator.replicas): a session keeps to one replica, sessions
+spread over them, a failed replica's sessions move to the others without losing a token.
+The rules are checked on Replicas itself; the behaviour through real processes: two target
+services on loopback behind one coordinator, each target's forward passes counted by its
+own /metrics endpoint."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import time
+import urllib.request
+from collections import Counter
+
+import grpc
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+import specdec
+from conftest import start_stack
+from coordinator.replicas import (
+    DOWN_S,
+    ReplicaAddress,
+    Replicas,
+    endpoint_of,
+    parse_replica_address,
+    score,
+)
+from specdec.redis_server import free_port
+from specdec.v1 import specdec_pb2 as pb
+from specdec.v1 import specdec_pb2_grpc as pb_grpc
+
+PROMPT = "hello world"
+OPTIONS = dict(ignore_eos=True, num_speculative_tokens=3)
+
+
+# ---------------------------------------------------------------- the rules
+
+
+def test_a_replica_address_is_one_target_a_list_or_a_dns_name_and_anything_else_is_refused():
+    assert parse_replica_address("127.0.0.1:50053") == ReplicaAddress(endpoints=("127.0.0.1:50053",))
+    assert parse_replica_address("unix:/tmp/target.sock").endpoints == ("unix:/tmp/target.sock",)
+    assert parse_replica_address(" a:1, b:2 ").endpoints == ("a:1", "b:2")
+    assert parse_replica_address("[::1]:5,127.0.0.1:6").endpoints == ("[::1]:5", "127.0.0.1:6")
+    dns = parse_replica_address("dns:///specdec-target.specdec.svc.cluster.local:50053")
+    assert (dns.host, dns.port, dns.endpoints) == ("specdec-target.specdec.svc.cluster.local", 50053, ())
+    assert str(dns) == "dns:///specdec-target.specdec.svc.cluster.local:50053"
+    for bad, says in [
+        ("", "empty"),
+        ("a:1,b", "'b' in 'a:1,b' is not HOST:PORT"),
+        ("a:1,a:1", "names a replica twice"),
+        ("a:1,b:0", "a port from 1 to 65535"),
+        ("a:1,b:70000", "a port from 1 to 65535"),
+        ("dns:///target", "'target' in 'dns:///target' is not HOST:PORT"),
+        ("dns:///:50053", "is not HOST:PORT"),
+    ]:
+        with pytest.raises(ValueError, match=says):
+            parse_replica_address(bad)
+    assert endpoint_of("10.0.0.7", 50053) == "ipv4:10.0.0.7:50053"
+    assert endpoint_of("fd00::7", 50053) == "ipv6:[fd00::7]:50053"
+
+
+def picks(replicas: Replicas, sessions: list[str]) -> dict[str, str]:
+    return {s: replicas.pick(s).endpoint for s in sessions}
+
+
+def test_sessions_spread_evenly_and_a_removed_replica_moves_only_its_own_sessions():
+    """Rendezvous hashing: 3,000 sessions over 3 replicas, each gets 30-37%; removing one
+    moves exactly its sessions, spread over the other two; adding it back restores every
+    session's replica."""
+
+    async def run():
+        endpoints = [f"127.0.0.1:{port}" for port in (7001, 7002, 7003)]  # never connected
+        replicas = Replicas(ReplicaAddress(endpoints=tuple(endpoints)), pb_grpc.TargetStub)
+        await replicas.start()
+        sessions = [f"session-{i}" for i in range(3000)]
+        before = picks(replicas, sessions)
+        replicas.update(endpoints[:2])
+        after = picks(replicas, sessions)
+        replicas.update(endpoints)
+        again = picks(replicas, sessions)
+        await replicas.close()
+        return endpoints, before, after, again
+
+    endpoints, before, after, again = asyncio.run(run())
+    shares = Counter(before.values())
+    assert set(shares) == set(endpoints)
+    assert all(0.30 < n / 3000 < 0.37 for n in shares.values()), shares
+    moved = {s for s in before if before[s] != after[s]}
+    assert moved == {s for s, e in before.items() if e == endpoints[2]}
+    assert 0.4 < Counter(after[s] for s in moved)[endpoints[0]] / len(moved) < 0.6
+    assert again == before
+
+
+def test_a_failed_replica_is_skipped_for_a_while_and_its_sessions_come_back():
+    async def run():
+        endpoints = ("127.0.0.1:7001", "127.0.0.1:7002")
+        replicas = Replicas(ReplicaAddress(endpoints=endpoints), pb_grpc.TargetStub)
+        await replicas.start()
+        sessions = [f"s{i}" for i in range(200)]
+        before = picks(replicas, sessions)
+        first = replicas.replicas[endpoints[0]]
+        first.failed()
+        assert first.down_until - time.monotonic() == pytest.approx(DOWN_S, abs=0.5)
+        during = picks(replicas, sessions)
+        first.down_until = 0.0  # DOWN_S later
+        after = picks(replicas, sessions)
+        replicas.replicas[endpoints[1]].failed()
+        first.failed()
+        all_down = picks(replicas, sessions)  # nowhere better to go: each session's own replica
+        await replicas.close()
+        return endpoints, before, during, after, all_down
+
+    endpoints, before, during, after, all_down = asyncio.run(run())
+    assert set(during.values()) == {endpoints[1]}
+    assert Counter(before.values())[endpoints[0]] > 50
+    assert after == before == all_down
+
+
+def test_a_dns_address_follows_what_the_name_resolves_to_and_keeps_its_replicas_when_resolving_fails():
+    answers = [["10.0.0.1", "10.0.0.2"], ["10.0.0.2", "10.0.0.3", "fd00::4"], OSError("no such host"), [], ["10.0.0.3"]]
+
+    async def resolver(host, port):
+        assert (host, port) == ("target.example", 50053)
+        answer = answers.pop(0)
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+
+    async def run():
+        replicas = Replicas(parse_replica_address("dns:///target.example:50053"), pb_grpc.TargetStub,
+                            refresh_s=3600, resolver=resolver)  # fmt: skip
+        seen = []
+        await replicas.start()
+        seen.append(sorted(replicas.replicas))
+        for _ in range(4):
+            await replicas.refresh()
+            seen.append(sorted(replicas.replicas))
+        assert not replicas.single
+        await replicas.close()
+        return seen
+
+    seen = asyncio.run(run())
+    assert seen == [
+        ["ipv4:10.0.0.1:50053", "ipv4:10.0.0.2:50053"],
+        ["ipv4:10.0.0.2:50053", "ipv4:10.0.0.3:50053", "ipv6:[fd00::4]:50053"],
+        ["ipv4:10.0.0.2:50053", "ipv4:10.0.0.3:50053", "ipv6:[fd00::4]:50053"],  # OSError: kept
+        ["ipv4:10.0.0.2:50053", "ipv4:10.0.0.3:50053", "ipv6:[fd00::4]:50053"],  # nothing: kept
+        ["ipv4:10.0.0.3:50053"],
+    ]
+
+
+def test_the_coordinator_refuses_a_malformed_replica_address_before_it_starts(tmp_path):
+    import subprocess
+    import sys
+
+    result = subprocess.run(
+        [sys.executable, "-m", "specdec.cli", "serve", "coordinator", "--target-address", "10.0.0.1:50053,10.0.0.2"],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert result.returncode == 2
+    assert "argument --target-address: '10.0.0.2' in '10.0.0.1:50053,10.0.0.2' is not HOST:PORT" in result.stderr
+
+
+# ---------------------------------------------------------------- through the services
+
+
+def forward_passes(port: int) -> float:
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == "specdec:forward_latency_seconds_count":
+                return sample.value
+    return 0.0
+
+
+@pytest.fixture(scope="module")
+def two_targets(redis_url, tiny_models):
+    """A tiny stack whose coordinator talks to its one target, plus a second target process
+    and a second coordinator (`spread`) that names both targets; each target serves
+    /metrics."""
+    ports = {"target": free_port(), "second": free_port()}
+    stack = start_stack(redis_url, tiny_models.target, tiny_models.draft,
+                        target_args=["--metrics-port", str(ports["target"])])  # fmt: skip
+    try:
+        stack.add_replica("second", "target", "--metrics-port", str(ports["second"]))
+        targets = [f"127.0.0.1:{stack.ports[name]}" for name in ("target", "second")]
+        address = stack.add_coordinator("spread", "--target-address", ",".join(targets))
+        yield stack, address, dict(zip(targets, (ports["target"], ports["second"])))
+    finally:
+        stack.stop()
+
+
+def test_each_session_keeps_to_the_one_target_replica_its_id_picks_and_sessions_spread(two_targets, tiny_models):
+    """Ten greedy requests through the coordinator in front of two targets, one at a time:
+    every forward pass of a request runs on the replica rendezvous hashing picks for its
+    session id, both replicas serve some sessions, no replica keeps a session afterwards (its
+    Release went where its cache was), and the tokens are those of the one-target stack."""
+    stack, address, metrics_ports = two_targets
+    prompt_ids = tiny_models.tokenizer.encode(PROMPT)
+    options = dict(prompt_token_ids=prompt_ids, max_new_tokens=24, **OPTIONS)
+    with specdec.Client(stack.address) as client:
+        expected = client.generate(**options).token_ids
+    served = Counter()
+    with specdec.Client(address) as client:
+        for i in range(10):
+            session_id = f"replica-test-{i}"
+            chosen = max(metrics_ports, key=lambda target: score(session_id, target))
+            before = {t: forward_passes(p) for t, p in metrics_ports.items()}
+            assert client.generate(session_id=session_id, **options).token_ids == expected
+            after = {t: forward_passes(p) for t, p in metrics_ports.items()}
+            ran = {t for t in metrics_ports if after[t] > before[t]}
+            assert ran == {chosen}, f"session {session_id}: forward passes on {ran}, expected only {chosen}"
+            served[chosen] += 1
+    assert len(served) == 2, served
+    for name in ("target", "second"):
+        info = pb_grpc.TargetStub(grpc.insecure_channel(f"127.0.0.1:{stack.ports[name]}"))
+        held = info.ModelInfo(pb.ModelInfoRequest(), metadata=stack.internal_metadata, timeout=10)
+        assert held.sessions_held == 0, f"{name} still holds {held.sessions_held} session(s)"
+
+
+def test_a_target_replica_killed_mid_stream_hands_its_sessions_to_the_other_without_losing_a_token(
+    two_targets, tiny_models
+):
+    """SIGKILL the replica that serves a running stream: the stream goes on to its end on the
+    other replica (which rebuilds the session from Redis), its tokens identical to the
+    one-target stack's, and the coordinator's next sessions all go to the replica left."""
+    stack, address, metrics_ports = two_targets
+    prompt_ids = tiny_models.tokenizer.encode(PROMPT)
+    options = dict(prompt_token_ids=prompt_ids, max_new_tokens=600, **OPTIONS)
+    with specdec.Client(stack.address) as client:
+        unbroken_s = time.monotonic()
+        expected = client.generate(**options).token_ids
+        unbroken_s = time.monotonic() - unbroken_s
+    second = f"127.0.0.1:{stack.ports['second']}"
+    # A session id that picks the second replica, which is killed mid-stream.
+    picks_second = (s for s in (f"killed-{i}" for i in range(100)) if max(metrics_ports, key=lambda t: score(s, t)) == second)
+    session_id = next(picks_second)
+    first = next(t for t in metrics_ports if t != second)
+    tokens = []
+    started = time.monotonic()
+    before = forward_passes(metrics_ports[first])
+    with specdec.Client(address, retries=0) as client:  # no Resume: the coordinator itself must carry on
+        for n, chunk in enumerate(client.generate_stream(session_id=session_id, **options)):
+            tokens += chunk.token_ids
+            if n == 2:
+                stack.processes["second"].send_signal(signal.SIGKILL)
+                killed_at = len(tokens)
+        print(f"\nsecond target killed after {killed_at} tokens; the stream ended after {len(tokens)} "
+              f"in {time.monotonic() - started:.1f} s (unbroken, one target: {unbroken_s:.1f} s)")  # fmt: skip
+        assert tokens == expected
+        assert forward_passes(metrics_ports[first]) > before, "the first replica never took the session over"
+        before = forward_passes(metrics_ports[first])
+        for i in range(4):
+            reply = client.generate(session_id=f"after-kill-{i}", **dict(options, max_new_tokens=12))
+            assert reply.token_ids == expected[:12]
+        assert forward_passes(metrics_ports[first]) > before
