@@ -169,8 +169,8 @@ def make_ca(name: str):
     return key, cert
 
 
-def make_leaf(ca_key, ca_cert, name: str):
-    """A certificate for 127.0.0.1 and localhost, good for servers and clients alike."""
+def make_leaf(ca_key, ca_cert, name: str, names=(x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1")))):
+    """A certificate for `names` (127.0.0.1 and localhost), good for servers and clients alike."""
     key = ec.generate_private_key(ec.SECP256R1())
     now = datetime.datetime.now(datetime.timezone.utc)
     cert = (
@@ -178,8 +178,7 @@ def make_leaf(ca_key, ca_cert, name: str):
         .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)]))
         .issuer_name(ca_cert.subject).public_key(key.public_key()).serial_number(x509.random_serial_number())
         .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(days=1))
-        .add_extension(x509.SubjectAlternativeName(
-            [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), critical=False)
+        .add_extension(x509.SubjectAlternativeName(list(names)), critical=False)
         .add_extension(x509.ExtendedKeyUsage(
             [ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]), critical=False)
         .sign(ca_key, hashes.SHA256())

@@ -7,7 +7,10 @@ own /metrics endpoint."""
 from __future__ import annotations
 
 import asyncio
+import os
 import signal
+import subprocess
+import sys
 import time
 import urllib.request
 from collections import Counter
@@ -150,10 +153,7 @@ def test_a_dns_address_follows_what_the_name_resolves_to_and_keeps_its_replicas_
     ]
 
 
-def test_the_coordinator_refuses_a_malformed_replica_address_before_it_starts(tmp_path):
-    import subprocess
-    import sys
-
+def test_the_coordinator_refuses_a_malformed_replica_address_before_it_starts():
     result = subprocess.run(
         [sys.executable, "-m", "specdec.cli", "serve", "coordinator", "--target-address", "10.0.0.1:50053,10.0.0.2"],
         capture_output=True, text=True, timeout=60,
@@ -163,6 +163,52 @@ def test_the_coordinator_refuses_a_malformed_replica_address_before_it_starts(tm
 
 
 # ---------------------------------------------------------------- through the services
+
+
+def test_a_dns_replica_is_reached_by_its_ip_and_its_tls_certificate_checked_against_the_name(
+    tmp_path, redis_url, tiny_models
+):
+    """dns:///localhost:PORT connects to the address localhost resolves to, and TLS checks the
+    target's certificate against `localhost`, the name: a certificate for localhost alone (not
+    for 127.0.0.1) is accepted through the name and refused through the IP."""
+    from cryptography import x509
+
+    from conftest import make_ca, make_leaf, save_pair
+    from specdec.security import ChannelSecurity
+
+    ca_key, ca_cert = make_ca("replica test CA")
+    ca, _ = save_pair(tmp_path, "ca", ca_key, ca_cert)
+    cert, key = save_pair(tmp_path, "leaf", *make_leaf(ca_key, ca_cert, "target", names=[x509.DNSName("localhost")]))
+    port, token = free_port(), "replica-test-token"
+    command = [sys.executable, "-m", "specdec.cli", "serve", "target", "--model", tiny_models.target, "--threads", "1",
+               "--host", "127.0.0.1", "--port", str(port), "--tls-cert", cert, "--tls-key", key]  # fmt: skip
+    env = {**os.environ, "SPECDEC_REDIS_URL": redis_url, "SPECDEC_INTERNAL_TOKEN": token}
+    security = ChannelSecurity(tls_ca=ca, token=token)
+
+    async def model_info(address: str, wait_s: float):
+        replicas = Replicas(parse_replica_address(address), pb_grpc.TargetStub, security)
+        await replicas.start()
+        deadline = time.monotonic() + wait_s
+        try:
+            while True:
+                try:
+                    return await replicas.any().stub.ModelInfo(pb.ModelInfoRequest(), timeout=5)
+                except grpc.aio.AioRpcError as exc:
+                    if exc.code() != grpc.StatusCode.UNAVAILABLE or time.monotonic() > deadline:
+                        return exc
+                    await asyncio.sleep(0.3)
+        finally:
+            await replicas.close()
+
+    with subprocess.Popen(command, env=env) as target:
+        try:
+            through_name = asyncio.run(model_info(f"dns:///localhost:{port}", wait_s=120))
+            through_ip = asyncio.run(model_info(f"127.0.0.1:{port}", wait_s=0))
+        finally:
+            target.terminate()
+    assert isinstance(through_name, pb.ModelInfoResponse), through_name
+    assert through_name.model == tiny_models.target
+    assert isinstance(through_ip, grpc.aio.AioRpcError) and through_ip.code() == grpc.StatusCode.UNAVAILABLE
 
 
 def forward_passes(port: int) -> float:
