@@ -158,6 +158,10 @@ class Replicas:
         now = time.monotonic()
         return next((r for r in ranked if r.usable(now)), ranked[0])
 
+    def usable_count(self) -> int:
+        now = time.monotonic()
+        return sum(replica.usable(now) for replica in list(self.replicas.values()))
+
     def any(self) -> Replica:
         """A replica for calls that concern no session (ModelInfo)."""
         return self.pick("")

@@ -130,6 +130,8 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         self.tokenizer = None
         self.background: set[asyncio.Task] = set()
         self.metrics = CoordinatorMetrics()
+        self.metrics.follow_replicas("draft", self.drafts)
+        self.metrics.follow_replicas("target", self.targets)
         # What adaptive K has learnt about this draft/target pair, shared by all sessions.
         self.shared_k = AdaptiveK(config.max_k)
         self.running = 0  # Generate calls in progress

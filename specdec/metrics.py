@@ -66,6 +66,16 @@ class CoordinatorMetrics:
             "specdec:e2e_request_latency_seconds", "Request latency, start to finish.", buckets=REQUEST_BUCKETS, registry=r
         )
         self.requests_running = Gauge("specdec:num_requests_running", "Requests being generated.", registry=r)
+        self.replicas = Gauge("specdec:replicas", "Replicas of a model service the coordinator knows.",
+                              ["service"], registry=r)  # fmt: skip
+        self.replicas_usable = Gauge(
+            "specdec:replicas_usable", "Replicas of a model service not skipped as failed.", ["service"], registry=r
+        )
+
+    def follow_replicas(self, service: str, replicas) -> None:
+        """Report a coordinator.replicas.Replicas as `service` (draft or target) at every scrape."""
+        self.replicas.labels(service=service).set_function(lambda: len(replicas.replicas))
+        self.replicas_usable.labels(service=service).set_function(replicas.usable_count)
 
     def observe_cycle(self, drafted: int, accepted: int) -> None:
         if drafted:

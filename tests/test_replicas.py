@@ -211,28 +211,32 @@ def test_a_dns_replica_is_reached_by_its_ip_and_its_tls_certificate_checked_agai
     assert isinstance(through_ip, grpc.aio.AioRpcError) and through_ip.code() == grpc.StatusCode.UNAVAILABLE
 
 
-def forward_passes(port: int) -> float:
+def scrape(port: int) -> dict[tuple[str, str], float]:
+    """(metric sample name, its `service` label) -> value, from a /metrics endpoint."""
     text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name == "specdec:forward_latency_seconds_count":
-                return sample.value
-    return 0.0
+    return {(sample.name, sample.labels.get("service", "")): sample.value
+            for family in text_string_to_metric_families(text) for sample in family.samples}  # fmt: skip
+
+
+def forward_passes(port: int) -> float:
+    return scrape(port).get(("specdec:forward_latency_seconds_count", "target"), 0.0)
 
 
 @pytest.fixture(scope="module")
 def two_targets(redis_url, tiny_models):
     """A tiny stack whose coordinator talks to its one target, plus a second target process
-    and a second coordinator (`spread`) that names both targets; each target serves
-    /metrics."""
-    ports = {"target": free_port(), "second": free_port()}
+    and a second coordinator (`spread`) that names both targets: (the stack, the spread
+    coordinator's address, each target's /metrics port, the spread coordinator's)."""
+    ports = {"target": free_port(), "second": free_port(), "spread": free_port()}
     stack = start_stack(redis_url, tiny_models.target, tiny_models.draft,
                         target_args=["--metrics-port", str(ports["target"])])  # fmt: skip
     try:
         stack.add_replica("second", "target", "--metrics-port", str(ports["second"]))
         targets = [f"127.0.0.1:{stack.ports[name]}" for name in ("target", "second")]
-        address = stack.add_coordinator("spread", "--target-address", ",".join(targets))
-        yield stack, address, dict(zip(targets, (ports["target"], ports["second"])))
+        address = stack.add_coordinator("spread", "--target-address", ",".join(targets),
+                                        "--metrics-port", str(ports["spread"]))  # fmt: skip
+        metrics_ports = dict(zip(targets, (ports["target"], ports["second"])))  # target address -> its /metrics port
+        yield stack, address, metrics_ports, ports["spread"]
     finally:
         stack.stop()
 
@@ -242,7 +246,7 @@ def test_each_session_keeps_to_the_one_target_replica_its_id_picks_and_sessions_
     every forward pass of a request runs on the replica rendezvous hashing picks for its
     session id, both replicas serve some sessions, no replica keeps a session afterwards (its
     Release went where its cache was), and the tokens are those of the one-target stack."""
-    stack, address, metrics_ports = two_targets
+    stack, address, metrics_ports, coordinator_metrics = two_targets
     prompt_ids = tiny_models.tokenizer.encode(PROMPT)
     options = dict(prompt_token_ids=prompt_ids, max_new_tokens=24, **OPTIONS)
     with specdec.Client(stack.address) as client:
@@ -259,6 +263,9 @@ def test_each_session_keeps_to_the_one_target_replica_its_id_picks_and_sessions_
             assert ran == {chosen}, f"session {session_id}: forward passes on {ran}, expected only {chosen}"
             served[chosen] += 1
     assert len(served) == 2, served
+    metrics = scrape(coordinator_metrics)
+    assert metrics[("specdec:replicas", "target")] == metrics[("specdec:replicas_usable", "target")] == 2
+    assert metrics[("specdec:replicas", "draft")] == metrics[("specdec:replicas_usable", "draft")] == 1
     for name in ("target", "second"):
         info = pb_grpc.TargetStub(grpc.insecure_channel(f"127.0.0.1:{stack.ports[name]}"))
         held = info.ModelInfo(pb.ModelInfoRequest(), metadata=stack.internal_metadata, timeout=10)
@@ -271,7 +278,7 @@ def test_a_target_replica_killed_mid_stream_hands_its_sessions_to_the_other_with
     """SIGKILL the replica that serves a running stream: the stream goes on to its end on the
     other replica (which rebuilds the session from Redis), its tokens identical to the
     one-target stack's, and the coordinator's next sessions all go to the replica left."""
-    stack, address, metrics_ports = two_targets
+    stack, address, metrics_ports, coordinator_metrics = two_targets
     prompt_ids = tiny_models.tokenizer.encode(PROMPT)
     options = dict(prompt_token_ids=prompt_ids, max_new_tokens=600, **OPTIONS)
     with specdec.Client(stack.address) as client:
