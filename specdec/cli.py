@@ -79,6 +79,10 @@ def replica_address(text: str) -> str:
     return text
 
 
+SEVERAL_COORDINATORS = (
+    "; or a gRPC target naming several coordinators (ipv4:10.0.0.5:50051,10.0.0.6:50051, or "
+    "dns:///NAME:PORT), whose calls go to each in turn (round robin), a retry or resume to the next"
+)
 REPLICAS_HELP = (
     "; several replicas: a comma-separated list (HOST:PORT,HOST:PORT), or dns:///HOST:PORT for every "
     f"address the name resolves to (re-resolved every {REPLICA_REFRESH_S:g} s; a Kubernetes headless Service). Each session "
@@ -175,7 +179,7 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
         "(--retries); this is for starting over from another process.",
     )
     resume.add_argument("session_id", help="the session to go on with")
-    env_flag(resume, "--address", "SPECDEC_ADDRESS", default=DEFAULT_ADDRESS, help="coordinator address")
+    env_flag(resume, "--address", "SPECDEC_ADDRESS", default=DEFAULT_ADDRESS, help="coordinator address" + SEVERAL_COORDINATORS)
     resume.add_argument("--received-tokens", type=UINT32, default=0,
                         help="output tokens you already have; printing starts after them (default 0: all)")  # fmt: skip
     resume.add_argument("--received-chars", type=UINT32, default=0,
@@ -347,7 +351,8 @@ def add_generate_flags(p: argparse.ArgumentParser) -> None:
     env_flag(p, "--system", "SPECDEC_SYSTEM", default="",
              help="a system message before the prompt (implies --chat); without it the template's own default, if any")  # fmt: skip
     env_flag(p, "--address", "SPECDEC_ADDRESS", default=None,
-             help=f"coordinator address (default {DEFAULT_ADDRESS}; started locally when nothing serves there)")  # fmt: skip
+             help=f"coordinator address (default {DEFAULT_ADDRESS}; started locally when nothing serves there)"
+                  + SEVERAL_COORDINATORS)  # fmt: skip
     env_flag(p, "--max-new-tokens", "SPECDEC_MAX_NEW_TOKENS", default=64, type=MAX_NEW_TOKENS, help="tokens to generate at most")
     env_flag(p, "--temperature", "SPECDEC_TEMPERATURE", default=0.0, type=TEMPERATURE, help="0 = greedy")
     env_flag(p, "--top-k", "SPECDEC_TOP_K", default=0, type=TOP_K, help="keep the k most likely tokens (0 = off)")

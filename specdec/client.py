@@ -48,11 +48,17 @@ _CHANNEL_OPTIONS = [
 # The coordinator's response headers name the session once it exists (Generate and Resume):
 # a stream that fails after them can be resumed; one that fails before them never began.
 SESSION_HEADER = "specdec-session-id"
+# How a channel picks among the coordinators its address names (`ipv4:A,B`, or a name that
+# resolves to several): round_robin sends each call to the next ready one (coordinators keep
+# nothing between calls: any serves any call, and any resumes any session); pick_first sends
+# every call to the first that answers, until it fails.
+LOAD_BALANCING = ("round_robin", "pick_first")
 RETRY_BACKOFF_S = (0.2, 2.0)  # the first wait is random in [0, 0.2 s], each next one up to twice as long, at most 2 s
 
 
-def retry_config(retries: int) -> str:
-    """gRPC service config (JSON) of a channel to the coordinator: a call that fails UNAVAILABLE
+def service_config(retries: int, load_balancing: str = "round_robin") -> str:
+    """gRPC service config (JSON) of a channel to the coordinator. Calls go to the coordinators
+    the address names as `load_balancing` says (LOAD_BALANCING). A call that fails UNAVAILABLE
     before the server has answered anything (nothing serving yet, a coordinator restarting or
     replaced, its model services or Redis unreachable as the request starts) is sent again, up to
     `retries` times, after a random wait (RETRY_BACKOFF_S). A stream that has begun is never sent
@@ -60,12 +66,14 @@ def retry_config(retries: int) -> str:
     (_Resumption)."""
     if retries not in RETRIES:  # the range `specdec generate --retries` takes
         raise ValueError(f"retries must be an integer from {RETRIES.low} to {RETRIES.high}, got {retries!r}")
+    if load_balancing not in LOAD_BALANCING:
+        raise ValueError(f"load_balancing must be one of {', '.join(LOAD_BALANCING)}, got {load_balancing!r}")
     method: dict = {"name": [{"service": "specdec.v1.Coordinator"}]}
     if retries:
         initial, largest = RETRY_BACKOFF_S
         method["retryPolicy"] = {"maxAttempts": retries + 1, "initialBackoff": f"{initial}s", "maxBackoff": f"{largest}s",
                                  "backoffMultiplier": 2, "retryableStatusCodes": ["UNAVAILABLE"]}  # fmt: skip
-    return json.dumps({"methodConfig": [method]})
+    return json.dumps({"loadBalancingConfig": [{load_balancing: {}}], "methodConfig": [method]})
 
 
 class _Resumption:
@@ -73,7 +81,7 @@ class _Resumption:
 
     A stream that fails UNAVAILABLE (its coordinator restarted, was replaced, or the connection
     dropped) is resumed on any coordinator of the same Redis, up to `retries` times, after the
-    same random waits as retry_config's, within the call's timeout: the server sends the tokens
+    same random waits as service_config's, within the call's timeout: the server sends the tokens
     and text committed after what came here, then goes on generating. The session's id is the
     caller's, else one made here, so that even a stream that broke before its first chunk can
     be resumed."""
@@ -123,10 +131,12 @@ def channel_credentials(
         return grpc.ssl_channel_credentials(root_certificates=f.read())
 
 
-def open_channel(module, address: str, credentials: grpc.ChannelCredentials | None, retries: int = DEFAULT_RETRIES):
+def open_channel(module, address: str, credentials: grpc.ChannelCredentials | None, retries: int = DEFAULT_RETRIES,
+                 load_balancing: str = "round_robin"):  # fmt: skip
     """A channel of `module` (grpc or grpc.aio) to `address`, TLS when credentials are given,
-    retrying as retry_config(retries) says."""
-    options = [*_CHANNEL_OPTIONS, ("grpc.enable_retries", 1), ("grpc.service_config", retry_config(retries))]
+    balancing and retrying as service_config(retries, load_balancing) says."""
+    config = service_config(retries, load_balancing)
+    options = [*_CHANNEL_OPTIONS, ("grpc.enable_retries", 1), ("grpc.service_config", config)]
     if credentials is None:
         return module.insecure_channel(address, options=options)
     return module.secure_channel(address, credentials, options=options)
@@ -423,17 +433,21 @@ class Client:
         token: str | None = None,
         credentials: grpc.ChannelCredentials | None = None,
         retries: int = DEFAULT_RETRIES,
+        load_balancing: str = "round_robin",
     ):
-        """Connect to the coordinator at `address` (host:port). `tls_ca`: path of the PEM CA
-        that signed the coordinator's certificate (TLS); `token`: API token sent with every
-        call; `credentials`: full control over the channel's TLS (overrides tls_ca); `retries`:
-        how often a call failing UNAVAILABLE before it began is sent again, and how often a
-        stream failing UNAVAILABLE once begun is resumed where it broke (0 to 4, after a random
-        wait of up to 0.2 s, 0.4 s, ...; see retry_config and _Resumption)."""
+        """Connect to the coordinator at `address`: host:port, or any gRPC target naming
+        several coordinators (`ipv4:10.0.0.5:50051,10.0.0.6:50051`, `dns:///name:50051`).
+        `tls_ca`: path of the PEM CA that signed the coordinator's certificate (TLS); `token`:
+        API token sent with every call; `credentials`: full control over the channel's TLS
+        (overrides tls_ca); `retries`: how often a call failing UNAVAILABLE before it began is
+        sent again, and how often a stream failing UNAVAILABLE once begun is resumed where it
+        broke (0 to 4, after a random wait of up to 0.2 s, 0.4 s, ...; see service_config and
+        _Resumption); `load_balancing`: "round_robin" sends each call to the next ready
+        coordinator the address names, "pick_first" every call to the first that answers."""
         self.address = address
         self._metadata = auth_metadata(token)
         self.retries = retries
-        self._channel = open_channel(grpc, address, channel_credentials(tls_ca, credentials), retries)
+        self._channel = open_channel(grpc, address, channel_credentials(tls_ca, credentials), retries, load_balancing)
         self._stub = pb_grpc.CoordinatorStub(self._channel)
 
     def __enter__(self) -> "Client":
@@ -542,17 +556,21 @@ class AsyncClient:
         token: str | None = None,
         credentials: grpc.ChannelCredentials | None = None,
         retries: int = DEFAULT_RETRIES,
+        load_balancing: str = "round_robin",
     ):
-        """Connect to the coordinator at `address` (host:port). `tls_ca`: path of the PEM CA
-        that signed the coordinator's certificate (TLS); `token`: API token sent with every
-        call; `credentials`: full control over the channel's TLS (overrides tls_ca); `retries`:
-        how often a call failing UNAVAILABLE before it began is sent again, and how often a
-        stream failing UNAVAILABLE once begun is resumed where it broke (0 to 4, after a random
-        wait of up to 0.2 s, 0.4 s, ...; see retry_config and _Resumption)."""
+        """Connect to the coordinator at `address`: host:port, or any gRPC target naming
+        several coordinators (`ipv4:10.0.0.5:50051,10.0.0.6:50051`, `dns:///name:50051`).
+        `tls_ca`: path of the PEM CA that signed the coordinator's certificate (TLS); `token`:
+        API token sent with every call; `credentials`: full control over the channel's TLS
+        (overrides tls_ca); `retries`: how often a call failing UNAVAILABLE before it began is
+        sent again, and how often a stream failing UNAVAILABLE once begun is resumed where it
+        broke (0 to 4, after a random wait of up to 0.2 s, 0.4 s, ...; see service_config and
+        _Resumption); `load_balancing`: "round_robin" sends each call to the next ready
+        coordinator the address names, "pick_first" every call to the first that answers."""
         self.address = address
         self._metadata = auth_metadata(token)
         self.retries = retries
-        self._channel = open_channel(grpc.aio, address, channel_credentials(tls_ca, credentials), retries)
+        self._channel = open_channel(grpc.aio, address, channel_credentials(tls_ca, credentials), retries, load_balancing)
         self._stub = pb_grpc.CoordinatorStub(self._channel)
 
     async def __aenter__(self) -> "AsyncClient":

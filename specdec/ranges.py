@@ -74,7 +74,7 @@ TOP_P = Range(float, 0, 1, above=True, note="1 = off")
 SEED = Range(int, 0, 2**63 - 1)
 SECONDS = Range(float, 0, above=True)
 # How often the SDK sends a call that failed UNAVAILABLE before any answer again (gRPC makes at
-# most 5 attempts of a call: specdec.client.retry_config), and resumes a stream that broke.
+# most 5 attempts of a call: specdec.client.service_config), and resumes a stream that broke.
 RETRIES = Range(int, 0, 4)
 DEFAULT_RETRIES = 2
 AT_LEAST_ONE = Range(int, 1)

@@ -11,7 +11,7 @@ import grpc
 import pytest
 
 import specdec
-from specdec.client import SESSION_HEADER, retry_config
+from specdec.client import SESSION_HEADER, service_config
 from specdec.v1 import specdec_pb2 as pb
 from specdec.v1 import specdec_pb2_grpc as pb_grpc
 
@@ -100,7 +100,7 @@ def test_a_stream_broken_after_a_chunk_is_resumed_where_it_broke_and_never_sent_
 
 @pytest.mark.parametrize("retries, resume_failures, mid_stream_code, resumes, message", [
     (0, 0, grpc.StatusCode.UNAVAILABLE, 0, "lost mid-stream"),
-    # Each of the SDK's 2 resumes is itself a call its channel sends up to 3 times (retry_config).
+    # Each of the SDK's 2 resumes is itself a call its channel sends up to 3 times (service_config).
     (2, 99, grpc.StatusCode.UNAVAILABLE, 6, "resume failure 6"),
     (2, 0, grpc.StatusCode.INTERNAL, 0, "lost mid-stream"),
 ])  # fmt: skip
@@ -144,7 +144,7 @@ def test_retries_zero_sends_a_call_once_and_the_async_client_retries_alike(serve
 @pytest.mark.parametrize("retries", [-1, 5, 1.5, "2"])
 def test_retries_outside_what_grpc_can_make_is_a_value_error(retries):
     with pytest.raises(ValueError, match="retries must be an integer from 0 to 4"):
-        retry_config(retries)
+        service_config(retries)
     with pytest.raises(ValueError, match="retries must be an integer from 0 to 4"):
         specdec.Client("127.0.0.1:1", retries=retries)
 

@@ -4,13 +4,17 @@ one draft and one target, a real redis-server, the SDK over loopback gRPC."""
 
 import json
 import time
+import urllib.request
 
 import grpc
 import pytest
 import redis
 
+from prometheus_client.parser import text_string_to_metric_families
+
 import specdec
 from conftest import start_stack
+from specdec.redis_server import free_port
 from specdec.session import meta_key
 
 PROMPT_OPTIONS = dict(ignore_eos=True, num_speculative_tokens=3)
@@ -19,20 +23,32 @@ DRAIN_S = 0.5  # the coordinators' --drain-s: how long a stopping one lets runni
 
 
 @pytest.fixture(scope="module")
-def stack(redis_url, tiny_models):
+def metrics_ports():
+    """The /metrics port of each of the stack's coordinators."""
+    return {"coordinator": free_port(), "spare": free_port()}
+
+
+@pytest.fixture(scope="module")
+def stack(redis_url, tiny_models, metrics_ports):
     """A stack with a second coordinator ("spare") on the same draft, target and Redis."""
-    stack = start_stack(redis_url, tiny_models.target, tiny_models.draft, coordinator_args=["--drain-s", str(DRAIN_S)])
+    metrics = metrics_ports
+    stack = start_stack(redis_url, tiny_models.target, tiny_models.draft,
+                        coordinator_args=["--drain-s", str(DRAIN_S), "--metrics-port", str(metrics["coordinator"])])  # fmt: skip
     try:
-        stack.add_coordinator("spare")
+        stack.add_coordinator("spare", "--metrics-port", str(metrics["spare"]))
         yield stack
     finally:
         stack.stop()
 
 
 def both(stack) -> str:
-    """One gRPC target naming both coordinators: the channel uses the first while it answers,
-    then the other (pick_first), as a client behind a load balancer would be moved."""
+    """One gRPC target naming both coordinators."""
     return f"ipv4:127.0.0.1:{stack.ports['coordinator']},127.0.0.1:{stack.ports['spare']}"
+
+
+# The tests that break "coordinator" need the stream on it: the first coordinator the address
+# names, while it answers (then the other), as a client behind a load balancer would be moved.
+FIRST_THEN_OTHER = dict(load_balancing="pick_first")
 
 
 def spare(stack) -> str:
@@ -69,7 +85,7 @@ def test_a_stream_whose_coordinator_is_killed_goes_on_through_the_other_with_the
     with specdec.Client(spare(stack)) as client:
         expected = client.generate(**options)
     chunks, arrived = [], []
-    with specdec.Client(both(stack), retries=2) as client:
+    with specdec.Client(both(stack), retries=2, **FIRST_THEN_OTHER) as client:
         for chunk in client.generate_stream(**options):
             chunks.append(chunk)
             arrived.append(time.monotonic())
@@ -103,7 +119,7 @@ def test_a_stream_running_past_its_stopping_coordinators_drain_is_resumed_throug
     with specdec.Client(spare(stack)) as client:
         expected = client.generate(**options)
     chunks = []
-    with specdec.Client(both(stack)) as client:
+    with specdec.Client(both(stack), **FIRST_THEN_OTHER) as client:
         for chunk in client.generate_stream(**options):
             chunks.append(chunk)
             if len(chunks) == 3:
@@ -120,6 +136,25 @@ def test_a_stream_running_past_its_stopping_coordinators_drain_is_resumed_throug
         stack.processes["coordinator"].wait(timeout=30)
         stack.restart("coordinator")
         stack.wait_ready(("coordinator",))
+
+
+def requests_served(port: int) -> float:
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    return sum(sample.value for family in text_string_to_metric_families(text) for sample in family.samples
+               if sample.name == "specdec:request_success_total")  # fmt: skip
+
+
+def test_a_client_naming_several_coordinators_spreads_its_calls_over_them(stack, metrics_ports):
+    """The SDK's default, round_robin: eight calls through one address naming both
+    coordinators, with the same output from each; each coordinator served some of them."""
+    before = {name: requests_served(port) for name, port in metrics_ports.items()}
+    options = dict(prompt="hello world", max_new_tokens=8, **PROMPT_OPTIONS)
+    with specdec.Client(both(stack)) as client:
+        outputs = {tuple(client.generate(**options).token_ids) for _ in range(8)}
+    served = {name: requests_served(port) - before[name] for name, port in metrics_ports.items()}
+    print(f"\ncalls served: {served}")
+    assert len(outputs) == 1
+    assert sum(served.values()) == 8 and min(served.values()) >= 2, served
 
 
 def test_resume_by_hand_sends_what_the_client_lacks_then_the_rest(stack, redis_url):
