@@ -558,15 +558,7 @@ class AsyncClient:
         retries: int = DEFAULT_RETRIES,
         load_balancing: str = "round_robin",
     ):
-        """Connect to the coordinator at `address`: host:port, or any gRPC target naming
-        several coordinators (`ipv4:10.0.0.5:50051,10.0.0.6:50051`, `dns:///name:50051`).
-        `tls_ca`: path of the PEM CA that signed the coordinator's certificate (TLS); `token`:
-        API token sent with every call; `credentials`: full control over the channel's TLS
-        (overrides tls_ca); `retries`: how often a call failing UNAVAILABLE before it began is
-        sent again, and how often a stream failing UNAVAILABLE once begun is resumed where it
-        broke (0 to 4, after a random wait of up to 0.2 s, 0.4 s, ...; see service_config and
-        _Resumption); `load_balancing`: "round_robin" sends each call to the next ready
-        coordinator the address names, "pick_first" every call to the first that answers."""
+        """Connect to the coordinator(s) at `address`; the arguments are Client's."""
         self.address = address
         self._metadata = auth_metadata(token)
         self.retries = retries
