@@ -106,6 +106,21 @@ DRAFT_TIMEOUT_S = 2.0
 DRAFT_DEADLINE_SHARE = 0.25
 
 
+def target_retry_pause(code: grpc.StatusCode, attempt: int, single: bool) -> float | None:
+    """Seconds to wait before sending a Verify again after its attempt number `attempt` (0 =
+    the first) failed with `code`; None: fail. A RETRYABLE code is retried after each pause of
+    TARGET_RETRY_BACKOFF_S. With one target address (`single`) a lost connection never fails
+    a call: the call waits for it (wait_for_ready). With several replicas calls fail fast, so
+    that another replica can take them; when all of them are down (the only pod behind a
+    dns:/// name restarting, say) UNAVAILABLE is retried every TARGET_RETRY_BACKOFF_S[-1]
+    seconds as long as the request's deadline allows, as waiting for the connection would."""
+    if code not in RETRYABLE:
+        return None
+    if attempt < len(TARGET_RETRY_BACKOFF_S):
+        return TARGET_RETRY_BACKOFF_S[attempt]
+    return TARGET_RETRY_BACKOFF_S[-1] if code == grpc.StatusCode.UNAVAILABLE and not single else None
+
+
 def draft_budget(draft_timeout_s: float, remaining_s: float | None) -> float | None:
     """Seconds one Propose call may run before it is abandoned: at most draft_timeout_s
     (0 = no limit of its own) and, with a deadline `remaining_s` away, at most
@@ -736,7 +751,8 @@ class CycleLoop:
             stop_at_ngram=stop_at_ngram,
             awaits_commit=self.committing is not None and not self.committing.done(),
         )
-        for attempt, pause in enumerate((*TARGET_RETRY_BACKOFF_S, None)):
+        attempt = 0
+        while True:
             # Each attempt asks the session's replica as of now: one that failed is skipped.
             replica = self.targets.pick(self.plan.session_id)
             try:
@@ -755,7 +771,8 @@ class CycleLoop:
             except grpc.aio.AioRpcError as exc:
                 if exc.code() == grpc.StatusCode.UNAVAILABLE:
                     replica.failed()
-                if exc.code() not in RETRYABLE or pause is None:
+                pause = target_retry_pause(exc.code(), attempt, self.targets.single)
+                if pause is None:
                     raise
                 if self.deadline is not None and time.monotonic() + pause > self.deadline:
                     raise
@@ -764,4 +781,4 @@ class CycleLoop:
                 await self.store.ping()
                 log.warning("target %s (attempt %d); retrying in %.2fs", exc.code().name, attempt + 1, pause)
                 await asyncio.sleep(pause)
-        raise AssertionError("unreachable")
+                attempt += 1

@@ -120,6 +120,22 @@ def test_a_failed_replica_is_skipped_for_a_while_and_its_sessions_come_back():
     assert after == before == all_down
 
 
+def test_with_several_target_replicas_an_unavailable_verify_is_retried_until_the_deadline_not_given_up():
+    """With one target a lost connection is waited for (wait_for_ready) and the retries end
+    after TARGET_RETRY_BACKOFF_S; with several, calls fail fast, so UNAVAILABLE goes on being
+    retried at the last pause (the request's deadline ends it), while other codes still end."""
+    from coordinator.cycles import TARGET_RETRY_BACKOFF_S, target_retry_pause
+
+    unavailable, exhausted = grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED
+    steps = len(TARGET_RETRY_BACKOFF_S)
+    for single in (True, False):
+        assert [target_retry_pause(unavailable, a, single) for a in range(steps)] == list(TARGET_RETRY_BACKOFF_S)
+        assert target_retry_pause(exhausted, steps, single) is None
+        assert target_retry_pause(grpc.StatusCode.INVALID_ARGUMENT, 0, single) is None
+    assert target_retry_pause(unavailable, steps, single=True) is None
+    assert target_retry_pause(unavailable, steps + 100, single=False) == TARGET_RETRY_BACKOFF_S[-1]
+
+
 def test_a_dns_address_follows_what_the_name_resolves_to_and_keeps_its_replicas_when_resolving_fails():
     answers = [["10.0.0.1", "10.0.0.2"], ["10.0.0.2", "10.0.0.3", "fd00::4"], OSError("no such host"), [], ["10.0.0.3"]]
 
