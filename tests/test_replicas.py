@@ -14,6 +14,7 @@ import sys
 import time
 import urllib.request
 from collections import Counter
+from types import SimpleNamespace
 
 import grpc
 import pytest
@@ -234,35 +235,43 @@ def scrape(port: int) -> dict[tuple[str, str], float]:
             for family in text_string_to_metric_families(text) for sample in family.samples}  # fmt: skip
 
 
-def forward_passes(port: int) -> float:
-    return scrape(port).get(("specdec:forward_latency_seconds_count", "target"), 0.0)
+def forward_passes(port: int, service: str = "target") -> float:
+    return scrape(port).get(("specdec:forward_latency_seconds_count", service), 0.0)
+
+
+def picker(endpoints, wanted: str, prefix: str) -> str:
+    """A session id whose replica among `endpoints` is `wanted`."""
+    return next(s for s in (f"{prefix}-{i}" for i in range(100)) if max(endpoints, key=lambda e: score(s, e)) == wanted)
 
 
 @pytest.fixture(scope="module")
-def two_targets(redis_url, tiny_models):
-    """A tiny stack whose coordinator talks to its one target, plus a second target process
-    and a second coordinator (`spread`) that names both targets: (the stack, the spread
-    coordinator's address, each target's /metrics port, the spread coordinator's)."""
-    ports = {"target": free_port(), "second": free_port(), "spread": free_port()}
+def two_of_each(redis_url, tiny_models):
+    """A tiny stack (one draft, one target, its coordinator) plus a second target and a second
+    draft process, and a coordinator (`spread`) that names both of each. Every process but
+    the stack's coordinator serves /metrics: `targets` and `drafts` map each replica's address
+    to its /metrics port."""
+    ports = {name: free_port() for name in ("target", "second-target", "draft", "second-draft", "spread")}
     stack = start_stack(redis_url, tiny_models.target, tiny_models.draft,
-                        target_args=["--metrics-port", str(ports["target"])])  # fmt: skip
+                        target_args=["--metrics-port", str(ports["target"])],
+                        draft_args=["--metrics-port", str(ports["draft"])])  # fmt: skip
     try:
-        stack.add_replica("second", "target", "--metrics-port", str(ports["second"]))
-        targets = [f"127.0.0.1:{stack.ports[name]}" for name in ("target", "second")]
-        address = stack.add_coordinator("spread", "--target-address", ",".join(targets),
-                                        "--metrics-port", str(ports["spread"]))  # fmt: skip
-        metrics_ports = dict(zip(targets, (ports["target"], ports["second"])))  # target address -> its /metrics port
-        yield stack, address, metrics_ports, ports["spread"]
+        for name in ("second-target", "second-draft"):
+            stack.add_replica(name, name.split("-")[1], "--metrics-port", str(ports[name]))
+        targets = {f"127.0.0.1:{stack.ports[name]}": ports[name] for name in ("target", "second-target")}
+        drafts = {f"127.0.0.1:{stack.ports[name]}": ports[name] for name in ("draft", "second-draft")}
+        address = stack.add_coordinator("spread", "--target-address", ",".join(targets), "--draft-address",
+                                        ",".join(drafts), "--metrics-port", str(ports["spread"]))  # fmt: skip
+        yield SimpleNamespace(stack=stack, address=address, targets=targets, drafts=drafts, metrics=ports["spread"])
     finally:
         stack.stop()
 
 
-def test_each_session_keeps_to_the_one_target_replica_its_id_picks_and_sessions_spread(two_targets, tiny_models):
+def test_each_session_keeps_to_the_one_target_replica_its_id_picks_and_sessions_spread(two_of_each, tiny_models):
     """Ten greedy requests through the coordinator in front of two targets, one at a time:
     every forward pass of a request runs on the replica rendezvous hashing picks for its
     session id, both replicas serve some sessions, no replica keeps a session afterwards (its
     Release went where its cache was), and the tokens are those of the one-target stack."""
-    stack, address, metrics_ports, coordinator_metrics = two_targets
+    stack, address, metrics_ports = two_of_each.stack, two_of_each.address, two_of_each.targets
     prompt_ids = tiny_models.tokenizer.encode(PROMPT)
     options = dict(prompt_token_ids=prompt_ids, max_new_tokens=24, **OPTIONS)
     with specdec.Client(stack.address) as client:
@@ -279,32 +288,56 @@ def test_each_session_keeps_to_the_one_target_replica_its_id_picks_and_sessions_
             assert ran == {chosen}, f"session {session_id}: forward passes on {ran}, expected only {chosen}"
             served[chosen] += 1
     assert len(served) == 2, served
-    metrics = scrape(coordinator_metrics)
-    assert metrics[("specdec:replicas", "target")] == metrics[("specdec:replicas_usable", "target")] == 2
-    assert metrics[("specdec:replicas", "draft")] == metrics[("specdec:replicas_usable", "draft")] == 1
-    for name in ("target", "second"):
+    metrics = scrape(two_of_each.metrics)
+    for service in ("target", "draft"):
+        assert metrics[("specdec:replicas", service)] == metrics[("specdec:replicas_usable", service)] == 2
+    for name in ("target", "second-target"):
         info = pb_grpc.TargetStub(grpc.insecure_channel(f"127.0.0.1:{stack.ports[name]}"))
         held = info.ModelInfo(pb.ModelInfoRequest(), metadata=stack.internal_metadata, timeout=10)
         assert held.sessions_held == 0, f"{name} still holds {held.sessions_held} session(s)"
 
 
+def test_a_draft_replica_killed_mid_stream_costs_a_cycle_of_drafts_then_the_session_drafts_on_the_other(
+    two_of_each, tiny_models
+):
+    """SIGKILL the draft replica a running stream drafts on: its cycle runs target-only, the
+    next ones draft on the other replica, and the tokens are the one-draft stack's."""
+    stack, drafts = two_of_each.stack, two_of_each.drafts
+    options = dict(prompt_token_ids=tiny_models.tokenizer.encode(PROMPT), max_new_tokens=600, **OPTIONS)
+    with specdec.Client(stack.address) as client:
+        expected = client.generate(**options).token_ids
+    second = f"127.0.0.1:{stack.ports['second-draft']}"
+    first = next(d for d in drafts if d != second)
+    before = forward_passes(drafts[first], "draft")
+    chunks = []
+    with specdec.Client(two_of_each.address, retries=0) as client:
+        for chunk in client.generate_stream(session_id=picker(drafts, second, "draft-killed"), **options):
+            chunks.append(chunk)
+            if len(chunks) == 3:
+                stack.processes["second-draft"].send_signal(signal.SIGKILL)
+    assert [t for c in chunks for t in c.token_ids] == expected
+    assert forward_passes(drafts[first], "draft") > before, "the other draft replica never took the session over"
+    drafted_after = sum(c.cycle.drafted for c in chunks[4:] if c.cycle is not None)
+    print(f"\nsecond draft killed after 3 chunks; {drafted_after} tokens drafted in the {len(chunks) - 4} chunks after")
+    assert drafted_after > 0
+
+
 def test_a_target_replica_killed_mid_stream_hands_its_sessions_to_the_other_without_losing_a_token(
-    two_targets, tiny_models
+    two_of_each, tiny_models
 ):
     """SIGKILL the replica that serves a running stream: the stream goes on to its end on the
     other replica (which rebuilds the session from Redis), its tokens identical to the
     one-target stack's, and the coordinator's next sessions all go to the replica left."""
-    stack, address, metrics_ports, coordinator_metrics = two_targets
+    stack, address, metrics_ports = two_of_each.stack, two_of_each.address, two_of_each.targets
     prompt_ids = tiny_models.tokenizer.encode(PROMPT)
     options = dict(prompt_token_ids=prompt_ids, max_new_tokens=600, **OPTIONS)
     with specdec.Client(stack.address) as client:
         unbroken_s = time.monotonic()
         expected = client.generate(**options).token_ids
         unbroken_s = time.monotonic() - unbroken_s
-    second = f"127.0.0.1:{stack.ports['second']}"
+    second = f"127.0.0.1:{stack.ports['second-target']}"
     # A session id that picks the second replica, which is killed mid-stream.
-    picks_second = (s for s in (f"killed-{i}" for i in range(100)) if max(metrics_ports, key=lambda t: score(s, t)) == second)
-    session_id = next(picks_second)
+    session_id = picker(metrics_ports, second, "target-killed")
     first = next(t for t in metrics_ports if t != second)
     tokens = []
     started = time.monotonic()
@@ -313,7 +346,7 @@ def test_a_target_replica_killed_mid_stream_hands_its_sessions_to_the_other_with
         for n, chunk in enumerate(client.generate_stream(session_id=session_id, **options)):
             tokens += chunk.token_ids
             if n == 2:
-                stack.processes["second"].send_signal(signal.SIGKILL)
+                stack.processes["second-target"].send_signal(signal.SIGKILL)
                 killed_at = len(tokens)
         print(f"\nsecond target killed after {killed_at} tokens; the stream ended after {len(tokens)} "
               f"in {time.monotonic() - started:.1f} s (unbroken, one target: {unbroken_s:.1f} s)")  # fmt: skip
