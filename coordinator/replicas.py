@@ -159,8 +159,10 @@ class Replicas:
         return next((r for r in ranked if r.usable(now)), ranked[0])
 
     def usable_count(self) -> int:
+        """Replicas not skipped after a failed call (the metrics thread calls this: it reads
+        no channel state, only down_until)."""
         now = time.monotonic()
-        return sum(replica.usable(now) for replica in list(self.replicas.values()))
+        return sum(replica.down_until <= now for replica in list(self.replicas.values()))
 
     def any(self) -> Replica:
         """A replica for calls that concern no session (ModelInfo)."""

@@ -85,9 +85,9 @@ SEVERAL_COORDINATORS = (
 )
 REPLICAS_HELP = (
     "; several replicas: a comma-separated list (HOST:PORT,HOST:PORT), or dns:///HOST:PORT for every "
-    f"address the name resolves to (re-resolved every {REPLICA_REFRESH_S:g} s; a Kubernetes headless Service). Each session "
-    "keeps to one replica, so its KV caches stay warm; sessions spread over the replicas; one that fails "
-    "is skipped and its sessions move to the others (rebuilt from Redis)"
+    f"address the name resolves to (re-resolved every {REPLICA_REFRESH_S:g} s; a Kubernetes headless "
+    "Service). Each session keeps to one replica, so its KV caches stay warm; sessions spread over the "
+    "replicas; one that fails is skipped and its sessions move to the others (rebuilt from Redis)"
 )
 
 
@@ -179,7 +179,8 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
         "(--retries); this is for starting over from another process.",
     )
     resume.add_argument("session_id", help="the session to go on with")
-    env_flag(resume, "--address", "SPECDEC_ADDRESS", default=DEFAULT_ADDRESS, help="coordinator address" + SEVERAL_COORDINATORS)
+    env_flag(resume, "--address", "SPECDEC_ADDRESS", default=DEFAULT_ADDRESS,
+             help="coordinator address" + SEVERAL_COORDINATORS)  # fmt: skip
     resume.add_argument("--received-tokens", type=UINT32, default=0,
                         help="output tokens you already have; printing starts after them (default 0: all)")  # fmt: skip
     resume.add_argument("--received-chars", type=UINT32, default=0,

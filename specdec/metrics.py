@@ -69,7 +69,8 @@ class CoordinatorMetrics:
         self.replicas = Gauge("specdec:replicas", "Replicas of a model service the coordinator knows.",
                               ["service"], registry=r)  # fmt: skip
         self.replicas_usable = Gauge(
-            "specdec:replicas_usable", "Replicas of a model service not skipped as failed.", ["service"], registry=r
+            "specdec:replicas_usable", "Replicas of a model service not skipped after a failed call.", ["service"],
+            registry=r,
         )
 
     def follow_replicas(self, service: str, replicas) -> None:

@@ -176,3 +176,9 @@ def test_specdec_generate_whose_stream_breaks_for_good_says_how_to_resume_it(ser
     session_id = flaky.session_ids[0]
     assert out == "a" and "error: UNAVAILABLE: resume failure 2" in err  # one resume, sent twice by its channel
     assert f"specdec resume {session_id} --address {address} --received-tokens 1 --received-chars 1" in err
+
+
+def test_a_load_balancing_policy_grpc_is_not_given_is_a_value_error_naming_the_choices():
+    with pytest.raises(ValueError, match="load_balancing must be one of round_robin, pick_first, got 'random'"):
+        specdec.Client("127.0.0.1:1", load_balancing="random")
+    assert '"loadBalancingConfig": [{"pick_first": {}}]' in service_config(2, "pick_first")
