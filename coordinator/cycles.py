@@ -56,8 +56,9 @@ Faults: a draft call that fails, or takes longer than its budget (`draft_budget`
 abandoned and the cycle runs target-only: Verify with no drafts, the same per-cycle
 random stream, so the output stays lossless (and identical for greedy). Drafting then
 pauses for a growing number of cycles and resumes on its own. A target call that fails
-retryably is sent again unchanged: it is idempotent, and the Redis commit that follows
-is fenced by the cycle number.
+retryably is sent again unchanged, to the session's replica as of then (coordinator.replicas:
+one that failed is skipped): it is idempotent, and the Redis commit that follows is fenced
+by the cycle number.
 """
 
 from __future__ import annotations
