@@ -139,6 +139,8 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
     async def load(self) -> None:
         """Wait for both model services, check they share a vocabulary, load the tokenizer."""
         timeout = self.config.startup_timeout_s
+        await self.targets.start()
+        await self.drafts.start()
         self.target_info = await wait_for_model_info(self.targets, "target", timeout)
         self.draft_info = await wait_for_model_info(self.drafts, "draft", timeout)
         if self.draft_info.kind != NGRAM_DRAFT:
@@ -627,10 +629,9 @@ def stats_pb(stats: Stats, prompt_tokens: int, elapsed_s: float, first_token_s: 
 
 
 async def wait_for_model_info(replicas: Replicas, name: str, timeout_s: float) -> pb.ModelInfoResponse:
-    """ModelInfo from a model service (one of its replicas), waiting while it starts and loads
-    its model, and, for a dns:/// address, until the name resolves."""
+    """ModelInfo from a model service (one of its started replicas), waiting while it starts
+    and loads its model, and, for a dns:/// address, until the name resolves."""
     deadline = time.monotonic() + timeout_s
-    await replicas.start()
     while True:
         if not replicas.replicas:
             await replicas.refresh()
