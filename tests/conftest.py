@@ -19,6 +19,7 @@ def redis_url(redis_server):
 # ---------------------------------------------------------------- models
 
 import functools
+import urllib.request
 from types import SimpleNamespace
 
 import grpc
@@ -118,8 +119,8 @@ def tiny_stack(redis_url, tiny_models):
 
 
 class InternalStub:
-    """A stub of a stack's draft or target service that sends the stack's internal token
-    with every call, as the coordinator does."""
+    """A stub of a stack's draft or target service (or an added replica of one, by its name)
+    that sends the stack's internal token with every call, as the coordinator does."""
 
     def __init__(self, stack: Stack, name: str):
         credentials = stack.channel_credentials()
@@ -127,7 +128,7 @@ class InternalStub:
         self.channel = grpc.insecure_channel(address) if credentials is None else grpc.secure_channel(address, credentials)
         from specdec.v1 import specdec_pb2_grpc as pb_grpc
 
-        self.stub = {"draft": pb_grpc.DraftStub, "target": pb_grpc.TargetStub}[name](self.channel)
+        self.stub = {"draft": pb_grpc.DraftStub, "target": pb_grpc.TargetStub}[stack.kind(name)](self.channel)
         self.metadata = stack.internal_metadata
 
     def __getattr__(self, method: str):
@@ -136,6 +137,18 @@ class InternalStub:
 
 def internal_stub(stack: Stack, name: str) -> InternalStub:
     return InternalStub(stack, name)
+
+
+def scrape(port: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """A service's /metrics on `port`: (sample name, its labels sorted) -> value."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    samples = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            samples[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
+    return samples
 
 
 # ---------------------------------------------------------------- certificates

@@ -8,15 +8,14 @@ import subprocess
 import sys
 import threading
 import time
-import urllib.request
 from concurrent import futures
 
 import grpc
 import pytest
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
-from prometheus_client.parser import text_string_to_metric_families
 
 import specdec
+from conftest import scrape
 from specdec import telemetry
 
 
@@ -169,15 +168,6 @@ def test_one_generate_is_one_trace_across_client_coordinator_draft_and_target(tr
     # Redis commands (session create and the fenced commits) are spans of the coordinator.
     redis_spans = [s for svc, s in spans if svc == "specdec-coordinator" and attr(s, "db.system") == "redis"]
     assert len(redis_spans) >= stats["cycles"]
-
-
-def scrape(port):
-    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
-    samples = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            samples[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
-    return samples
 
 
 def test_metrics_counters_equal_the_statistics_the_sdk_returned(traced_stack):

@@ -12,16 +12,14 @@ import signal
 import subprocess
 import sys
 import time
-import urllib.request
 from collections import Counter
 from types import SimpleNamespace
 
 import grpc
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 import specdec
-from conftest import start_stack
+from conftest import internal_stub, scrape, start_stack
 from coordinator.replicas import (
     DOWN_S,
     ReplicaAddress,
@@ -228,20 +226,23 @@ def test_a_dns_replica_is_reached_by_its_ip_and_its_tls_certificate_checked_agai
     assert isinstance(through_ip, grpc.aio.AioRpcError) and through_ip.code() == grpc.StatusCode.UNAVAILABLE
 
 
-def scrape(port: int) -> dict[tuple[str, str], float]:
-    """(metric sample name, its `service` label) -> value, from a /metrics endpoint."""
-    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
-    return {(sample.name, sample.labels.get("service", "")): sample.value
-            for family in text_string_to_metric_families(text) for sample in family.samples}  # fmt: skip
+def by_service(port: int, name: str, service: str) -> float:
+    """The sample `name` labelled service=`service` on the /metrics endpoint at `port`."""
+    return scrape(port).get((name, (("service", service),)), 0.0)
 
 
 def forward_passes(port: int, service: str = "target") -> float:
-    return scrape(port).get(("specdec:forward_latency_seconds_count", service), 0.0)
+    return by_service(port, "specdec:forward_latency_seconds_count", service)
+
+
+def owner(session_id: str, endpoints) -> str:
+    """The replica among `endpoints` that rendezvous hashing gives `session_id`."""
+    return max(endpoints, key=lambda endpoint: score(session_id, endpoint))
 
 
 def picker(endpoints, wanted: str, prefix: str) -> str:
     """A session id whose replica among `endpoints` is `wanted`."""
-    return next(s for s in (f"{prefix}-{i}" for i in range(100)) if max(endpoints, key=lambda e: score(s, e)) == wanted)
+    return next(s for s in (f"{prefix}-{i}" for i in range(100)) if owner(s, endpoints) == wanted)
 
 
 @pytest.fixture(scope="module")
@@ -280,7 +281,7 @@ def test_each_session_keeps_to_the_one_target_replica_its_id_picks_and_sessions_
     with specdec.Client(address) as client:
         for i in range(10):
             session_id = f"replica-test-{i}"
-            chosen = max(metrics_ports, key=lambda target: score(session_id, target))
+            chosen = owner(session_id, metrics_ports)
             before = {t: forward_passes(p) for t, p in metrics_ports.items()}
             assert client.generate(session_id=session_id, **options).token_ids == expected
             after = {t: forward_passes(p) for t, p in metrics_ports.items()}
@@ -288,12 +289,11 @@ def test_each_session_keeps_to_the_one_target_replica_its_id_picks_and_sessions_
             assert ran == {chosen}, f"session {session_id}: forward passes on {ran}, expected only {chosen}"
             served[chosen] += 1
     assert len(served) == 2, served
-    metrics = scrape(two_of_each.metrics)
     for service in ("target", "draft"):
-        assert metrics[("specdec:replicas", service)] == metrics[("specdec:replicas_usable", service)] == 2
+        known = by_service(two_of_each.metrics, "specdec:replicas", service)
+        assert known == by_service(two_of_each.metrics, "specdec:replicas_usable", service) == 2
     for name in ("target", "second-target"):
-        info = pb_grpc.TargetStub(grpc.insecure_channel(f"127.0.0.1:{stack.ports[name]}"))
-        held = info.ModelInfo(pb.ModelInfoRequest(), metadata=stack.internal_metadata, timeout=10)
+        held = internal_stub(stack, name).ModelInfo(pb.ModelInfoRequest(), timeout=10)
         assert held.sessions_held == 0, f"{name} still holds {held.sessions_held} session(s)"
 
 

@@ -4,16 +4,13 @@ one draft and one target, a real redis-server, the SDK over loopback gRPC."""
 
 import json
 import time
-import urllib.request
 
 import grpc
 import pytest
 import redis
 
-from prometheus_client.parser import text_string_to_metric_families
-
 import specdec
-from conftest import start_stack
+from conftest import scrape, start_stack
 from specdec.redis_server import free_port
 from specdec.session import meta_key
 
@@ -139,9 +136,7 @@ def test_a_stream_running_past_its_stopping_coordinators_drain_is_resumed_throug
 
 
 def requests_served(port: int) -> float:
-    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
-    return sum(sample.value for family in text_string_to_metric_families(text) for sample in family.samples
-               if sample.name == "specdec:request_success_total")  # fmt: skip
+    return sum(value for (name, _), value in scrape(port).items() if name == "specdec:request_success_total")
 
 
 def test_a_client_naming_several_coordinators_spreads_its_calls_over_them(stack, metrics_ports):
