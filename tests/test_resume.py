@@ -16,6 +16,7 @@ from specdec.session import meta_key
 
 PROMPT_OPTIONS = dict(ignore_eos=True, num_speculative_tokens=3)
 LONG = 1500  # tokens: a stream that is still running when the test breaks it (a few seconds)
+TAKEN_OVER = 400  # tokens: a stream still running when another request resumes it (1-3 s)
 DRAIN_S = 0.5  # the coordinators' --drain-s: how long a stopping one lets running calls go on
 
 
@@ -189,7 +190,7 @@ def test_resuming_a_finished_session_sends_its_tail_and_its_finish_reason_and_ge
 def test_a_running_session_resumed_elsewhere_stops_its_first_run_with_aborted(stack):
     """Two runs of one session never both commit: the one that resumed it owns it, and the
     first stops at its next commit with ABORTED, while the resumed stream completes."""
-    options = dict(prompt="hello world", max_new_tokens=LONG, **PROMPT_OPTIONS)
+    options = dict(prompt="hello world", max_new_tokens=TAKEN_OVER, **PROMPT_OPTIONS)
     with specdec.Client(spare(stack)) as client:
         expected = client.generate(**options).token_ids
     with specdec.Client(stack.address, retries=0) as first, specdec.Client(spare(stack)) as second:
