@@ -202,21 +202,23 @@ class Stack:
             *auth, *lookups, *cfg.coordinator_args,
         ]  # fmt: skip
 
-    def add_coordinator(self, name: str, *args: str) -> str:
+    def add_coordinator(self, name: str, *args: str, wait: bool = True) -> str:
         """Start one more coordinator, called `name`, on a free port, in front of this stack's
         draft, target and Redis (a replica, as behind a load balancer), with `args` added to
         its flags (later flags win); wait until it serves and return its address. stop()
         stops it with the first one."""
-        return self.add_replica(name, "coordinator", *args)
+        return self.add_replica(name, "coordinator", *args, wait=wait)
 
-    def add_replica(self, name: str, service: str, *args: str) -> str:
+    def add_replica(self, name: str, service: str, *args: str, wait: bool = True) -> str:
         """Start one more process of `service` (coordinator, draft or target), called `name`,
-        with the first one's flags plus `args`, on a free port; wait until it serves and
-        return its address. The stack's coordinator does not call an added model service:
-        name it in a coordinator's --target-address / --draft-address."""
+        with the first one's flags plus `args` (later flags win), on a free port; wait until
+        it serves (unless not `wait`: then `wait_ready((name, ...))` waits for several started
+        together) and return its address. The stack's coordinator does not call an added model
+        service: name it in a coordinator's --target-address / --draft-address."""
         self.ports[name] = free_port_except(self.ports.values())
         self.spawn(name, service, *self.service_args(service), *args)
-        self.wait_ready((name,))
+        if wait:
+            self.wait_ready((name,))
         host = self.config.host if service == "coordinator" else "127.0.0.1"
         return f"{host}:{self.ports[name]}"
 

@@ -2,6 +2,8 @@
 target's own greedy decoding (`transformers` generate(do_sample=False)) token for
 token, on the real SmolLM2-135M-Instruct, whatever the draft."""
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -64,15 +66,33 @@ def k_for(draft_kind: str, prompt_index: int) -> int:
     return KS[(prompt_index + DRAFTS.index(draft_kind)) % len(KS)]
 
 
-@pytest.fixture(scope="module", params=DRAFTS)
-def stack(request, redis_url, smollm2_dir, tiny_shared_vocab_draft):
+@pytest.fixture(scope="module")
+def services(redis_url, smollm2_dir, tiny_shared_vocab_draft):
+    """One SmolLM2 target for every test here: the default stack, started as `specdec up`
+    starts it on the default target with no --draft (its coordinator drafts with the shipped
+    distilled draft); beside it, a coordinator with --ngram-first 2 on the same draft
+    ("ngram-first"), and for each of DRAFTS a draft process and a coordinator that calls it
+    and the stack's target ("via-" + the draft)."""
     from conftest import start_stack
 
-    draft = {"ngram": "ngram", "tiny-random": tiny_shared_vocab_draft, "target-itself": smollm2_dir}[request.param]
-    stack = start_stack(redis_url, smollm2_dir, draft)
-    stack.draft_kind = request.param
-    yield stack
-    stack.stop()
+    stack = start_stack(redis_url, "smollm2-135m-instruct", "")
+    try:
+        models = {"ngram": "ngram", "tiny-random": tiny_shared_vocab_draft, "target-itself": smollm2_dir}
+        for kind, model in models.items():  # started side by side, then waited for
+            stack.add_replica(f"{kind}-draft", "draft", "--model", model, wait=False)
+            draft_address = f"127.0.0.1:{stack.ports[f'{kind}-draft']}"
+            stack.add_coordinator(f"via-{kind}", "--draft-address", draft_address, wait=False)
+        stack.add_coordinator("ngram-first", "--ngram-first", "2", wait=False)
+        stack.wait_ready((*(f"{kind}-draft" for kind in models), *(f"via-{kind}" for kind in models), "ngram-first"))
+        yield stack
+    finally:
+        stack.stop()
+
+
+@pytest.fixture(params=DRAFTS)
+def stack(request, services):
+    """The address of a coordinator whose draft is `draft_kind`, one of DRAFTS."""
+    return SimpleNamespace(address=f"127.0.0.1:{services.ports['via-' + request.param]}", draft_kind=request.param)
 
 
 def test_greedy_output_equals_transformers_generate_for_every_draft_and_k(stack, oracle):
@@ -148,44 +168,33 @@ def test_the_catalog_draft_builds_from_its_shipped_weights_and_agrees_with_the_t
 
 @pytest.mark.parametrize("ngram_first", [0, 2])
 def test_greedy_output_through_the_services_with_the_distilled_draft_equals_transformers_generate(
-    redis_url, smollm2_dir, oracle, ngram_first
+    services, oracle, ngram_first
 ):
     """`specdec up`'s stack with the shipped distilled draft: lossless, and the draft is
     actually used (some of its tokens are accepted), at fixed K and with pipelining on;
     with --ngram-first 2, cycles after a repeated 2-gram take looked-up drafts instead.
     Without it, the stack is the default one, started as `specdec up` starts it on the
     default target with no --draft: the distilled draft, at its own K = 2 for requests that set none."""
-    from conftest import start_stack
-
-    from specdec.models import ensure_catalog_model
-
-    if ngram_first:
-        draft_dir = str(ensure_catalog_model("smollm2-135m-instruct-draft", progress=False))
-        stack = start_stack(redis_url, smollm2_dir, draft_dir, ngram_first=ngram_first)
-    else:
-        stack = start_stack(redis_url, "smollm2-135m-instruct", "")
-        assert stack.config.draft == "smollm2-135m-instruct-draft"
+    assert services.config.draft == "smollm2-135m-instruct-draft"
+    address = f"127.0.0.1:{services.ports['ngram-first' if ngram_first else 'coordinator']}"
     drafted = accepted = 0
     looked_up = proposed = 0
-    try:
-        with specdec.Client(stack.address) as client:
-            if not ngram_first:  # the draft service reports the catalog draft's K; the coordinator takes it
-                info = client.info()
-                assert info.draft.default_k == 2 and info.default_num_speculative_tokens == 2, info
-            ks = (2, 4) if ngram_first else (None, 4)  # None: the stack's default K
-            for index, (ids, expected) in enumerate(oracle.items()):  # the Ks take turns over the prompts
-                k = ks[index % len(ks)]
-                result = client.generate(prompt_token_ids=list(ids), max_new_tokens=NEW_TOKENS,
-                                         num_speculative_tokens=k, pipeline=True)  # fmt: skip
-                assert result.token_ids == expected, f"distilled draft, K={k}, prompt {ids[:6]}..."
-                if k is None:
-                    assert max(c.drafted for c in result.cycles) == 2, [c.drafted for c in result.cycles]
-                drafted += result.stats.draft_tokens
-                accepted += result.stats.accepted_tokens
-                looked_up += sum(c.drafted for c in result.cycles if c.looked_up)
-                proposed += sum(c.drafted for c in result.cycles if not c.looked_up)
-    finally:
-        stack.stop()
+    with specdec.Client(address) as client:
+        if not ngram_first:  # the draft service reports the catalog draft's K; the coordinator takes it
+            info = client.info()
+            assert info.draft.default_k == 2 and info.default_num_speculative_tokens == 2, info
+        ks = (2, 4) if ngram_first else (None, 4)  # None: the stack's default K
+        for index, (ids, expected) in enumerate(oracle.items()):  # the Ks take turns over the prompts
+            k = ks[index % len(ks)]
+            result = client.generate(prompt_token_ids=list(ids), max_new_tokens=NEW_TOKENS,
+                                     num_speculative_tokens=k, pipeline=True)  # fmt: skip
+            assert result.token_ids == expected, f"distilled draft, K={k}, prompt {ids[:6]}..."
+            if k is None:
+                assert max(c.drafted for c in result.cycles) == 2, [c.drafted for c in result.cycles]
+            drafted += result.stats.draft_tokens
+            accepted += result.stats.accepted_tokens
+            looked_up += sum(c.drafted for c in result.cycles if c.looked_up)
+            proposed += sum(c.drafted for c in result.cycles if not c.looked_up)
     print(f"\ndistilled draft, n-gram first {ngram_first}: drafted {drafted} ({looked_up} looked up), "
           f"accepted {accepted}, acceptance {accepted / max(drafted, 1):.3f}")  # fmt: skip
     assert drafted > 0 and accepted > 0, (drafted, accepted)

@@ -256,8 +256,9 @@ def two_of_each(redis_url, tiny_models):
                         target_args=["--metrics-port", str(ports["target"])],
                         draft_args=["--metrics-port", str(ports["draft"])])  # fmt: skip
     try:
-        for name in ("second-target", "second-draft"):
-            stack.add_replica(name, name.split("-")[1], "--metrics-port", str(ports[name]))
+        for name in ("second-target", "second-draft"):  # loading side by side
+            stack.add_replica(name, name.split("-")[1], "--metrics-port", str(ports[name]), wait=False)
+        stack.wait_ready(("second-target", "second-draft"))
         targets = {f"127.0.0.1:{stack.ports[name]}": ports[name] for name in ("target", "second-target")}
         drafts = {f"127.0.0.1:{stack.ports[name]}": ports[name] for name in ("draft", "second-draft")}
         address = stack.add_coordinator("spread", "--target-address", ",".join(targets), "--draft-address",
