@@ -530,7 +530,7 @@ def format_costs(r: dict) -> str:
         f"target {r['target']} ({threads['target']} threads with the draft idle, {threads['target_shared']} while "
         f"it drafts beside it), draft {r['draft']} ({threads['draft']}), {r['context_tokens']} tokens of context",
         f"c_p {r['c_p_ms']:.1f} ms per target step, c_q {r['c_q_ms']:.2f} ms per draft token",
-        f"linear kernels timed at load: target {format_kernels(r['kernels']['target'])}; "
+        f"linear kernels timed at load (or as timed before, kernels.json in the cache): target {format_kernels(r['kernels']['target'])}; "
         f"draft {format_kernels(r['kernels']['draft'])}",
         "",
         f"{'K':>3}{'c_verify':>10}{'/ c_p':>7}{'shared':>9}   α for 1.0x / 1.3x the target alone: sequential, pipelined",

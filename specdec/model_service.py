@@ -66,10 +66,12 @@ class ModelService:
         """Load config.model, describe it in ModelInfo, and make a pool of KV caches for it."""
         from specdec.kvcache import new_cache
         from specdec.models import load_model
+        from specdec.packed import kernel_choice
 
         loaded = load_model(self.config.model, dtype=self.config.dtype, device=self.config.device)
         if loaded.kernels:
-            logging.getLogger("specdec").info("the %s model's linear kernels, timed here: %s", self.role, loaded.kernels)
+            how = "as timed before on this machine" if kernel_choice(loaded.model).remembered else "timed here"
+            logging.getLogger("specdec").info("the %s model's linear kernels, %s: %s", self.role, how, loaded.kernels)
         self.info.MergeFrom(model_info_to_pb(loaded))
         self.pool = self.make_pool(lambda: new_cache(loaded.model.config))
         return loaded

@@ -21,7 +21,10 @@ Which kernel wins depends on the CPU: on an Intel Xeon (AVX-512, AMX) the same p
 lost to MKL on a single row and on verify passes (a step 86/69 ms packed against 51/66 ms
 stock). So `load_model` times both kernels on this machine (`choose_kernels`): a pass through
 all of the model's linear layers on one row and on several, for each thread count the process
-may use, and every pass takes the faster (`KernelChoice`). `SPECDEC_PACKED_LINEAR=fixed`
+may use, and every pass takes the faster (`KernelChoice`). The choice is remembered
+(`kernels.json` in the cache folder, keyed by the CPU, its core count, torch's version, the
+thread counts and the layers' shapes), so a service that restarts on the same machine skips
+the timing (about 2 s for SmolLM2-135M); delete the file to time again. `SPECDEC_PACKED_LINEAR=fixed`
 skips the timing and uses the packed copy for several rows, and for one row on two or more
 threads; `SPECDEC_PACKED_LINEAR=0` packs nothing.
 
@@ -34,7 +37,10 @@ several rows already do; greedy outputs still match `transformers` (the oracle t
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
+import platform
 import time
 from collections.abc import Iterable
 
@@ -56,6 +62,7 @@ TIMING_ROUNDS = 4  # per kernel, taking turns, after one warm-up round; the medi
 # own: timings taken while other processes start beside us are noisy, and a flip on noise
 # costs more than a few percent left on the table.
 SWITCH_BELOW = 0.9
+REMEMBERED_FILE = "kernels.json"  # in the cache folder: timing key -> the choice it made
 
 
 def fixed_rule(rows: int, threads: int) -> bool:
@@ -74,6 +81,7 @@ class KernelChoice:
 
     def __init__(self):
         self.packed: dict[tuple[str, int], bool] = {}
+        self.remembered = False  # read from REMEMBERED_FILE, not timed by this process
 
     def use_packed(self, rows: int, threads: int) -> bool:
         timed = self.packed.get((ONE_ROW if rows < MIN_PACKED_ROWS else SEVERAL_ROWS, threads))
@@ -152,8 +160,80 @@ def pack_model(model: torch.nn.Module) -> dict[str, str]:
             return {}
         pack_linears(model)
         if os.environ.get(ENV_SWITCH) != "fixed":
-            choose_kernels(model, {1, torch.get_num_threads(), os.cpu_count() or 1})
+            threads = {1, torch.get_num_threads(), os.cpu_count() or 1}
+            if not recall_kernels(model, threads):
+                choose_kernels(model, threads)
+                remember_kernels(model, threads)
     return kernel_choice(model).describe()
+
+
+def timing_key(model: torch.nn.Module, thread_counts: Iterable[int]) -> str:
+    """What choose_kernels' result depends on, as one string: the CPU, its core count, torch's
+    version, the thread counts timed and the packed layers' shapes (a digest)."""
+    shapes = ",".join(f"{layer.in_features}x{layer.out_features}{'+b' if layer.bias is not None else ''}"
+                      for layer in packed_layers(model))  # fmt: skip
+    digest = hashlib.blake2b(shapes.encode(), digest_size=8).hexdigest()
+    threads = "+".join(str(t) for t in sorted({max(1, int(t)) for t in thread_counts}))
+    return f"{cpu_name()} | {os.cpu_count()} cores | torch {torch.__version__} | threads {threads} | layers {digest}"
+
+
+def cpu_name() -> str:
+    """The CPU's model name (Linux's /proc/cpuinfo), else what `platform` knows."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as info:
+            for line in info:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def remembered_path():
+    from specdec.catalog import cache_dir
+
+    return cache_dir() / REMEMBERED_FILE
+
+
+def read_remembered() -> dict:
+    """REMEMBERED_FILE's entries; {} where it is missing or unreadable."""
+    try:
+        entries = json.loads(remembered_path().read_text())
+    except (OSError, ValueError):
+        return {}
+    return entries if isinstance(entries, dict) else {}
+
+
+def recall_kernels(model: torch.nn.Module, thread_counts: Iterable[int]) -> bool:
+    """Fill the packed model's KernelChoice from an earlier timing of the same key; False
+    (nothing changed) where there is none."""
+    entry = read_remembered().get(timing_key(model, thread_counts))
+    try:
+        packed = {(rows, int(threads)): bool(value) for rows, threads, value in entry}
+    except (TypeError, ValueError):
+        return False
+    if not packed or {rows for rows, _ in packed} - set(TIMED_ROWS):
+        return False
+    choice = kernel_choice(model)
+    choice.packed.update(packed)
+    choice.remembered = True
+    return True
+
+
+def remember_kernels(model: torch.nn.Module, thread_counts: Iterable[int]) -> None:
+    """Add the model's timed KernelChoice to REMEMBERED_FILE (written whole, then renamed,
+    so a reader never sees half of it); a cache folder that cannot be written is left alone."""
+    entries = read_remembered()
+    entries[timing_key(model, thread_counts)] = [[rows, threads, packed] for (rows, threads), packed
+                                                 in sorted(kernel_choice(model).packed.items())]  # fmt: skip
+    path = remembered_path()
+    partial = path.with_name(f"{path.name}.{os.getpid()}.partial")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial.write_text(json.dumps(entries, indent=1, sort_keys=True))
+        os.replace(partial, path)
+    except OSError:
+        partial.unlink(missing_ok=True)
 
 
 def packed_layers(model: torch.nn.Module) -> list[PackedLinear]:

@@ -187,6 +187,39 @@ def test_load_model_times_the_kernels_for_one_thread_the_current_count_and_every
     assert kernel_choice(loaded.model).use_packed(4, 1) and not kernel_choice(loaded.model).use_packed(1, 1)
 
 
+@needs_onednn
+def test_a_timed_kernel_choice_is_remembered_and_the_next_load_on_this_machine_is_not_timed(tmp_path, monkeypatch, model):
+    """pack_model writes its timed choice to kernels.json in the cache folder; loading a model
+    of the same shapes again reads it back (no timing); other shapes, or a file that is not
+    JSON, are timed again."""
+    monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path / "cache"))
+    timed = []
+
+    def fake_time_pass(layers, inputs, use_packed):  # packed loses on 1 row (against the fixed rule), wins on 4
+        timed.append(use_packed)
+        rows = next(iter(inputs.values())).shape[0]
+        return {(1, True): 2.0, (1, False): 1.0, (4, True): 1.0, (4, False): 2.0}[(rows, use_packed)]
+
+    monkeypatch.setattr(packed_module, "time_pass", fake_time_pass)
+    tokenizer = build_tiny_tokenizer()
+    save_model(model, tokenizer, tmp_path / "m")
+    first = load_model(str(tmp_path / "m"))
+    assert timed and not kernel_choice(first.model).remembered
+    assert {kernel for passes, kernel in first.kernels.items() if passes.startswith("one row")} == {"stock"}
+    assert (tmp_path / "cache" / packed_module.REMEMBERED_FILE).exists()
+    timed.clear()
+    second = load_model(str(tmp_path / "m"))
+    assert timed == [] and kernel_choice(second.model).remembered and second.kernels == first.kernels
+    wider = build_tiny_model(tokenizer, hidden_size=48, num_layers=2, seed=3, initializer_range=0.2)
+    save_model(wider, tokenizer, tmp_path / "wider")
+    assert not kernel_choice(load_model(str(tmp_path / "wider")).model).remembered and timed
+    (tmp_path / "cache" / packed_module.REMEMBERED_FILE).write_text("{not json")
+    timed.clear()
+    assert not kernel_choice(load_model(str(tmp_path / "m")).model).remembered and timed
+    timed.clear()
+    assert kernel_choice(load_model(str(tmp_path / "m")).model).remembered and timed == []
+
+
 def test_a_greedy_model_draft_sends_one_hot_q_and_the_argmax_and_a_sampled_one_its_q(model):
     """At temperature 0 the draft's q is the one-hot of its argmax: it is sent as one-hot
     (None) with no [V] tensor made; sampled, the q sent is the warped one it drew from."""
