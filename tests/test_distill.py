@@ -94,7 +94,7 @@ def test_alpha_rises_above_its_starting_value(distilled):
 
 
 def test_card_records_fingerprint_figures_and_command(distilled, tiny):
-    out, first, _, _ = distilled
+    out, first, second, _ = distilled
     figures = first["figures"]
     for key in ("alpha", "greedy_agreement", "c_q_ms", "c_p_ms", "cost_ratio", "best_k", "expected_speedup"):
         assert key in figures
@@ -106,7 +106,8 @@ def test_card_records_fingerprint_figures_and_command(distilled, tiny):
     alpha = figures.get("with_lookup", figures)["alpha"]
     rates = {k: expected_tokens_per_cycle(alpha, k) / (k * figures["c_q_ms"] + ms) for k, ms in c_verify.items()}
     assert rates[figures["serving_k"]] >= 0.97 * max(rates.values())  # the best, up to the card's rounding of costs
-    assert draft_default_k(str(out)) == figures["serving_k"]
+    # the directory's card is the resumed run's, which measured its own costs
+    assert draft_default_k(str(out)) == second["figures"]["serving_k"] >= 1
     # the same figures on the target's own greedy continuations of the held-out prompts
     greedy_path = figures["greedy_path"]
     assert 0 <= greedy_path["alpha"] <= 1 and 0 <= greedy_path["greedy_agreement"] <= 1 and greedy_path["positions"] > 0
