@@ -17,6 +17,12 @@ Terms:
                                        Service: one address per ready pod).
     down      a replica whose call failed UNAVAILABLE, or whose connection is failing, is
               skipped for DOWN_S seconds: its sessions go to their next-best replica.
+    checked   (target replicas) a replica whose ModelInfo names the model the coordinator
+              started with (`identity`: the same model and vocabulary). Sessions go only to
+              checked replicas: a session that moved to a replica serving another model would
+              go on under that model's distribution. A replica that serves another model is
+              refused: logged, never called, until it is removed. A single fixed address is
+              not checked (it is the one the coordinator started with, or a load balancer).
 """
 
 from __future__ import annotations
@@ -36,11 +42,14 @@ from specdec import serving
 from specdec.errors import Unavailable
 from specdec.ranges import REPLICA_REFRESH_S
 from specdec.security import ChannelSecurity
+from specdec.v1 import specdec_pb2 as pb
 
 log = logging.getLogger("specdec.coordinator")
 
 DNS_SCHEME = "dns:///"
 DOWN_S = 5.0
+CHECK_RETRY_S = 1.0  # a replica that did not answer ModelInfo is asked again after this
+CHECK_TIMEOUT_S = 5.0
 # How long a removed replica's channel stays open for the calls still running on it.
 CLOSE_GRACE_S = 30.0
 
@@ -101,6 +110,8 @@ class Replica:
     channel: object  # grpc.aio.Channel (or specdec.security.TokenChannel)
     stub: object  # DraftStub / TargetStub on `channel`
     down_until: float = 0.0  # time.monotonic() before which it is skipped
+    checked: bool = False  # serves the coordinator's model (module doc); set by Replicas
+    refused: str = ""  # why it is never called: it serves another model
 
     def failed(self) -> None:
         """Skip this replica for DOWN_S seconds (a call to it failed UNAVAILABLE)."""
@@ -114,6 +125,17 @@ class Replica:
 
 
 Resolver = Callable[[str, int], Awaitable[list[str]]]
+Identity = Callable[[pb.ModelInfoResponse], tuple]
+
+
+def target_identity(info: pb.ModelInfoResponse) -> tuple:
+    """What every target replica must share: the model (a session keeps its distribution
+    wherever it moves) and its vocabulary (token ids, end tokens, context length)."""
+    return (info.model, info.vocab_fingerprint, info.vocab_size, info.max_context, tuple(info.eos_token_ids))
+
+
+def describe_identity(identity: tuple) -> str:
+    return f"{identity[0]} (vocabulary {identity[1][:12]})"
 
 
 async def resolve(host: str, port: int) -> list[str]:
@@ -135,6 +157,11 @@ class Replicas:
     replicas: dict[str, Replica] = field(default_factory=dict)  # endpoint -> replica
     refresher: asyncio.Task | None = None
     closing: set[asyncio.Task] = field(default_factory=set)
+    # Replicas serve `name` (for messages); with `identity`, only checked ones are called.
+    name: str = "target"
+    identity: Identity | None = None
+    reference: tuple | None = None  # the identity of the coordinator's model (adopt)
+    checks: dict[str, asyncio.Task] = field(default_factory=dict)  # endpoint -> its running check
 
     @property
     def single(self) -> bool:
@@ -149,24 +176,89 @@ class Replicas:
         await self.refresh()
         self.refresher = asyncio.get_running_loop().create_task(self.keep_refreshing())
 
+    @property
+    def checking(self) -> bool:
+        """Only checked replicas are called (module doc)."""
+        return self.identity is not None and not self.single
+
     def pick(self, session_id: str) -> Replica:
         """The replica that serves `session_id`: the highest-scoring usable one, or the
-        highest-scoring one when none is usable (its calls then fail or wait)."""
+        highest-scoring one when none is usable (its calls then fail or wait). Where replicas
+        are checked, only checked ones count, and none: Unavailable, saying why."""
         if not self.replicas:
             raise Unavailable(f"{self.address} resolves to no address yet; retry shortly")
-        ranked = sorted(self.replicas.values(), key=lambda r: score(session_id, r.endpoint), reverse=True)
+        candidates = [r for r in self.replicas.values() if r.checked or not self.checking]
+        if not candidates:
+            raise Unavailable(self.none_checked())
+        ranked = sorted(candidates, key=lambda r: score(session_id, r.endpoint), reverse=True)
         now = time.monotonic()
         return next((r for r in ranked if r.usable(now)), ranked[0])
 
+    def none_checked(self) -> str:
+        refused = [r for r in self.replicas.values() if r.refused]
+        if refused and len(refused) == len(self.replicas):
+            return (f"every {self.name} replica at {self.address} serves another model than this coordinator "
+                    f"started with, {describe_identity(self.reference)}: {refused[0].refused}; "
+                    "restart the coordinator to adopt the new model")  # fmt: skip
+        return f"no {self.name} replica at {self.address} has answered yet; retry shortly"
+
     def usable_count(self) -> int:
-        """Replicas not skipped after a failed call (the metrics thread calls this: it reads
-        no channel state, only down_until)."""
+        """Replicas not skipped after a failed call, nor unchecked or refused (the metrics
+        thread calls this: it reads no channel state, only down_until and the checks)."""
         now = time.monotonic()
-        return sum(replica.down_until <= now for replica in list(self.replicas.values()))
+        return sum(r.down_until <= now and (r.checked or not self.checking) for r in list(self.replicas.values()))
 
     def any(self) -> Replica:
-        """A replica for calls that concern no session (ModelInfo)."""
-        return self.pick("")
+        """A replica for calls that concern no session (ModelInfo): the highest-scoring usable
+        one not refused, checked or not."""
+        ranked = sorted((r for r in self.replicas.values() if not r.refused),
+                        key=lambda r: score("", r.endpoint), reverse=True)  # fmt: skip
+        if not ranked:
+            raise Unavailable(self.none_checked())
+        now = time.monotonic()
+        return next((r for r in ranked if r.usable(now)), ranked[0])
+
+    def adopt(self, replica: Replica, info: pb.ModelInfoResponse) -> None:
+        """Take `info`, which `replica` answered, as the coordinator's model, and check every
+        other replica against it (in the background; `settle` waits for the first answers)."""
+        if self.identity is None:
+            return
+        self.reference = self.identity(info)
+        replica.checked = True
+        for other in self.replicas.values():
+            self.start_check(other)
+
+    def start_check(self, replica: Replica) -> None:
+        if self.checking and self.reference is not None and not replica.checked and replica.endpoint not in self.checks:
+            task = asyncio.get_running_loop().create_task(self.check(replica))
+            self.checks[replica.endpoint] = task
+            task.add_done_callback(lambda done: self.checks.get(replica.endpoint) is done and self.checks.pop(replica.endpoint))
+
+    async def check(self, replica: Replica) -> None:
+        """Ask `replica` for its ModelInfo until it answers (every CHECK_RETRY_S: it may be
+        loading), then mark it checked or refused."""
+        while replica.endpoint in self.replicas:
+            try:
+                info = await replica.stub.ModelInfo(pb.ModelInfoRequest(), timeout=CHECK_TIMEOUT_S)
+            except grpc.aio.AioRpcError:
+                await asyncio.sleep(CHECK_RETRY_S)
+                continue
+            if not info.vocab_size:  # still loading its model
+                await asyncio.sleep(CHECK_RETRY_S)
+                continue
+            identity = self.identity(info)
+            if identity == self.reference:
+                replica.checked = True
+            else:
+                replica.refused = f"{replica.endpoint} serves {describe_identity(identity)}"
+                log.error("%s replica %s; this coordinator serves %s: refused, no session goes to it",
+                          self.name, replica.refused, describe_identity(self.reference))  # fmt: skip
+            return
+
+    async def settle(self, timeout_s: float = CHECK_TIMEOUT_S) -> None:
+        """Wait (at most timeout_s) until every replica's first check has ended."""
+        if self.checks:
+            await asyncio.wait(list(self.checks.values()), timeout=timeout_s)
 
     async def refresh(self) -> None:
         try:
@@ -190,8 +282,11 @@ class Replicas:
             # A resolved address is an IP: TLS checks the certificate against the name.
             channel = serving.channel(endpoint, self.security, server_name=self.address.host)
             self.replicas[endpoint] = Replica(endpoint, channel, self.stub_class(channel))
+            self.start_check(self.replicas[endpoint])
         for endpoint in gone:
             replica = self.replicas.pop(endpoint)
+            if (check := self.checks.pop(endpoint, None)) is not None:
+                check.cancel()
             task = asyncio.get_running_loop().create_task(replica.channel.close(CLOSE_GRACE_S))
             self.closing.add(task)
             task.add_done_callback(self.closing.discard)
@@ -201,5 +296,7 @@ class Replicas:
     async def close(self) -> None:
         if self.refresher is not None:
             self.refresher.cancel()
+        for check in list(self.checks.values()):
+            check.cancel()
         await asyncio.gather(*(r.channel.close() for r in self.replicas.values()), *self.closing,
                              return_exceptions=True)  # fmt: skip

@@ -15,7 +15,7 @@ from opentelemetry.trace import StatusCode
 
 from coordinator.adaptive import AdaptiveK
 from coordinator.cycles import DRAFT_TIMEOUT_S, CycleLoop, Plan, Stats
-from coordinator.replicas import Replicas, parse_replica_address
+from coordinator.replicas import Replicas, parse_replica_address, target_identity
 from coordinator.text import TextStream
 from specdec import serving, telemetry
 from specdec.client import SESSION_HEADER
@@ -123,8 +123,11 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         self.config = config
         self.store = store
         # Every call of a session goes to one replica of each model service (coordinator.replicas).
-        self.drafts = Replicas(parse_replica_address(config.draft_address), pb_grpc.DraftStub, config.internal)
-        self.targets = Replicas(parse_replica_address(config.target_address), pb_grpc.TargetStub, config.internal)
+        self.drafts = Replicas(parse_replica_address(config.draft_address), pb_grpc.DraftStub, config.internal,
+                               name="draft")  # fmt: skip
+        # Any draft keeps the output lossless; a target replica must serve the same model.
+        self.targets = Replicas(parse_replica_address(config.target_address), pb_grpc.TargetStub, config.internal,
+                                name="target", identity=target_identity)  # fmt: skip
         self.draft_info: pb.ModelInfoResponse | None = None
         self.target_info: pb.ModelInfoResponse | None = None
         self.tokenizer = None
@@ -143,6 +146,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         await self.drafts.start()
         self.target_info = await wait_for_model_info(self.targets, "target", timeout)
         self.draft_info = await wait_for_model_info(self.drafts, "draft", timeout)
+        await self.targets.settle()  # the other target replicas' first answers: checked or refused
         if self.draft_info.kind != NGRAM_DRAFT:
             from specdec.vocab import check_vocab_match
 
@@ -490,10 +494,11 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
                 return
         except Exception as exc:  # noqa: BLE001 - Redis down: free the caches anyway
             log.warning("recording the end of session %s: %s", session_id, exc)
-        calls = [
-            replicas.pick(session_id).stub.Release(pb.ReleaseRequest(session_id=session_id), timeout=RELEASE_TIMEOUT_S)
-            for replicas in (self.drafts, self.targets)
-        ]
+        async def release(replicas: Replicas):
+            replica = replicas.pick(session_id)  # may raise Unavailable: no replica to ask
+            return await replica.stub.Release(pb.ReleaseRequest(session_id=session_id), timeout=RELEASE_TIMEOUT_S)
+
+        calls = [release(replicas) for replicas in (self.drafts, self.targets)]
         for result in await asyncio.gather(*calls, return_exceptions=True):
             if isinstance(result, grpc.aio.AioRpcError):
                 log.warning("releasing session %s: %s %s", session_id, result.code().name, result.details())
@@ -640,6 +645,7 @@ async def wait_for_model_info(replicas: Replicas, name: str, timeout_s: float) -
                 replica = replicas.any()
                 info = await replica.stub.ModelInfo(pb.ModelInfoRequest(), timeout=5.0, wait_for_ready=replicas.single)
                 if info.vocab_size or info.kind == NGRAM_DRAFT:
+                    replicas.adopt(replica, info)
                     return info
         except grpc.aio.AioRpcError as exc:
             if exc.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):

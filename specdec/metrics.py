@@ -69,14 +69,21 @@ class CoordinatorMetrics:
         self.replicas = Gauge("specdec:replicas", "Replicas of a model service the coordinator knows.",
                               ["service"], registry=r)  # fmt: skip
         self.replicas_usable = Gauge(
-            "specdec:replicas_usable", "Replicas of a model service not skipped after a failed call.", ["service"],
-            registry=r,
-        )
+            "specdec:replicas_usable", "Replicas of a model service not skipped after a failed call, nor unchecked.",
+            ["service"], registry=r,
+        )  # fmt: skip
+        self.replicas_refused = Gauge(
+            "specdec:replicas_refused", "Target replicas refused: they serve another model than the coordinator.",
+            ["service"], registry=r,
+        )  # fmt: skip
 
     def follow_replicas(self, service: str, replicas) -> None:
         """Report a coordinator.replicas.Replicas as `service` (draft or target) at every scrape."""
         self.replicas.labels(service=service).set_function(lambda: len(replicas.replicas))
         self.replicas_usable.labels(service=service).set_function(replicas.usable_count)
+        self.replicas_refused.labels(service=service).set_function(
+            lambda: sum(bool(replica.refused) for replica in list(replicas.replicas.values()))
+        )
 
     def observe_cycle(self, drafted: int, accepted: int) -> None:
         if drafted:

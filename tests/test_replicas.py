@@ -28,6 +28,7 @@ from coordinator.replicas import (
     parse_replica_address,
     score,
 )
+from specdec.errors import Unavailable
 from specdec.redis_server import free_port
 from specdec.v1 import specdec_pb2 as pb
 from specdec.v1 import specdec_pb2_grpc as pb_grpc
@@ -117,6 +118,49 @@ def test_a_failed_replica_is_skipped_for_a_while_and_its_sessions_come_back():
     assert set(during.values()) == {endpoints[1]}
     assert Counter(before.values())[endpoints[0]] > 50
     assert after == before == all_down
+
+
+def test_target_replicas_are_checked_against_the_adopted_model_and_one_serving_another_is_never_picked():
+    """Replicas with an identity (the coordinator's targets): the replica whose ModelInfo the
+    coordinator adopted is checked; the others are asked in the background and become
+    checked (same model and vocabulary) or refused (another model); only checked ones are
+    picked, and with every replica refused, pick says which model each side serves."""
+    from coordinator.replicas import target_identity
+
+    infos = {
+        "127.0.0.1:7001": pb.ModelInfoResponse(model="smol", vocab_fingerprint="v1", vocab_size=9, eos_token_ids=[2]),
+        "127.0.0.1:7002": pb.ModelInfoResponse(model="smol", vocab_fingerprint="v1", vocab_size=9, eos_token_ids=[2]),
+        "127.0.0.1:7003": pb.ModelInfoResponse(model="smol-v2", vocab_fingerprint="v1", vocab_size=9, eos_token_ids=[2]),
+    }
+
+    async def run():
+        replicas = Replicas(ReplicaAddress(endpoints=tuple(infos)), pb_grpc.TargetStub, identity=target_identity)
+        await replicas.start()
+        for endpoint, replica in replicas.replicas.items():
+            async def model_info(request, timeout=None, answer=infos[endpoint]):
+                return answer
+            replica.stub = SimpleNamespace(ModelInfo=model_info)
+        assert replicas.usable_count() == 0
+        with pytest.raises(Unavailable, match="has answered yet"):
+            replicas.pick("s")
+        first = replicas.replicas["127.0.0.1:7001"]
+        replicas.adopt(first, infos["127.0.0.1:7001"])
+        await replicas.settle()
+        checked = {e for e, r in replicas.replicas.items() if r.checked}
+        refused = {e: r.refused for e, r in replicas.replicas.items() if r.refused}
+        chosen = set(picks(replicas, [f"s{i}" for i in range(200)]).values())
+        usable = replicas.usable_count()
+        replicas.update(["127.0.0.1:7003"])  # only the replica serving another model is left
+        with pytest.raises(Unavailable) as info:
+            replicas.pick("s")
+        await replicas.close()
+        return checked, refused, chosen, usable, str(info.value)
+
+    checked, refused, chosen, usable, message = asyncio.run(run())
+    assert checked == chosen == {"127.0.0.1:7001", "127.0.0.1:7002"} and usable == 2
+    assert refused == {"127.0.0.1:7003": "127.0.0.1:7003 serves smol-v2 (vocabulary v1)"}
+    assert "another model than this coordinator started with, smol (vocabulary v1)" in message
+    assert "smol-v2" in message and "restart the coordinator" in message
 
 
 def test_with_several_target_replicas_an_unavailable_verify_is_retried_until_the_deadline_not_given_up():
@@ -296,6 +340,34 @@ def test_each_session_keeps_to_the_one_target_replica_its_id_picks_and_sessions_
     for name in ("target", "second-target"):
         held = internal_stub(stack, name).ModelInfo(pb.ModelInfoRequest(), timeout=10)
         assert held.sessions_held == 0, f"{name} still holds {held.sessions_held} session(s)"
+
+
+def test_a_target_replica_serving_another_model_is_refused_and_no_session_goes_to_it(two_of_each, tiny_models):
+    """A coordinator in front of two target replicas, the second started with another model
+    (the tiny draft's weights: the same vocabulary) as it starts: it keeps the model it
+    started with, counts the other replica as known and refused, and every session runs on
+    the first: no forward pass on the other, the tokens those of the one-target stack."""
+    stack = two_of_each.stack
+    ports = {"odd-target": free_port(), "mixed": free_port()}
+    odd = stack.add_replica("odd-target", "target", "--model", tiny_models.draft,
+                            "--metrics-port", str(ports["odd-target"]), wait=False)  # fmt: skip
+    address = stack.add_coordinator("mixed", "--target-address", f"127.0.0.1:{stack.ports['target']},{odd}",
+                                    "--metrics-port", str(ports["mixed"]))  # fmt: skip
+    stack.wait_ready(("odd-target",))
+    deadline = time.monotonic() + 30
+    while by_service(ports["mixed"], "specdec:replicas_refused", "target") < 1 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert by_service(ports["mixed"], "specdec:replicas_refused", "target") == 1, "the odd replica was never refused"
+    assert by_service(ports["mixed"], "specdec:replicas", "target") == 2
+    assert by_service(ports["mixed"], "specdec:replicas_usable", "target") == 1
+    options = dict(prompt_token_ids=tiny_models.tokenizer.encode(PROMPT), max_new_tokens=24, **OPTIONS)
+    with specdec.Client(stack.address) as client:
+        expected = client.generate(**options).token_ids
+    with specdec.Client(address) as client:
+        assert client.info().target.model == tiny_models.target
+        for i in range(8):  # rendezvous hashing would give the odd replica about half of them
+            assert client.generate(session_id=f"odd-{i}", **options).token_ids == expected
+    assert forward_passes(ports["odd-target"]) == 0
 
 
 def test_a_draft_replica_killed_mid_stream_costs_a_cycle_of_drafts_then_the_session_drafts_on_the_other(
