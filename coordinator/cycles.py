@@ -752,6 +752,8 @@ class CycleLoop:
             stop_at_ngram=stop_at_ngram,
             awaits_commit=self.committing is not None and not self.committing.done(),
         )
+        if (adopted := self.targets.adopted) is not None:  # the target refuses another model's call
+            request.target_model, request.target_fingerprint = adopted.model, adopted.vocab_fingerprint
         attempt = 0
         while True:
             # Each attempt asks the session's replica as of now: one that failed is skipped.
@@ -772,6 +774,9 @@ class CycleLoop:
             except grpc.aio.AioRpcError as exc:
                 if exc.code() == grpc.StatusCode.UNAVAILABLE:
                     replica.failed()
+                if exc.code() == grpc.StatusCode.FAILED_PRECONDITION and await self.targets.recheck(replica):
+                    attempt += 1  # it serves another model now: refused, the session goes to its next replica
+                    continue
                 pause = target_retry_pause(exc.code(), attempt, self.targets.single)
                 if pause is None:
                     raise

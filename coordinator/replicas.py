@@ -161,6 +161,7 @@ class Replicas:
     name: str = "target"
     identity: Identity | None = None
     reference: tuple | None = None  # the identity of the coordinator's model (adopt)
+    adopted: pb.ModelInfoResponse | None = None  # ... and its ModelInfo
     checks: dict[str, asyncio.Task] = field(default_factory=dict)  # endpoint -> its running check
 
     @property
@@ -223,7 +224,7 @@ class Replicas:
         other replica against it (in the background; `settle` waits for the first answers)."""
         if self.identity is None:
             return
-        self.reference = self.identity(info)
+        self.adopted, self.reference = info, self.identity(info)
         replica.checked = True
         for other in self.replicas.values():
             self.start_check(other)
@@ -254,6 +255,17 @@ class Replicas:
                 log.error("%s replica %s; this coordinator serves %s: refused, no session goes to it",
                           self.name, replica.refused, describe_identity(self.reference))  # fmt: skip
             return
+
+    async def recheck(self, replica: Replica) -> bool:
+        """Check `replica` again (a call it refused may mean it now serves another model);
+        True when it is refused now."""
+        if not self.checking or self.reference is None:
+            return False
+        replica.checked = False
+        self.start_check(replica)
+        if (task := self.checks.get(replica.endpoint)) is not None:
+            await asyncio.wait([task], timeout=CHECK_TIMEOUT_S)
+        return bool(replica.refused)
 
     async def settle(self, timeout_s: float = CHECK_TIMEOUT_S) -> None:
         """Wait (at most timeout_s) until every replica's first check has ended."""

@@ -54,6 +54,7 @@ class TargetServicer(ModelService, pb_grpc.TargetServicer):
     @grpc_handler
     async def Verify(self, request: pb.VerifyRequest, context):
         self.ready()  # before any check that needs the loaded model's ModelInfo
+        self.check_target_model(request)
         self.check_draft_vocabulary(request)
         if len(request.drafts) > self.config.max_k:
             raise InvalidArgument(f"{len(request.drafts)} drafts exceed the limit of {self.config.max_k}")
@@ -81,6 +82,16 @@ class TargetServicer(ModelService, pb_grpc.TargetServicer):
             accept_ms=verdict.accept_ms,
             more_tokens=verdict.more_tokens,
         )
+
+    def check_target_model(self, request: pb.VerifyRequest) -> None:
+        """Refuse a call for another target model than this one (the coordinator's, sent as
+        target_model and target_fingerprint; empty: not checked)."""
+        wanted = (request.target_model, request.target_fingerprint)
+        if request.target_model and wanted != (self.info.model, self.info.vocab_fingerprint):
+            raise FailedPrecondition(
+                f"this target serves {self.info.model} (vocabulary {self.info.vocab_fingerprint[:12]}), not "
+                f"{request.target_model} (vocabulary {request.target_fingerprint[:12]}), the coordinator's model"
+            )
 
     def check_draft_vocabulary(self, request: pb.VerifyRequest) -> None:
         """Refuse drafts from a model with another vocabulary (an n-gram draft sends none)."""

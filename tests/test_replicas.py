@@ -430,3 +430,36 @@ def test_a_target_replica_killed_mid_stream_hands_its_sessions_to_the_other_with
             reply = client.generate(session_id=f"after-kill-{i}", **dict(options, max_new_tokens=12))
             assert reply.token_ids == expected[:12]
         assert forward_passes(metrics_ports[first]) > before
+
+
+def test_a_target_replica_restarted_with_another_model_refuses_the_sessions_verify_and_they_go_on_on_the_other(
+    two_of_each, tiny_models
+):
+    """The replica killed above comes back at the same address serving another model (the tiny
+    draft's weights): the coordinator had checked it before, so a session it owns is sent there;
+    the target refuses that Verify (FAILED_PRECONDITION: the request names the coordinator's
+    model), the coordinator checks the replica again, refuses it and sends the Verify to the
+    session's next replica: the tokens are the one-target stack's and no forward pass runs on
+    the restarted replica."""
+    stack, address, metrics_ports = two_of_each.stack, two_of_each.address, two_of_each.targets
+    old = stack.processes["second-target"]
+    assert old.poll() is not None, "the test before kills this replica"
+    command = list(old.args)
+    command[command.index("--model") + 1] = tiny_models.draft
+    stack.processes["second-target"] = subprocess.Popen(command, env=stack.envs["second-target"],
+                                                        **stack.output("second-target"))  # fmt: skip
+    stack.wait_ready(("second-target",))
+    second = f"127.0.0.1:{stack.ports['second-target']}"
+    deadline = time.monotonic() + 30  # until the coordinator calls it again (DOWN_S after the kill)
+    while by_service(two_of_each.metrics, "specdec:replicas_usable", "target") < 2 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    options = dict(prompt_token_ids=tiny_models.tokenizer.encode(PROMPT), max_new_tokens=24, **OPTIONS)
+    with specdec.Client(stack.address) as client:
+        expected = client.generate(**options).token_ids
+    with specdec.Client(address, retries=0) as client:
+        for i in range(3):
+            session_id = picker(metrics_ports, second, f"restarted-{i}")
+            assert client.generate(session_id=session_id, **options).token_ids == expected
+    assert by_service(two_of_each.metrics, "specdec:replicas_refused", "target") == 1
+    assert by_service(two_of_each.metrics, "specdec:replicas_usable", "target") == 1
+    assert forward_passes(metrics_ports[second]) == 0

@@ -484,6 +484,22 @@ def test_target_refuses_a_q_that_is_not_a_distribution(tiny_stack, client):
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "sum" in info.value.details()
 
 
+def test_target_refuses_a_verify_for_another_target_model_and_leaves_the_session_alone(tiny_stack, client, tiny_models):
+    """VerifyRequest.target_model / target_fingerprint name the coordinator's model: a target
+    serving another refuses with FAILED_PRECONDITION naming both; its own model is accepted."""
+    client.generate(PROMPT, max_new_tokens=2, session_id="other-model")
+    info = internal_stub(tiny_stack, "target").ModelInfo(pb.ModelInfoRequest(), timeout=10)
+    request = pb.VerifyRequest(session_id="other-model", position=0, new_tokens=tiny_models.tokenizer.encode(PROMPT),
+                               sampling=pb.SamplingParams(seed=1), target_model="smollm2-v2",
+                               target_fingerprint=info.vocab_fingerprint)  # fmt: skip
+    with pytest.raises(grpc.RpcError) as error:
+        internal_stub(tiny_stack, "target").Verify(request, timeout=10)
+    assert error.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert f"serves {info.model}" in error.value.details() and "not smollm2-v2" in error.value.details()
+    request.target_model = info.model
+    assert internal_stub(tiny_stack, "target").Verify(request, timeout=10).next_token >= 0
+
+
 # ---------------------------------------------------------------- faults
 
 

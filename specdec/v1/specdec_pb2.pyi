@@ -279,7 +279,7 @@ class DraftToken(_message.Message):
     def __init__(self, token_id: _Optional[int] = ..., sparse: _Optional[_Union[SparseProbs, _Mapping]] = ..., dense: _Optional[_Union[DenseProbs, _Mapping]] = ..., one_hot: _Optional[_Union[OneHot, _Mapping]] = ..., fixed: _Optional[_Union[FixedProbs, _Mapping]] = ..., fixed_deflated: _Optional[bytes] = ..., index: _Optional[int] = ..., match_length: _Optional[int] = ...) -> None: ...
 
 class VerifyRequest(_message.Message):
-    __slots__ = ("session_id", "position", "new_tokens", "drafts", "sampling", "cycle", "draft_fingerprint", "draft_model", "steps", "draft_busy", "stop_at_ngram", "awaits_commit")
+    __slots__ = ("session_id", "position", "new_tokens", "drafts", "sampling", "cycle", "draft_fingerprint", "draft_model", "steps", "draft_busy", "stop_at_ngram", "awaits_commit", "target_model", "target_fingerprint")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     POSITION_FIELD_NUMBER: _ClassVar[int]
     NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -292,6 +292,8 @@ class VerifyRequest(_message.Message):
     DRAFT_BUSY_FIELD_NUMBER: _ClassVar[int]
     STOP_AT_NGRAM_FIELD_NUMBER: _ClassVar[int]
     AWAITS_COMMIT_FIELD_NUMBER: _ClassVar[int]
+    TARGET_MODEL_FIELD_NUMBER: _ClassVar[int]
+    TARGET_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     position: int
     new_tokens: _containers.RepeatedScalarFieldContainer[int]
@@ -304,7 +306,9 @@ class VerifyRequest(_message.Message):
     draft_busy: bool
     stop_at_ngram: NgramStop
     awaits_commit: bool
-    def __init__(self, session_id: _Optional[str] = ..., position: _Optional[int] = ..., new_tokens: _Optional[_Iterable[int]] = ..., drafts: _Optional[_Iterable[_Union[DraftToken, _Mapping]]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., cycle: _Optional[int] = ..., draft_fingerprint: _Optional[str] = ..., draft_model: _Optional[str] = ..., steps: _Optional[int] = ..., draft_busy: _Optional[bool] = ..., stop_at_ngram: _Optional[_Union[NgramStop, _Mapping]] = ..., awaits_commit: _Optional[bool] = ...) -> None: ...
+    target_model: str
+    target_fingerprint: str
+    def __init__(self, session_id: _Optional[str] = ..., position: _Optional[int] = ..., new_tokens: _Optional[_Iterable[int]] = ..., drafts: _Optional[_Iterable[_Union[DraftToken, _Mapping]]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., cycle: _Optional[int] = ..., draft_fingerprint: _Optional[str] = ..., draft_model: _Optional[str] = ..., steps: _Optional[int] = ..., draft_busy: _Optional[bool] = ..., stop_at_ngram: _Optional[_Union[NgramStop, _Mapping]] = ..., awaits_commit: _Optional[bool] = ..., target_model: _Optional[str] = ..., target_fingerprint: _Optional[str] = ...) -> None: ...
 
 class NgramStop(_message.Message):
     __slots__ = ("min_ngram", "max_ngram")
