@@ -21,8 +21,9 @@ Terms:
               started with (`identity`: the same model and vocabulary). Sessions go only to
               checked replicas: a session that moved to a replica serving another model would
               go on under that model's distribution. A replica that serves another model is
-              refused: logged, never called, until it is removed. A single fixed address is
-              not checked (it is the one the coordinator started with, or a load balancer).
+              refused: logged, and never called until it serves the coordinator's model again
+              (asked every refresh_s). A single fixed address is not checked (it is the one
+              the coordinator started with, or a load balancer).
 """
 
 from __future__ import annotations
@@ -237,24 +238,28 @@ class Replicas:
 
     async def check(self, replica: Replica) -> None:
         """Ask `replica` for its ModelInfo until it answers (every CHECK_RETRY_S: it may be
-        loading), then mark it checked or refused."""
+        loading), then mark it checked, or refused; a refused one is asked again every
+        refresh_s, and taken back once it serves the coordinator's model."""
         while replica.endpoint in self.replicas:
             try:
                 info = await replica.stub.ModelInfo(pb.ModelInfoRequest(), timeout=CHECK_TIMEOUT_S)
             except grpc.aio.AioRpcError:
-                await asyncio.sleep(CHECK_RETRY_S)
-                continue
-            if not info.vocab_size:  # still loading its model
+                info = None
+            if info is None or not info.vocab_size:  # not answering, or still loading its model
                 await asyncio.sleep(CHECK_RETRY_S)
                 continue
             identity = self.identity(info)
             if identity == self.reference:
-                replica.checked = True
-            else:
+                if replica.refused:
+                    log.info("%s replica %s now serves %s: taken back", self.name, replica.endpoint,
+                             describe_identity(identity))  # fmt: skip
+                replica.refused, replica.checked = "", True
+                return
+            if not replica.refused:
                 replica.refused = f"{replica.endpoint} serves {describe_identity(identity)}"
                 log.error("%s replica %s; this coordinator serves %s: refused, no session goes to it",
                           self.name, replica.refused, describe_identity(self.reference))  # fmt: skip
-            return
+            await asyncio.sleep(self.refresh_s)
 
     async def recheck(self, replica: Replica) -> bool:
         """Check `replica` again (a call it refused may mean it now serves another model);
@@ -263,14 +268,22 @@ class Replicas:
             return False
         replica.checked = False
         self.start_check(replica)
-        if (task := self.checks.get(replica.endpoint)) is not None:
-            await asyncio.wait([task], timeout=CHECK_TIMEOUT_S)
+        deadline = time.monotonic() + CHECK_TIMEOUT_S
+        while not (replica.checked or replica.refused) and replica.endpoint in self.checks:
+            if time.monotonic() > deadline:
+                break
+            await asyncio.sleep(0.01)
         return bool(replica.refused)
 
     async def settle(self, timeout_s: float = CHECK_TIMEOUT_S) -> None:
-        """Wait (at most timeout_s) until every replica's first check has ended."""
-        if self.checks:
-            await asyncio.wait(list(self.checks.values()), timeout=timeout_s)
+        """Wait (at most timeout_s) until every replica has been checked or refused once."""
+        deadline = time.monotonic() + timeout_s
+        while self.unchecked() and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+
+    def unchecked(self) -> list[Replica]:
+        """Replicas neither checked nor refused yet, where replicas are checked."""
+        return [r for r in self.replicas.values() if not (r.checked or r.refused)] if self.checking else []
 
     async def refresh(self) -> None:
         try:

@@ -124,7 +124,8 @@ def test_target_replicas_are_checked_against_the_adopted_model_and_one_serving_a
     """Replicas with an identity (the coordinator's targets): the replica whose ModelInfo the
     coordinator adopted is checked; the others are asked in the background and become
     checked (same model and vocabulary) or refused (another model); only checked ones are
-    picked, and with every replica refused, pick says which model each side serves."""
+    picked, with every replica refused pick says which model each side serves, and a refused
+    replica that serves the adopted model again is taken back."""
     from coordinator.replicas import target_identity
 
     infos = {
@@ -134,11 +135,12 @@ def test_target_replicas_are_checked_against_the_adopted_model_and_one_serving_a
     }
 
     async def run():
-        replicas = Replicas(ReplicaAddress(endpoints=tuple(infos)), pb_grpc.TargetStub, identity=target_identity)
+        replicas = Replicas(ReplicaAddress(endpoints=tuple(infos)), pb_grpc.TargetStub, identity=target_identity,
+                            refresh_s=0.05)  # a refused replica is asked again this often
         await replicas.start()
         for endpoint, replica in replicas.replicas.items():
-            async def model_info(request, timeout=None, answer=infos[endpoint]):
-                return answer
+            async def model_info(request, timeout=None, endpoint=endpoint):
+                return infos[endpoint]
             replica.stub = SimpleNamespace(ModelInfo=model_info)
         assert replicas.usable_count() == 0
         with pytest.raises(Unavailable, match="has answered yet"):
@@ -153,10 +155,17 @@ def test_target_replicas_are_checked_against_the_adopted_model_and_one_serving_a
         replicas.update(["127.0.0.1:7003"])  # only the replica serving another model is left
         with pytest.raises(Unavailable) as info:
             replicas.pick("s")
+        infos["127.0.0.1:7003"] = infos["127.0.0.1:7001"]  # it serves the adopted model again
+        for _ in range(100):
+            if replicas.usable_count():
+                break
+            await asyncio.sleep(0.02)
+        back = replicas.pick("s").endpoint
         await replicas.close()
-        return checked, refused, chosen, usable, str(info.value)
+        return checked, refused, chosen, usable, str(info.value), back
 
-    checked, refused, chosen, usable, message = asyncio.run(run())
+    checked, refused, chosen, usable, message, back = asyncio.run(run())
+    assert back == "127.0.0.1:7003", "a refused replica serving the adopted model again is taken back"
     assert checked == chosen == {"127.0.0.1:7001", "127.0.0.1:7002"} and usable == 2
     assert refused == {"127.0.0.1:7003": "127.0.0.1:7003 serves smol-v2 (vocabulary v1)"}
     assert "another model than this coordinator started with, smol (vocabulary v1)" in message

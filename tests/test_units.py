@@ -1015,6 +1015,7 @@ class OneReplica:
     """coordinator.replicas.Replicas of one fixed replica whose stub is `stub`."""
 
     single = True
+    adopted = None  # no target model named in Verify
 
     def __init__(self, stub):
         from coordinator.replicas import Replica
