@@ -131,7 +131,20 @@ def truncate_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torc
     vocab_size = logits.shape[-1]
     if not (0 < top_k < vocab_size or top_p < 1.0):
         return logits
+    if top_p >= 1.0:  # top-k alone: every row at once
+        return logits.masked_fill(~keep_top_k(logits, top_k), -math.inf)
     return mask_rows(logits, lambda row, k: keep_mask(row, k, top_p), top_k)
+
+
+def keep_top_k(logits: torch.Tensor, top_k: int) -> torch.Tensor:
+    """Which tokens of logits [..., V] rank among the top_k (0 < top_k < V) of their row, ties
+    to the lowest id (the full stable sort's ranking), as a bool [..., V]: every token above the
+    k-th largest value, then as many tokens equal to it as the k ranks leave, lowest ids first."""
+    boundary = torch.topk(logits, top_k, dim=-1).values[..., -1:]  # [..., 1]: the k-th largest
+    above = logits > boundary  # [..., V]
+    tied = logits == boundary  # [..., V]
+    room = top_k - above.sum(dim=-1, keepdim=True)  # [..., 1]: ranks left for the tied tokens
+    return above | (tied & (tied.cumsum(dim=-1) <= room))  # [..., V]
 
 
 def mask_rows(logits: torch.Tensor, keep_row, top_k: int) -> torch.Tensor:
