@@ -77,6 +77,7 @@ from opentelemetry import context as otel_context
 from coordinator.adaptive import AdaptiveK
 from coordinator.replicas import Replica, Replicas
 from specdec import telemetry
+from specdec.errors import Unavailable
 from specdec.ngram import find_continuation
 from specdec.session import SessionStore
 from specdec.v1 import specdec_pb2 as pb
@@ -270,6 +271,24 @@ class NgramLookup:
 
     async def first(self, n: int) -> list[pb.DraftToken]:
         return self.tokens[:n]
+
+    def cancel(self) -> None:
+        pass
+
+
+class NoDrafts:
+    """DraftCall's interface for a Propose that could not be sent (no draft replica to ask):
+    no tokens, so the cycle runs target-only."""
+
+    error = None
+    finished = True
+
+    def __init__(self, k: int):
+        self.k = k  # tokens asked for
+        self.tokens: list[pb.DraftToken] = []
+
+    async def first(self, n: int) -> list[pb.DraftToken]:
+        return []
 
     def cancel(self) -> None:
         pass
@@ -640,7 +659,7 @@ class CycleLoop:
         return min_keep <= 0 or self.keep_probability(k, match_length) >= min_keep
 
     def start_propose(self, context: Sequence[int], position: int, k: int, cycle: int,
-                      match: tuple[list[int], int] | None) -> DraftCall | NgramLookup:  # fmt: skip
+                      match: tuple[list[int], int] | None) -> DraftCall | NgramLookup | NoDrafts:  # fmt: skip
         """Ask for k drafts after `context`, of which the draft service holds the first
         `position` tokens (the rest travel as new_tokens); an n-gram draft's are taken from
         `match` (look_up) here when the plan says so."""
@@ -655,7 +674,10 @@ class CycleLoop:
             cycle=cycle,
         )
         remaining = None if self.deadline is None else self.deadline - time.monotonic()
-        replica = self.drafts.pick(self.plan.session_id)
+        try:
+            replica = self.drafts.pick(self.plan.session_id)
+        except Unavailable:  # no draft replica to ask (none checked yet, or every one refused: logged then)
+            return NoDrafts(k)
         return DraftCall(replica, request, draft_budget(self.draft_timeout_s, remaining), self.plan.eos_token_ids)
 
     async def take_drafts(self, call: DraftCall, k: int) -> list[pb.DraftToken]:

@@ -17,10 +17,11 @@ Terms:
                                        Service: one address per ready pod).
     down      a replica whose call failed UNAVAILABLE, or whose connection is failing, is
               skipped for DOWN_S seconds: its sessions go to their next-best replica.
-    checked   (target replicas) a replica whose ModelInfo names the model the coordinator
-              started with (`identity`: the same model and vocabulary). Sessions go only to
-              checked replicas: a session that moved to a replica serving another model would
-              go on under that model's distribution. A replica that serves another model is
+    checked   a replica whose ModelInfo matches what the coordinator started with (`identity`:
+              for a target the same model and vocabulary, for a draft the same kind and
+              vocabulary). Sessions go only to checked replicas: a session that moved to a
+              target serving another model would go on under that model's distribution, and
+              a draft of another vocabulary proposes ids the target refuses. A replica that serves another model is
               refused: logged, and never called until it serves the coordinator's model again
               (asked every refresh_s). A single fixed address is not checked (it is the one
               the coordinator started with, or a load balancer).
@@ -135,8 +136,20 @@ def target_identity(info: pb.ModelInfoResponse) -> tuple:
     return (info.model, info.vocab_fingerprint, info.vocab_size, info.max_context, tuple(info.eos_token_ids))
 
 
+def draft_identity(info: pb.ModelInfoResponse) -> tuple:
+    """What every draft replica must share: its kind and vocabulary (any draft of the target's
+    vocabulary keeps the output the target's, so the model itself may differ: a draft rollout;
+    one of another vocabulary proposes ids the target would refuse, or cannot use)."""
+    return (f"a{'n' if info.kind == 'ngram' else ''} {info.kind} draft", info.vocab_fingerprint)
+
+
 def describe_identity(identity: tuple) -> str:
-    return f"{identity[0]} (vocabulary {identity[1][:12]})"
+    return f"{identity[0]} (vocabulary {identity[1][:12] or 'none'})"
+
+
+def loaded(info: pb.ModelInfoResponse) -> bool:
+    """A ModelInfo of a service that has loaded its model (an n-gram draft has no vocabulary)."""
+    return bool(info.vocab_size) or info.kind == "ngram"
 
 
 async def resolve(host: str, port: int) -> list[str]:
@@ -199,9 +212,9 @@ class Replicas:
     def none_checked(self) -> str:
         refused = [r for r in self.replicas.values() if r.refused]
         if refused and len(refused) == len(self.replicas):
-            return (f"every {self.name} replica at {self.address} serves another model than this coordinator "
-                    f"started with, {describe_identity(self.reference)}: {refused[0].refused}; "
-                    "restart the coordinator to adopt the new model")  # fmt: skip
+            return (f"every {self.name} replica at {self.address} differs from what this coordinator started "
+                    f"with, {describe_identity(self.reference)}: {refused[0].refused}; restart the coordinator "
+                    "to adopt it")  # fmt: skip
         return f"no {self.name} replica at {self.address} has answered yet; retry shortly"
 
     def usable_count(self) -> int:
@@ -245,7 +258,7 @@ class Replicas:
                 info = await replica.stub.ModelInfo(pb.ModelInfoRequest(), timeout=CHECK_TIMEOUT_S)
             except grpc.aio.AioRpcError:
                 info = None
-            if info is None or not info.vocab_size:  # not answering, or still loading its model
+            if info is None or not loaded(info):  # not answering, or still loading its model
                 await asyncio.sleep(CHECK_RETRY_S)
                 continue
             identity = self.identity(info)
@@ -257,7 +270,7 @@ class Replicas:
                 return
             if not replica.refused:
                 replica.refused = f"{replica.endpoint} serves {describe_identity(identity)}"
-                log.error("%s replica %s; this coordinator serves %s: refused, no session goes to it",
+                log.error("%s replica %s; this coordinator started with %s: refused, no session goes to it",
                           self.name, replica.refused, describe_identity(self.reference))  # fmt: skip
             await asyncio.sleep(self.refresh_s)
 

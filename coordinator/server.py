@@ -15,7 +15,7 @@ from opentelemetry.trace import StatusCode
 
 from coordinator.adaptive import AdaptiveK
 from coordinator.cycles import DRAFT_TIMEOUT_S, CycleLoop, Plan, Stats
-from coordinator.replicas import Replicas, parse_replica_address, target_identity
+from coordinator.replicas import Replicas, draft_identity, loaded, parse_replica_address, target_identity
 from coordinator.text import TextStream
 from specdec import serving, telemetry
 from specdec.client import SESSION_HEADER
@@ -123,9 +123,9 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         self.config = config
         self.store = store
         # Every call of a session goes to one replica of each model service (coordinator.replicas).
+        # A target replica must serve the same model; a draft replica the same vocabulary.
         self.drafts = Replicas(parse_replica_address(config.draft_address), pb_grpc.DraftStub, config.internal,
-                               name="draft")  # fmt: skip
-        # Any draft keeps the output lossless; a target replica must serve the same model.
+                               name="draft", identity=draft_identity)  # fmt: skip
         self.targets = Replicas(parse_replica_address(config.target_address), pb_grpc.TargetStub, config.internal,
                                 name="target", identity=target_identity)  # fmt: skip
         self.draft_info: pb.ModelInfoResponse | None = None
@@ -146,7 +146,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         await self.drafts.start()
         self.target_info = await wait_for_model_info(self.targets, "target", timeout)
         self.draft_info = await wait_for_model_info(self.drafts, "draft", timeout)
-        await self.targets.settle()  # the other target replicas' first answers: checked or refused
+        await asyncio.gather(self.targets.settle(), self.drafts.settle())  # the other replicas' first answers
         if self.draft_info.kind != NGRAM_DRAFT:
             from specdec.vocab import check_vocab_match
 
@@ -644,7 +644,7 @@ async def wait_for_model_info(replicas: Replicas, name: str, timeout_s: float) -
             if replicas.replicas:
                 replica = replicas.any()
                 info = await replica.stub.ModelInfo(pb.ModelInfoRequest(), timeout=5.0, wait_for_ready=replicas.single)
-                if info.vocab_size or info.kind == NGRAM_DRAFT:
+                if loaded(info):
                     replicas.adopt(replica, info)
                     return info
         except grpc.aio.AioRpcError as exc:

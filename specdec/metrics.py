@@ -73,7 +73,7 @@ class CoordinatorMetrics:
             ["service"], registry=r,
         )  # fmt: skip
         self.replicas_refused = Gauge(
-            "specdec:replicas_refused", "Target replicas refused: they serve another model than the coordinator.",
+            "specdec:replicas_refused", "Replicas refused: another target model, or draft vocabulary, than the coordinator's.",
             ["service"], registry=r,
         )  # fmt: skip
 

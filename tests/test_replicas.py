@@ -168,7 +168,7 @@ def test_target_replicas_are_checked_against_the_adopted_model_and_one_serving_a
     assert back == "127.0.0.1:7003", "a refused replica serving the adopted model again is taken back"
     assert checked == chosen == {"127.0.0.1:7001", "127.0.0.1:7002"} and usable == 2
     assert refused == {"127.0.0.1:7003": "127.0.0.1:7003 serves smol-v2 (vocabulary v1)"}
-    assert "another model than this coordinator started with, smol (vocabulary v1)" in message
+    assert "differs from what this coordinator started with, smol (vocabulary v1)" in message
     assert "smol-v2" in message and "restart the coordinator" in message
 
 
@@ -351,32 +351,49 @@ def test_each_session_keeps_to_the_one_target_replica_its_id_picks_and_sessions_
         assert held.sessions_held == 0, f"{name} still holds {held.sessions_held} session(s)"
 
 
-def test_a_target_replica_serving_another_model_is_refused_and_no_session_goes_to_it(two_of_each, tiny_models):
-    """A coordinator in front of two target replicas, the second started with another model
-    (the tiny draft's weights: the same vocabulary) as it starts: it keeps the model it
-    started with, counts the other replica as known and refused, and every session runs on
-    the first: no forward pass on the other, the tokens those of the one-target stack."""
+def test_replicas_serving_another_target_model_or_draft_vocabulary_are_refused_and_get_no_session(
+    two_of_each, tiny_models, tmp_path
+):
+    """A coordinator in front of two target and two draft replicas, the second target started
+    with another model (the tiny draft's weights: the same vocabulary) and the second draft
+    with another vocabulary (four more characters), both as the coordinator starts: it keeps
+    the target model and draft vocabulary it started with, counts each odd replica as known
+    and refused, and every session runs on the first target and drafts on the first draft:
+    no forward pass on the odd ones, the tokens those of the one-target stack."""
+    from conftest import make_tiny_model_dir
+    from specdec.models import TINY_SYMBOLS, build_tiny_tokenizer
+
     stack = two_of_each.stack
-    ports = {"odd-target": free_port(), "mixed": free_port()}
-    odd = stack.add_replica("odd-target", "target", "--model", tiny_models.draft,
-                            "--metrics-port", str(ports["odd-target"]), wait=False)  # fmt: skip
-    address = stack.add_coordinator("mixed", "--target-address", f"127.0.0.1:{stack.ports['target']},{odd}",
+    wider = build_tiny_tokenizer([*TINY_SYMBOLS, "0", "1", "2", "3"])
+    odd_models = {"odd-target": tiny_models.draft,
+                  "odd-draft": make_tiny_model_dir(wider, tmp_path / "wider", hidden_size=32, num_layers=1, seed=5)}
+    ports = {name: free_port() for name in (*odd_models, "mixed")}
+    odd = {name: stack.add_replica(name, name.split("-")[1], "--model", model, "--metrics-port", str(ports[name]),
+                                   wait=False) for name, model in odd_models.items()}  # fmt: skip
+    address = stack.add_coordinator("mixed", "--target-address", f"127.0.0.1:{stack.ports['target']},{odd['odd-target']}",
+                                    "--draft-address", f"127.0.0.1:{stack.ports['draft']},{odd['odd-draft']}",
                                     "--metrics-port", str(ports["mixed"]))  # fmt: skip
-    stack.wait_ready(("odd-target",))
+    stack.wait_ready(tuple(odd_models))
+    refused = lambda: [by_service(ports["mixed"], "specdec:replicas_refused", s) for s in ("target", "draft")]
     deadline = time.monotonic() + 30
-    while by_service(ports["mixed"], "specdec:replicas_refused", "target") < 1 and time.monotonic() < deadline:
+    while refused() != [1, 1] and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert by_service(ports["mixed"], "specdec:replicas_refused", "target") == 1, "the odd replica was never refused"
-    assert by_service(ports["mixed"], "specdec:replicas", "target") == 2
-    assert by_service(ports["mixed"], "specdec:replicas_usable", "target") == 1
+    assert refused() == [1, 1], "both odd replicas should be refused"
+    for service in ("target", "draft"):
+        assert by_service(ports["mixed"], "specdec:replicas", service) == 2
+        assert by_service(ports["mixed"], "specdec:replicas_usable", service) == 1
     options = dict(prompt_token_ids=tiny_models.tokenizer.encode(PROMPT), max_new_tokens=24, **OPTIONS)
     with specdec.Client(stack.address) as client:
         expected = client.generate(**options).token_ids
+    drafted = 0
     with specdec.Client(address) as client:
         assert client.info().target.model == tiny_models.target
-        for i in range(8):  # rendezvous hashing would give the odd replica about half of them
-            assert client.generate(session_id=f"odd-{i}", **options).token_ids == expected
-    assert forward_passes(ports["odd-target"]) == 0
+        for i in range(8):  # rendezvous hashing would give each odd replica about half of them
+            result = client.generate(session_id=f"odd-{i}", **options)
+            assert result.token_ids == expected
+            drafted += result.stats.draft_tokens
+    assert drafted > 0, "the sessions should draft on the first draft replica"
+    assert forward_passes(ports["odd-target"]) == forward_passes(ports["odd-draft"], "draft") == 0
 
 
 def test_a_draft_replica_killed_mid_stream_costs_a_cycle_of_drafts_then_the_session_drafts_on_the_other(

@@ -13,7 +13,7 @@ from specdec.ngram import (
     LOOKUP_FILE, find_continuation, lookup_token, mix_lookup, parse_lookup_weights, read_lookup_file,
     resolve_lookup_weights, write_lookup_file,
 )  # fmt: skip
-from specdec.errors import FailedPrecondition, InvalidArgument, NotFound, OutOfRange, ResourceExhausted
+from specdec.errors import FailedPrecondition, InvalidArgument, NotFound, OutOfRange, ResourceExhausted, Unavailable
 from specdec.kvcache import SessionPool, SessionState, cache_bytes, new_cache
 from specdec.rng import DRAFT, TARGET, cycle_generator
 from specdec.v1 import specdec_pb2 as pb
@@ -1076,6 +1076,31 @@ def test_the_next_cycle_drafts_while_this_cycle_commits_and_nothing_else_changes
         (7, [7, 7], 2),
     ]
     assert not any(o.info.pipelined for o in outcomes)
+
+
+class NoDraftReplica(OneReplica):
+    """Replicas of the draft service with none to ask: every one refused (Replicas.pick)."""
+
+    def pick(self, session_id):
+        raise Unavailable("every draft replica at d:1 differs from what this coordinator started with")
+
+
+def test_with_no_draft_replica_to_ask_the_cycles_run_target_only_and_the_request_completes():
+    """A Propose that cannot be sent (every draft replica refused) is a cycle without drafts,
+    as a failed one is: the target decodes, the request ends, nothing is drafted."""
+    from coordinator.cycles import CycleLoop, Plan
+
+    async def run():
+        store = CommitWatchingStore(RecordingDraftStub())
+        plan = Plan(session_id="s", prompt=[1, 2, 3], max_new_tokens=6, sampling=Sampling(0.0, 0, 1.0, 1), k=2,
+                    eos_token_ids=frozenset(), max_context=0, draft_model="", draft_fingerprint="",
+                    pipeline=False)  # fmt: skip
+        loop = CycleLoop(NoDraftReplica(None), OneReplica(AcceptingTargetStub()), store, plan, None)
+        return [outcome async for outcome in loop.run()]
+
+    outcomes = asyncio.run(run())
+    assert sum(len(o.tokens) for o in outcomes) == 6
+    assert all(o.info.drafted == 0 for o in outcomes) and all(t == 7 for o in outcomes for t in o.tokens)
 
 
 def test_a_seed_the_services_would_refuse_is_a_value_error_in_the_sdk_that_says_the_range():
