@@ -42,6 +42,7 @@ import grpc
 
 from specdec import serving
 from specdec.errors import Unavailable
+from specdec.ngram import NGRAM_DRAFT
 from specdec.ranges import REPLICA_REFRESH_S
 from specdec.security import ChannelSecurity
 from specdec.v1 import specdec_pb2 as pb
@@ -140,7 +141,7 @@ def draft_identity(info: pb.ModelInfoResponse) -> tuple:
     """What every draft replica must share: its kind and vocabulary (any draft of the target's
     vocabulary keeps the output the target's, so the model itself may differ: a draft rollout;
     one of another vocabulary proposes ids the target would refuse, or cannot use)."""
-    return (f"a{'n' if info.kind == 'ngram' else ''} {info.kind} draft", info.vocab_fingerprint)
+    return (f"a{'n' if info.kind == NGRAM_DRAFT else ''} {info.kind} draft", info.vocab_fingerprint)
 
 
 def describe_identity(identity: tuple) -> str:
@@ -149,7 +150,7 @@ def describe_identity(identity: tuple) -> str:
 
 def loaded(info: pb.ModelInfoResponse) -> bool:
     """A ModelInfo of a service that has loaded its model (an n-gram draft has no vocabulary)."""
-    return bool(info.vocab_size) or info.kind == "ngram"
+    return bool(info.vocab_size) or info.kind == NGRAM_DRAFT
 
 
 async def resolve(host: str, port: int) -> list[str]:
@@ -174,8 +175,7 @@ class Replicas:
     # Replicas serve `name` (for messages); with `identity`, only checked ones are called.
     name: str = "target"
     identity: Identity | None = None
-    reference: tuple | None = None  # the identity of the coordinator's model (adopt)
-    adopted: pb.ModelInfoResponse | None = None  # ... and its ModelInfo
+    adopted: pb.ModelInfoResponse | None = None  # the ModelInfo the coordinator started with (adopt)
     checks: dict[str, asyncio.Task] = field(default_factory=dict)  # endpoint -> its running check
 
     @property
@@ -196,13 +196,26 @@ class Replicas:
         """Only checked replicas are called (module doc)."""
         return self.identity is not None and not self.single
 
+    @property
+    def reference(self) -> tuple | None:
+        """The identity every replica must have: the adopted ModelInfo's."""
+        return None if self.adopted is None else self.identity(self.adopted)
+
+    def cleared(self, replica: Replica) -> bool:
+        """May be called: checked, where replicas are checked."""
+        return replica.checked or not self.checking
+
     def pick(self, session_id: str) -> Replica:
         """The replica that serves `session_id`: the highest-scoring usable one, or the
         highest-scoring one when none is usable (its calls then fail or wait). Where replicas
         are checked, only checked ones count, and none: Unavailable, saying why."""
         if not self.replicas:
             raise Unavailable(f"{self.address} resolves to no address yet; retry shortly")
-        candidates = [r for r in self.replicas.values() if r.checked or not self.checking]
+        return self.best([r for r in self.replicas.values() if self.cleared(r)], session_id)
+
+    def best(self, candidates: list[Replica], session_id: str) -> Replica:
+        """Of `candidates`, the highest-scoring usable one for `session_id`, else the
+        highest-scoring one; none: Unavailable, saying why."""
         if not candidates:
             raise Unavailable(self.none_checked())
         ranked = sorted(candidates, key=lambda r: score(session_id, r.endpoint), reverse=True)
@@ -221,30 +234,28 @@ class Replicas:
         """Replicas not skipped after a failed call, nor unchecked or refused (the metrics
         thread calls this: it reads no channel state, only down_until and the checks)."""
         now = time.monotonic()
-        return sum(r.down_until <= now and (r.checked or not self.checking) for r in list(self.replicas.values()))
+        return sum(r.down_until <= now and self.cleared(r) for r in list(self.replicas.values()))
+
+    def refused_count(self) -> int:
+        return sum(bool(r.refused) for r in list(self.replicas.values()))
 
     def any(self) -> Replica:
         """A replica for calls that concern no session (ModelInfo): the highest-scoring usable
         one not refused, checked or not."""
-        ranked = sorted((r for r in self.replicas.values() if not r.refused),
-                        key=lambda r: score("", r.endpoint), reverse=True)  # fmt: skip
-        if not ranked:
-            raise Unavailable(self.none_checked())
-        now = time.monotonic()
-        return next((r for r in ranked if r.usable(now)), ranked[0])
+        return self.best([r for r in self.replicas.values() if not r.refused], "")
 
     def adopt(self, replica: Replica, info: pb.ModelInfoResponse) -> None:
         """Take `info`, which `replica` answered, as the coordinator's model, and check every
         other replica against it (in the background; `settle` waits for the first answers)."""
         if self.identity is None:
             return
-        self.adopted, self.reference = info, self.identity(info)
+        self.adopted = info
         replica.checked = True
         for other in self.replicas.values():
             self.start_check(other)
 
     def start_check(self, replica: Replica) -> None:
-        if self.checking and self.reference is not None and not replica.checked and replica.endpoint not in self.checks:
+        if self.checking and self.adopted is not None and not replica.checked and replica.endpoint not in self.checks:
             task = asyncio.get_running_loop().create_task(self.check(replica))
             self.checks[replica.endpoint] = task
             task.add_done_callback(lambda done: self.checks.get(replica.endpoint) is done and self.checks.pop(replica.endpoint))
@@ -277,26 +288,25 @@ class Replicas:
     async def recheck(self, replica: Replica) -> bool:
         """Check `replica` again (a call it refused may mean it now serves another model);
         True when it is refused now."""
-        if not self.checking or self.reference is None:
+        if not self.checking or self.adopted is None:
             return False
         replica.checked = False
         self.start_check(replica)
-        deadline = time.monotonic() + CHECK_TIMEOUT_S
-        while not (replica.checked or replica.refused) and replica.endpoint in self.checks:
-            if time.monotonic() > deadline:
-                break
-            await asyncio.sleep(0.01)
+        await self.decided([replica])
         return bool(replica.refused)
 
-    async def settle(self, timeout_s: float = CHECK_TIMEOUT_S) -> None:
-        """Wait (at most timeout_s) until every replica has been checked or refused once."""
-        deadline = time.monotonic() + timeout_s
-        while self.unchecked() and time.monotonic() < deadline:
-            await asyncio.sleep(0.05)
+    async def settle(self) -> None:
+        """Wait until every replica has been checked or refused once (at most CHECK_TIMEOUT_S)."""
+        if self.checking:
+            await self.decided(list(self.replicas.values()))
 
-    def unchecked(self) -> list[Replica]:
-        """Replicas neither checked nor refused yet, where replicas are checked."""
-        return [r for r in self.replicas.values() if not (r.checked or r.refused)] if self.checking else []
+    async def decided(self, replicas: list[Replica], timeout_s: float = CHECK_TIMEOUT_S) -> None:
+        """Wait (at most timeout_s) until each of `replicas` is checked, refused or removed."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline and any(
+            self.replicas.get(r.endpoint) is r and not (r.checked or r.refused) for r in replicas
+        ):
+            await asyncio.sleep(0.02)
 
     async def refresh(self) -> None:
         try:

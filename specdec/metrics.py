@@ -81,9 +81,7 @@ class CoordinatorMetrics:
         """Report a coordinator.replicas.Replicas as `service` (draft or target) at every scrape."""
         self.replicas.labels(service=service).set_function(lambda: len(replicas.replicas))
         self.replicas_usable.labels(service=service).set_function(replicas.usable_count)
-        self.replicas_refused.labels(service=service).set_function(
-            lambda: sum(bool(replica.refused) for replica in list(replicas.replicas.values()))
-        )
+        self.replicas_refused.labels(service=service).set_function(replicas.refused_count)
 
     def observe_cycle(self, drafted: int, accepted: int) -> None:
         if drafted:
