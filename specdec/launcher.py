@@ -238,12 +238,14 @@ class Stack:
         self.kinds[name] = service
         self.processes[name] = subprocess.Popen(command, env=env, **self.output(name))
 
-    def restart(self, name: str, *, kill: bool = False) -> None:
-        """Stop one service (SIGKILL when kill) and start it again with the same command."""
+    def restart(self, name: str, *args: str, kill: bool = False) -> None:
+        """Stop one service (SIGKILL when kill; one that has exited already stays so) and start
+        it again with the same command, plus `args` (later flags win)."""
         process = self.processes[name]
         (process.kill if kill else process.terminate)()
         process.wait(timeout=STOP_TIMEOUT_S)
-        self.processes[name] = subprocess.Popen(process.args, env=self.envs[name], **self.output(name))
+        command = [*process.args, *args]
+        self.processes[name] = subprocess.Popen(command, env=self.envs[name], **self.output(name))
 
     def output(self, name: str) -> dict:
         """Children log to our stderr (stdout stays for `ready ADDRESS`), or, when quiet, to a

@@ -468,12 +468,8 @@ def test_a_target_replica_restarted_with_another_model_refuses_the_sessions_veri
     session's next replica: the tokens are the one-target stack's and no forward pass runs on
     the restarted replica."""
     stack, address, metrics_ports = two_of_each.stack, two_of_each.address, two_of_each.targets
-    old = stack.processes["second-target"]
-    assert old.poll() is not None, "the test before kills this replica"
-    command = list(old.args)
-    command[command.index("--model") + 1] = tiny_models.draft
-    stack.processes["second-target"] = subprocess.Popen(command, env=stack.envs["second-target"],
-                                                        **stack.output("second-target"))  # fmt: skip
+    assert stack.processes["second-target"].poll() is not None, "the test before kills this replica"
+    stack.restart("second-target", "--model", tiny_models.draft)
     stack.wait_ready(("second-target",))
     second = f"127.0.0.1:{stack.ports['second-target']}"
     deadline = time.monotonic() + 30  # until the coordinator calls it again (DOWN_S after the kill)
