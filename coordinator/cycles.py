@@ -776,6 +776,7 @@ class CycleLoop:
         )
         if (adopted := self.targets.adopted) is not None:  # the target refuses another model's call
             request.target_model, request.target_fingerprint = adopted.model, adopted.vocab_fingerprint
+            request.target_weights = adopted.weights_fingerprint
         attempt = 0
         while True:
             # Each attempt asks the session's replica as of now: one that failed is skipped.

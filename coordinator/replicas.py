@@ -18,7 +18,7 @@ Terms:
     down      a replica whose call failed UNAVAILABLE, or whose connection is failing, is
               skipped for DOWN_S seconds: its sessions go to their next-best replica.
     checked   a replica whose ModelInfo matches what the coordinator started with (`identity`:
-              for a target the same model and vocabulary, for a draft the same kind and
+              for a target the same model, weights and vocabulary, for a draft the same kind and
               vocabulary). Sessions go only to checked replicas: a session that moved to a
               target serving another model would go on under that model's distribution, and
               a draft of another vocabulary proposes ids the target refuses. A replica that serves another model is
@@ -46,6 +46,7 @@ from specdec.ngram import NGRAM_DRAFT
 from specdec.ranges import REPLICA_REFRESH_S
 from specdec.security import ChannelSecurity
 from specdec.v1 import specdec_pb2 as pb
+from specdec.vocab import describe_model
 
 log = logging.getLogger("specdec.coordinator")
 
@@ -132,20 +133,22 @@ Identity = Callable[[pb.ModelInfoResponse], tuple]
 
 
 def target_identity(info: pb.ModelInfoResponse) -> tuple:
-    """What every target replica must share: the model (a session keeps its distribution
-    wherever it moves) and its vocabulary (token ids, end tokens, context length)."""
-    return (info.model, info.vocab_fingerprint, info.vocab_size, info.max_context, tuple(info.eos_token_ids))
+    """What every target replica must share: the model and its weights (a session keeps its
+    distribution wherever it moves) and its vocabulary (token ids, end tokens, context length).
+    Starts, as every identity, with what describe_model names: (name, vocabulary, weights)."""
+    return (info.model, info.vocab_fingerprint, info.weights_fingerprint, info.vocab_size, info.max_context,
+            tuple(info.eos_token_ids))  # fmt: skip
 
 
 def draft_identity(info: pb.ModelInfoResponse) -> tuple:
     """What every draft replica must share: its kind and vocabulary (any draft of the target's
     vocabulary keeps the output the target's, so the model itself may differ: a draft rollout;
     one of another vocabulary proposes ids the target would refuse, or cannot use)."""
-    return (f"a{'n' if info.kind == NGRAM_DRAFT else ''} {info.kind} draft", info.vocab_fingerprint)
+    return (f"a{'n' if info.kind == NGRAM_DRAFT else ''} {info.kind} draft", info.vocab_fingerprint, "")
 
 
 def describe_identity(identity: tuple) -> str:
-    return f"{identity[0]} (vocabulary {identity[1][:12] or 'none'})"
+    return describe_model(*identity[:3])
 
 
 def loaded(info: pb.ModelInfoResponse) -> bool:

@@ -77,6 +77,7 @@ from specdec.ngram import (
 )  # fmt: skip
 from specdec.prompts import PromptFileError, read_json_lines
 from specdec.ranges import AT_LEAST_ONE, SECONDS, SEED, SHARE, TEMPERATURE, Range
+from specdec.vocab import describe_model
 
 DEFAULT_TOP_K = 256
 DEFAULT_PROMPTS = Path(__file__).parent / "data" / "distill_prompts.jsonl"
@@ -1210,12 +1211,19 @@ def distill(config: DistillConfig) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     target = load_model(config.target)
     meta_path = out / DATA_DIR / "target.json"
+    made_by = {"target": config.target, "vocab_fingerprint": target.vocab_fingerprint,
+               "weights_fingerprint": target.weights_fingerprint}  # fmt: skip
     if meta_path.exists():
         previous = json.loads(meta_path.read_text())
-        if previous["vocab_fingerprint"] != target.vocab_fingerprint:
-            raise DistillError(f"{out} holds data from another target ({previous['target']}); pick a new --out")
+        # data written before weights were recorded is checked by vocabulary
+        weights = previous.get("weights_fingerprint", target.weights_fingerprint)
+        if (previous["vocab_fingerprint"], weights) != (target.vocab_fingerprint, target.weights_fingerprint):
+            sampled_from = describe_model(previous["target"], previous["vocab_fingerprint"], weights)
+            this = describe_model(config.target, target.vocab_fingerprint, target.weights_fingerprint)
+            raise DistillError(f"{out} holds data sampled from another target, {sampled_from}, not {this}; "
+                               "pick a new --out")  # fmt: skip
     (out / DATA_DIR).mkdir(parents=True, exist_ok=True)
-    meta_path.write_text(json.dumps({"target": config.target, "vocab_fingerprint": target.vocab_fingerprint}) + "\n")
+    meta_path.write_text(json.dumps(made_by) + "\n")
 
     # 1. data (at most data_share of the budget)
     data_deadline = began + config.minutes * 60 * config.data_share

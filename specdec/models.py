@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
+import hashlib
 import json
 import os
 import shutil
@@ -365,6 +366,7 @@ class LoadedModel:
     name: str  # what the user passed (catalog name or path), shown in ModelInfo and errors
     path: str  # the resolved local path actually loaded: a directory or a .gguf file
     vocab_fingerprint: str  # sha256 of the vocabulary; draft and target must match
+    weights_fingerprint: str  # weights_fingerprint(model): target replicas must match
     vocab_size: int  # rows of the embedding/logits (config.vocab_size); may exceed len(tokenizer)
     max_context: int  # config.max_position_embeddings; 0 when the config does not say
     eos_token_ids: list[int] = field(default_factory=list)  # generation_config's eos ids, then the tokenizer's
@@ -397,6 +399,7 @@ def load_model(name_or_path: str, *, dtype: str = "float32", device: str = "cpu"
         restrict_output_vocab(model, read_output_vocab(path / OUTPUT_VOCAB_FILE, _embedding_rows(model)))
     model.to(device)
     model.eval()
+    weights = weights_fingerprint(model)  # before packing: the weights as loaded, whatever kernel runs them
     kernels = pack_model(model) if pack else {}  # verify K + 1 rows from prepacked weights, where faster here
     if pack:  # decode and verify without transformers' per-call machinery, where the logits agree
         enable_plain_forward(model)
@@ -407,6 +410,7 @@ def load_model(name_or_path: str, *, dtype: str = "float32", device: str = "cpu"
         name=name_or_path,
         path=str(path),
         vocab_fingerprint=vocab_fingerprint(tokenizer),
+        weights_fingerprint=weights,
         vocab_size=_embedding_rows(model),
         max_context=int(getattr(model.config, "max_position_embeddings", 0) or 0),
         eos_token_ids=eos_token_ids(model, tokenizer),
@@ -434,6 +438,26 @@ class SubsetHead(torch.nn.Module):
         scores = torch.nn.functional.linear(hidden, self.weight)  # [..., M]
         logits = scores.new_full((*scores.shape[:-1], self.vocab_size), -torch.inf)  # [..., V]
         return logits.index_copy_(-1, self.token_ids, scores)
+
+
+FINGERPRINT_SAMPLE = 1 << 20  # elements of a tensor weights_fingerprint reads, at most
+
+
+def weights_fingerprint(model: torch.nn.Module) -> str:
+    """sha256 over the model's state dict: each tensor's name, dtype and shape, and its values
+    (at most FINGERPRINT_SAMPLE of them, evenly spaced: all of every tensor of SmolLM2's layers,
+    1 in 27 of its embedding's). Equal fingerprints mean the same weights in the same dtype,
+    so the same distribution; a fine-tune, another checkpoint or dtype changes it. Reading a
+    sample keeps it under a second for a model of tens of GB (a change confined to values
+    between the sampled ones, such as one retrained embedding row, can go unseen)."""
+    digest = hashlib.sha256()
+    for name, tensor in model.state_dict().items():
+        digest.update(f"{name}:{str(tensor.dtype).removeprefix('torch.')}:{list(tensor.shape)};".encode())
+        flat = tensor.detach().reshape(-1)  # [numel]
+        step = -(-flat.numel() // FINGERPRINT_SAMPLE)  # ceil: at most FINGERPRINT_SAMPLE values
+        sample = flat[::step].contiguous().cpu()  # [<= FINGERPRINT_SAMPLE]
+        digest.update(sample.view(torch.uint8).numpy())
+    return digest.hexdigest()
 
 
 def read_output_vocab(path: Path, vocab_size: int) -> torch.Tensor:

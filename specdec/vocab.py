@@ -96,6 +96,11 @@ def vocab_fingerprint(tokenizer) -> str:
     return hashlib.sha256(encoded).hexdigest()
 
 
+def describe_model(model: str, vocabulary: str, weights: str = "") -> str:
+    """A model as messages name it: its name and the start of its fingerprints."""
+    return f"{model} (vocabulary {vocabulary[:12] or 'none'}{f', weights {weights[:12]}' if weights else ''})"
+
+
 def check_vocab_match(draft_name: str, draft_fingerprint: str, target_name: str, target_fingerprint: str) -> None:
     """Raise VocabMismatchError unless the draft and target vocabulary fingerprints are equal."""
     if draft_fingerprint == target_fingerprint:

@@ -89,6 +89,7 @@ def model_info_to_pb(loaded) -> pb.ModelInfoResponse:
         model=loaded.name,
         vocab_size=loaded.vocab_size,
         vocab_fingerprint=loaded.vocab_fingerprint,
+        weights_fingerprint=loaded.weights_fingerprint,
         max_context=loaded.max_context,
         eos_token_ids=loaded.eos_token_ids,
         device=str(loaded.device),

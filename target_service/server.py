@@ -9,7 +9,7 @@ from opentelemetry import trace
 from specdec import model_service, serving
 from specdec.errors import FailedPrecondition, InvalidArgument, grpc_handler
 from specdec.model_service import ModelService, ModelServiceConfig
-from specdec.vocab import VocabMismatchError, check_vocab_match
+from specdec.vocab import VocabMismatchError, check_vocab_match, describe_model
 from specdec.rng import TARGET, cycle_generator
 from specdec.session import SessionStore
 from specdec.v1 import specdec_pb2 as pb
@@ -85,12 +85,13 @@ class TargetServicer(ModelService, pb_grpc.TargetServicer):
 
     def check_target_model(self, request: pb.VerifyRequest) -> None:
         """Refuse a call for another target model than this one (the coordinator's, sent as
-        target_model and target_fingerprint; empty: not checked)."""
-        wanted = (request.target_model, request.target_fingerprint)
-        if request.target_model and wanted != (self.info.model, self.info.vocab_fingerprint):
+        target_model, target_fingerprint and target_weights; empty: not checked)."""
+        info = self.info
+        wanted = (request.target_model, request.target_fingerprint, request.target_weights or info.weights_fingerprint)
+        if request.target_model and wanted != (info.model, info.vocab_fingerprint, info.weights_fingerprint):
             raise FailedPrecondition(
-                f"this target serves {self.info.model} (vocabulary {self.info.vocab_fingerprint[:12]}), not "
-                f"{request.target_model} (vocabulary {request.target_fingerprint[:12]}), the coordinator's model"
+                f"this target serves {describe_model(info.model, info.vocab_fingerprint, info.weights_fingerprint)}, "
+                f"not {describe_model(*wanted)}, the coordinator's model"
             )
 
     def check_draft_vocabulary(self, request: pb.VerifyRequest) -> None:

@@ -8,6 +8,7 @@ import argparse
 import dataclasses
 import json
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -436,6 +437,25 @@ def test_a_second_run_into_the_same_dir_needs_resume(distilled, tiny, capsys):
     argv = ["--target", tiny[1], "--out", str(out), "--prompts", tiny[2], "--minutes", "0.01", *DISTILL_FLAGS]
     assert run_distill(parse(argv)) == 1
     assert "--resume" in capsys.readouterr().err
+
+
+def test_resuming_with_a_target_of_other_weights_is_refused_and_leaves_the_run_as_it_was(distilled, tiny, tmp_path, capsys):
+    """The run's data was sampled from one target; --resume naming a fine-tune of it (the same
+    vocabulary, one weight moved) would train on a mix of two distributions: refused, naming
+    both, and nothing in the folder is written."""
+    out, _, _, _ = distilled
+    copied = shutil.copytree(out, tmp_path / "run")
+    before = {p: p.read_bytes() for p in copied.rglob("*") if p.is_file()}
+    tokenizer = build_tiny_tokenizer()
+    model = build_tiny_model(tokenizer, hidden_size=64, num_layers=2, seed=3, initializer_range=TINY_INIT_RANGE)
+    with torch.no_grad():
+        model.model.layers[1].self_attn.q_proj.weight[0, 0] += 1e-3
+    tuned = save_model(model, tokenizer, tmp_path / "tuned")
+    argv = ["--target", str(tuned), "--out", str(copied), "--prompts", tiny[2], "--minutes", "0.01", "--resume", *DISTILL_FLAGS]
+    assert run_distill(parse(argv)) == 1
+    err = capsys.readouterr().err
+    assert "sampled from another target" in err and f"{tiny[1]} (vocabulary" in err and f"{tuned} (vocabulary" in err
+    assert {p: p.read_bytes() for p in copied.rglob("*") if p.is_file()} == before
 
 
 def test_materialize_rebuilds_the_draft_and_refuses_another_vocabulary(distilled, tiny, tmp_path):

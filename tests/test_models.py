@@ -7,6 +7,7 @@ module), convert it, and load it; they run in CI too.
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import shutil
@@ -31,6 +32,7 @@ from specdec.models import (
     ensure_catalog_model,
     load_model,
     save_model,
+    weights_fingerprint,
     write_output_vocab,
 )
 from specdec.vocab import VocabMismatchError, check_vocab_match, load_tokenizer, vocab_fingerprint
@@ -230,6 +232,39 @@ def test_vocab_fingerprint_identity_and_difference(tiny_tokenizer, tiny_dir):
     fewer = build_tiny_tokenizer(models.TINY_SYMBOLS[:-1])
     reordered = build_tiny_tokenizer(models.TINY_SYMBOLS[::-1])  # same strings, different ids
     assert len({same, vocab_fingerprint(fewer), vocab_fingerprint(reordered)}) == 3
+
+
+def test_the_weights_fingerprint_is_the_same_for_the_same_weights_and_dtype_and_differs_for_a_fine_tune(
+    tiny_dir, tiny_tokenizer, tmp_path, monkeypatch
+):
+    """Loaded twice, packed or not: one fingerprint. In bfloat16, or with one weight moved by
+    1e-3 (a fine-tune under the same name): another. A tensor longer than FINGERPRINT_SAMPLE
+    is read at evenly spaced values: a change there is seen, one between them is not (the
+    documented limit)."""
+    directory, model = tiny_dir
+    first = load_model(str(directory))
+    assert len(first.weights_fingerprint) == 64
+    assert load_model(str(directory)).weights_fingerprint == first.weights_fingerprint
+    assert load_model(str(directory), pack=False).weights_fingerprint == first.weights_fingerprint
+    assert load_model(str(directory), dtype="bfloat16").weights_fingerprint != first.weights_fingerprint
+    tuned = copy.deepcopy(model)
+    with torch.no_grad():
+        tuned.model.layers[0].mlp.down_proj.weight[3, 5] += 1e-3
+    tuned_dir = save_model(tuned, tiny_tokenizer, tmp_path / "tuned")
+    assert load_model(str(tuned_dir)).weights_fingerprint != first.weights_fingerprint
+
+    monkeypatch.setattr(models, "FINGERPRINT_SAMPLE", 7)
+    base = weights_fingerprint(model)
+    embedding = model.get_input_embeddings().weight  # [V, H]: read every ceil(V*H / 7)-th value
+    step = -(-embedding.numel() // 7)
+    values = embedding.detach().view(-1)  # [V*H], the weights themselves
+    kept = values.clone()
+    values[step] += 1.0
+    assert weights_fingerprint(model) != base
+    values.copy_(kept)
+    assert weights_fingerprint(model) == base
+    values[step + 1] += 1.0
+    assert weights_fingerprint(model) == base, "a value between the sampled ones is not read"
 
 
 def test_vocab_fingerprint_counts_added_tokens(tiny_tokenizer):

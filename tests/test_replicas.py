@@ -299,13 +299,16 @@ def picker(endpoints, wanted: str, prefix: str) -> str:
 
 
 @pytest.fixture(scope="module")
-def two_of_each(redis_url, tiny_models):
+def two_of_each(redis_url, tiny_models, tmp_path_factory):
     """A tiny stack (one draft, one target, its coordinator) plus a second target and a second
     draft process, and a coordinator (`spread`) that names both of each. Every process but
     the stack's coordinator serves /metrics: `targets` and `drafts` map each replica's address
-    to its /metrics port."""
+    to its /metrics port. The targets load the tiny target through a link, `target_link`, as
+    pods load whatever their model path holds (a rollout may put other weights there)."""
     ports = {name: free_port() for name in ("target", "second-target", "draft", "second-draft", "spread")}
-    stack = start_stack(redis_url, tiny_models.target, tiny_models.draft,
+    target_link = tmp_path_factory.mktemp("rollout") / "target"
+    target_link.symlink_to(tiny_models.target)
+    stack = start_stack(redis_url, str(target_link), tiny_models.draft,
                         target_args=["--metrics-port", str(ports["target"])],
                         draft_args=["--metrics-port", str(ports["draft"])])  # fmt: skip
     try:
@@ -316,7 +319,8 @@ def two_of_each(redis_url, tiny_models):
         drafts = {f"127.0.0.1:{stack.ports[name]}": ports[name] for name in ("draft", "second-draft")}
         address = stack.add_coordinator("spread", "--target-address", ",".join(targets), "--draft-address",
                                         ",".join(drafts), "--metrics-port", str(ports["spread"]))  # fmt: skip
-        yield SimpleNamespace(stack=stack, address=address, targets=targets, drafts=drafts, metrics=ports["spread"])
+        yield SimpleNamespace(stack=stack, address=address, targets=targets, drafts=drafts, metrics=ports["spread"],
+                              target_link=target_link)  # fmt: skip
     finally:
         stack.stop()
 
@@ -387,7 +391,7 @@ def test_replicas_serving_another_target_model_or_draft_vocabulary_are_refused_a
         expected = client.generate(**options).token_ids
     drafted = 0
     with specdec.Client(address) as client:
-        assert client.info().target.model == tiny_models.target
+        assert client.info().target.model == str(two_of_each.target_link)
         for i in range(8):  # rendezvous hashing would give each odd replica about half of them
             result = client.generate(session_id=f"odd-{i}", **options)
             assert result.token_ids == expected
@@ -458,18 +462,25 @@ def test_a_target_replica_killed_mid_stream_hands_its_sessions_to_the_other_with
         assert forward_passes(metrics_ports[first]) > before
 
 
-def test_a_target_replica_restarted_with_another_model_refuses_the_sessions_verify_and_they_go_on_on_the_other(
-    two_of_each, tiny_models
+def test_a_target_replica_restarted_with_other_weights_at_its_model_path_refuses_the_sessions_verify_and_they_go_on_on_the_other(
+    two_of_each, tiny_models, tmp_path
 ):
-    """The replica killed above comes back at the same address serving another model (the tiny
-    draft's weights): the coordinator had checked it before, so a session it owns is sent there;
+    """The replica killed above comes back at the same address with the same flags, but its
+    model path now holds other weights (a fine-tune: the target's with 1% noise; the same name
+    and vocabulary): the coordinator had checked it before, so a session it owns is sent there;
     the target refuses that Verify (FAILED_PRECONDITION: the request names the coordinator's
-    model), the coordinator checks the replica again, refuses it and sends the Verify to the
-    session's next replica: the tokens are the one-target stack's and no forward pass runs on
-    the restarted replica."""
+    model and weights), the coordinator checks the replica again, refuses it and sends the
+    Verify to the session's next replica: the tokens are the one-target stack's and no forward
+    pass runs on the restarted replica."""
+    from conftest import make_tiny_model_dir
+
     stack, address, metrics_ports = two_of_each.stack, two_of_each.address, two_of_each.targets
     assert stack.processes["second-target"].poll() is not None, "the test before kills this replica"
-    stack.restart("second-target", "--model", tiny_models.draft)
+    tuned = make_tiny_model_dir(tiny_models.tokenizer, tmp_path / "tuned", hidden_size=64, num_layers=2, seed=1, noise=0.01)
+    moved = tmp_path / "link"
+    moved.symlink_to(tuned)
+    moved.replace(two_of_each.target_link)  # the rollout: the model path now holds the fine-tune
+    stack.restart("second-target")
     stack.wait_ready(("second-target",))
     second = f"127.0.0.1:{stack.ports['second-target']}"
     deadline = time.monotonic() + 30  # until the coordinator calls it again (DOWN_S after the kill)

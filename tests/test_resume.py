@@ -228,6 +228,15 @@ def test_resume_refuses_what_it_cannot_serve_with_a_clear_status_and_leaves_the_
 
         store = redis.Redis.from_url(redis_url, decode_responses=True)
         try:
+            weights = store.hget(meta_key("kept"), "target_weights")
+            assert len(weights) == 64, "the session records its target's weights"
+            store.hset(meta_key("kept"), "target_weights", "e" * 64)  # generated before a fine-tune rolled out
+            with pytest.raises(specdec.SpecdecClientError) as info:
+                client.resume("kept")
+            assert info.value.code == grpc.StatusCode.FAILED_PRECONDITION and "weights eeeeeeeeeeee" in info.value.message
+            store.hdel(meta_key("kept"), "target_weights")  # a session stored before weights were recorded
+            assert client.resume("kept").text == done.text
+            store.hset(meta_key("kept"), "target_weights", weights)
             store.hset(meta_key("kept"), "target_fingerprint", "another-vocabulary")
             with pytest.raises(specdec.SpecdecClientError) as info:
                 client.resume("kept")

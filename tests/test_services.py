@@ -485,8 +485,9 @@ def test_target_refuses_a_q_that_is_not_a_distribution(tiny_stack, client):
 
 
 def test_target_refuses_a_verify_for_another_target_model_and_leaves_the_session_alone(tiny_stack, client, tiny_models):
-    """VerifyRequest.target_model / target_fingerprint name the coordinator's model: a target
-    serving another refuses with FAILED_PRECONDITION naming both; its own model is accepted."""
+    """VerifyRequest.target_model / target_fingerprint / target_weights name the coordinator's
+    model: a target serving another model, or the same model with other weights, refuses with
+    FAILED_PRECONDITION naming both; its own model is accepted, with or without weights."""
     client.generate(PROMPT, max_new_tokens=2, session_id="other-model")
     info = internal_stub(tiny_stack, "target").ModelInfo(pb.ModelInfoRequest(), timeout=10)
     request = pb.VerifyRequest(session_id="other-model", position=0, new_tokens=tiny_models.tokenizer.encode(PROMPT),
@@ -496,7 +497,14 @@ def test_target_refuses_a_verify_for_another_target_model_and_leaves_the_session
         internal_stub(tiny_stack, "target").Verify(request, timeout=10)
     assert error.value.code() == grpc.StatusCode.FAILED_PRECONDITION
     assert f"serves {info.model}" in error.value.details() and "not smollm2-v2" in error.value.details()
-    request.target_model = info.model
+    request.target_model, request.target_weights = info.model, "f" * 64  # a fine-tune under the same name
+    with pytest.raises(grpc.RpcError) as error:
+        internal_stub(tiny_stack, "target").Verify(request, timeout=10)
+    assert error.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert f"weights {info.weights_fingerprint[:12]}" in error.value.details() and "weights ffffffffffff" in error.value.details()
+    request.target_weights = info.weights_fingerprint
+    assert internal_stub(tiny_stack, "target").Verify(request, timeout=10).next_token >= 0
+    request.target_weights = ""  # a coordinator from before weights were sent
     assert internal_stub(tiny_stack, "target").Verify(request, timeout=10).next_token >= 0
 
 

@@ -63,7 +63,7 @@ class ModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfoResponse(_message.Message):
-    __slots__ = ("model", "kind", "vocab_size", "vocab_fingerprint", "max_context", "eos_token_ids", "device", "dtype", "max_k", "sessions_held", "cache_bytes", "cache_evictions", "min_ngram", "max_ngram", "default_k")
+    __slots__ = ("model", "kind", "vocab_size", "vocab_fingerprint", "max_context", "eos_token_ids", "device", "dtype", "max_k", "sessions_held", "cache_bytes", "cache_evictions", "min_ngram", "max_ngram", "default_k", "weights_fingerprint")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -79,6 +79,7 @@ class ModelInfoResponse(_message.Message):
     MIN_NGRAM_FIELD_NUMBER: _ClassVar[int]
     MAX_NGRAM_FIELD_NUMBER: _ClassVar[int]
     DEFAULT_K_FIELD_NUMBER: _ClassVar[int]
+    WEIGHTS_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     model: str
     kind: str
     vocab_size: int
@@ -94,7 +95,8 @@ class ModelInfoResponse(_message.Message):
     min_ngram: int
     max_ngram: int
     default_k: int
-    def __init__(self, model: _Optional[str] = ..., kind: _Optional[str] = ..., vocab_size: _Optional[int] = ..., vocab_fingerprint: _Optional[str] = ..., max_context: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., max_k: _Optional[int] = ..., sessions_held: _Optional[int] = ..., cache_bytes: _Optional[int] = ..., cache_evictions: _Optional[int] = ..., min_ngram: _Optional[int] = ..., max_ngram: _Optional[int] = ..., default_k: _Optional[int] = ...) -> None: ...
+    weights_fingerprint: str
+    def __init__(self, model: _Optional[str] = ..., kind: _Optional[str] = ..., vocab_size: _Optional[int] = ..., vocab_fingerprint: _Optional[str] = ..., max_context: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., max_k: _Optional[int] = ..., sessions_held: _Optional[int] = ..., cache_bytes: _Optional[int] = ..., cache_evictions: _Optional[int] = ..., min_ngram: _Optional[int] = ..., max_ngram: _Optional[int] = ..., default_k: _Optional[int] = ..., weights_fingerprint: _Optional[str] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
     __slots__ = ("session_id",)
@@ -279,7 +281,7 @@ class DraftToken(_message.Message):
     def __init__(self, token_id: _Optional[int] = ..., sparse: _Optional[_Union[SparseProbs, _Mapping]] = ..., dense: _Optional[_Union[DenseProbs, _Mapping]] = ..., one_hot: _Optional[_Union[OneHot, _Mapping]] = ..., fixed: _Optional[_Union[FixedProbs, _Mapping]] = ..., fixed_deflated: _Optional[bytes] = ..., index: _Optional[int] = ..., match_length: _Optional[int] = ...) -> None: ...
 
 class VerifyRequest(_message.Message):
-    __slots__ = ("session_id", "position", "new_tokens", "drafts", "sampling", "cycle", "draft_fingerprint", "draft_model", "steps", "draft_busy", "stop_at_ngram", "awaits_commit", "target_model", "target_fingerprint")
+    __slots__ = ("session_id", "position", "new_tokens", "drafts", "sampling", "cycle", "draft_fingerprint", "draft_model", "steps", "draft_busy", "stop_at_ngram", "awaits_commit", "target_model", "target_fingerprint", "target_weights")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     POSITION_FIELD_NUMBER: _ClassVar[int]
     NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -294,6 +296,7 @@ class VerifyRequest(_message.Message):
     AWAITS_COMMIT_FIELD_NUMBER: _ClassVar[int]
     TARGET_MODEL_FIELD_NUMBER: _ClassVar[int]
     TARGET_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    TARGET_WEIGHTS_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     position: int
     new_tokens: _containers.RepeatedScalarFieldContainer[int]
@@ -308,7 +311,8 @@ class VerifyRequest(_message.Message):
     awaits_commit: bool
     target_model: str
     target_fingerprint: str
-    def __init__(self, session_id: _Optional[str] = ..., position: _Optional[int] = ..., new_tokens: _Optional[_Iterable[int]] = ..., drafts: _Optional[_Iterable[_Union[DraftToken, _Mapping]]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., cycle: _Optional[int] = ..., draft_fingerprint: _Optional[str] = ..., draft_model: _Optional[str] = ..., steps: _Optional[int] = ..., draft_busy: _Optional[bool] = ..., stop_at_ngram: _Optional[_Union[NgramStop, _Mapping]] = ..., awaits_commit: _Optional[bool] = ..., target_model: _Optional[str] = ..., target_fingerprint: _Optional[str] = ...) -> None: ...
+    target_weights: str
+    def __init__(self, session_id: _Optional[str] = ..., position: _Optional[int] = ..., new_tokens: _Optional[_Iterable[int]] = ..., drafts: _Optional[_Iterable[_Union[DraftToken, _Mapping]]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., cycle: _Optional[int] = ..., draft_fingerprint: _Optional[str] = ..., draft_model: _Optional[str] = ..., steps: _Optional[int] = ..., draft_busy: _Optional[bool] = ..., stop_at_ngram: _Optional[_Union[NgramStop, _Mapping]] = ..., awaits_commit: _Optional[bool] = ..., target_model: _Optional[str] = ..., target_fingerprint: _Optional[str] = ..., target_weights: _Optional[str] = ...) -> None: ...
 
 class NgramStop(_message.Message):
     __slots__ = ("min_ngram", "max_ngram")
