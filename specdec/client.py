@@ -511,7 +511,8 @@ class Client:
         output tokens and `received_chars` characters of text you have, then a Chunk per cycle
         until it finishes (at once, if it had). generate_stream resumes by itself; this is for a
         process that starts over. NOT_FOUND for an unknown or expired session, OUT_OF_RANGE when
-        you claim more than it committed, FAILED_PRECONDITION from a coordinator of another target."""
+        you claim more than it committed, FAILED_PRECONDITION from a coordinator of another target,
+        PERMISSION_DENIED where the session was created with another API token."""
         request = pb.ResumeRequest(session_id=session_id, received_tokens=received_tokens,
                                    received_chars=received_chars)  # fmt: skip
         call = self._stub.Resume(request, timeout=timeout, metadata=self._metadata)

@@ -64,6 +64,10 @@ class Unauthenticated(SpecdecError):
     code = grpc.StatusCode.UNAUTHENTICATED
 
 
+class PermissionDenied(SpecdecError):
+    code = grpc.StatusCode.PERMISSION_DENIED
+
+
 class MalformedRequest:
     """What a request deserializer returns for bytes that are not the expected message;
     `grpc_handler` turns it into INVALID_ARGUMENT (gRPC itself would answer INTERNAL)."""

@@ -9,6 +9,9 @@ Terms:
                     the model services require.
     bearer token    the metadata `authorization: Bearer <token>`, compared in constant
                     time with every accepted token.
+    caller          who a session belongs to: where the coordinator takes API tokens, a
+                    digest of the token that created it (caller_id); only that token can
+                    Resume it. Without API tokens every caller is one ("").
 
 Certificates and keys come from PEM files. Secrets (tokens, the Redis password in its
 URL) come from files or the environment, never from command-line flags, which any
@@ -17,6 +20,7 @@ user of the machine can read in the process list, and are never logged or traced
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 import os
 from collections.abc import Sequence
@@ -146,14 +150,30 @@ class ChannelSecurity:
 def token_matches(metadata: Sequence[tuple[str, str | bytes]] | None, tokens: Sequence[str]) -> bool:
     """Whether the call's `authorization: Bearer <token>` names one of `tokens`.
     Every token is compared in constant time, and all of them, whatever matches."""
-    offered = next((value for key, value in metadata or () if key == AUTH_METADATA), None)
-    if not isinstance(offered, str) or not offered.startswith(BEARER):
+    offered = bearer_token(metadata)
+    if offered is None:
         return False
-    offered_bytes = offered[len(BEARER) :].encode()
+    offered_bytes = offered.encode()
     matched = False
     for token in tokens:
         matched |= hmac.compare_digest(offered_bytes, token.encode())
     return matched
+
+
+def bearer_token(metadata: Sequence[tuple[str, str | bytes]] | None) -> str | None:
+    """The token of the call's `authorization: Bearer <token>`, or None."""
+    offered = next((value for key, value in metadata or () if key == AUTH_METADATA), None)
+    if not isinstance(offered, str) or not offered.startswith(BEARER):
+        return None
+    return offered[len(BEARER) :]
+
+
+def caller_id(metadata: Sequence[tuple[str, str | bytes]] | None, tokens: Sequence[str]) -> str:
+    """The caller of a call TokenCheck let through: sha256 of its bearer token (hex, 32
+    characters: a session's record names its caller, never the secret), or "" where no
+    token is required."""
+    token = bearer_token(metadata) if tokens else None
+    return "" if token is None else hashlib.sha256(token.encode()).hexdigest()[:32]
 
 
 class TokenCheck(grpc.aio.ServerInterceptor):

@@ -18,7 +18,7 @@ from conftest import internal_stub, start_stack
 from specdec.launcher import StackTLS, is_serving
 from specdec.redis_server import EmbeddedRedis
 from specdec.serving import TARGET_SERVICE
-from specdec.session import tokens_key
+from specdec.session import meta_key, tokens_key
 from specdec.v1 import specdec_pb2 as pb
 from specdec.v1 import specdec_pb2_grpc as pb_grpc
 
@@ -72,6 +72,31 @@ def test_public_api_refuses_missing_and_wrong_tokens_with_unauthenticated(tls_st
             assert code_of(client.info)[0] == grpc.StatusCode.UNAUTHENTICATED
     # The health service stays open for probes.
     assert is_serving(tls_stack.address, credentials=credentials(pki["ca"]))
+
+
+def test_a_session_belongs_to_the_api_token_that_created_it_and_another_token_cannot_resume_it(
+    tls_stack, pki, redis_url
+):
+    """A session made with one API token records a digest of it, never the token: that token
+    resumes it; another accepted token gets PERMISSION_DENIED, saying why, and the session is
+    left as it was (not taken over)."""
+    import redis
+
+    with specdec.Client(tls_stack.address, tls_ca=pki["ca"], token=API_TOKEN) as client:
+        done = client.generate(PROMPT, max_new_tokens=8, ignore_eos=True, session_id="tenant-a")
+    store = redis.Redis.from_url(redis_url, decode_responses=True)
+    try:
+        before = store.hgetall(meta_key("tenant-a"))
+        assert len(before["caller"]) == 32 and not any(API_TOKEN in value for value in before.values())
+        with specdec.Client(tls_stack.address, tls_ca=pki["ca"], token="second-token-77") as other:
+            with pytest.raises(specdec.SpecdecClientError) as info:
+                other.resume("tenant-a")
+        assert info.value.code == grpc.StatusCode.PERMISSION_DENIED and "another API token" in info.value.message
+        assert store.hgetall(meta_key("tenant-a")) == before
+    finally:
+        store.close()
+    with specdec.Client(tls_stack.address, tls_ca=pki["ca"], token=API_TOKEN) as client:
+        assert client.resume("tenant-a", received_tokens=3).token_ids == done.token_ids[3:]
 
 
 def test_plaintext_and_untrusting_clients_cannot_talk_to_a_tls_coordinator(tls_stack, pki):
