@@ -403,7 +403,6 @@ def test_all_k_accepted_gives_k_plus_one_tokens_with_bonus_from_last_target_row(
 
 def test_draft_token_with_zero_target_prob_is_always_rejected():
     """Seed bank: p(x̃) = 0 gives min(1, 0/q) = 0, whatever q(x̃) is."""
-    vocab_size = 4
     target_probs = torch.tensor([[0.0, 0.5, 0.5, 0.0], [0.25, 0.25, 0.25, 0.25]])  # [2, V]
     for q_token in (1e-6, 0.5, 1.0):
         draft_probs = torch.tensor([[q_token, (1 - q_token) / 3, (1 - q_token) / 3, (1 - q_token) / 3]])
@@ -775,7 +774,7 @@ def test_batch_handles_mixed_draft_counts_including_zero_with_garbage_padding():
     (rejected at 1), K = 1 (rejected at 0), K = 1 (accepted: bonus from target_probs[b, 1]
     although its padding would be accepted too), padded with out-of-range ids and NaN rows
     that must be ignored. A bonus is num_accepted == num_drafts."""
-    vocab_size, max_drafts = 5, 3
+    vocab_size = 5
     one_hot = lambda token: torch.nn.functional.one_hot(torch.tensor(token), vocab_size).float()  # noqa: E731
     uniform = torch.full((vocab_size,), 1 / vocab_size)
     nan_row = torch.full((vocab_size,), float("nan"))
