@@ -148,6 +148,10 @@ class Plan:
     max_context: int
     draft_model: str
     draft_fingerprint: str
+    # The target model the session runs on (its ModelInfo, as adopted when the session began
+    # or was resumed): every Verify names it, so a target serving another refuses it. None:
+    # not named.
+    target: pb.ModelInfoResponse | None = None
     # Draft the next cycle while the target verifies this one ...
     pipeline: bool = True
     # ... in cycles whose early drafting is kept with at least this estimated chance,
@@ -774,9 +778,9 @@ class CycleLoop:
             stop_at_ngram=stop_at_ngram,
             awaits_commit=self.committing is not None and not self.committing.done(),
         )
-        if (adopted := self.targets.adopted) is not None:  # the target refuses another model's call
-            request.target_model, request.target_fingerprint = adopted.model, adopted.vocab_fingerprint
-            request.target_weights = adopted.weights_fingerprint
+        if (target := self.plan.target) is not None:  # a target serving another model refuses the call
+            request.target_model, request.target_fingerprint = target.model, target.vocab_fingerprint
+            request.target_weights = target.weights_fingerprint
         attempt = 0
         while True:
             # Each attempt asks the session's replica as of now: one that failed is skipped.

@@ -25,6 +25,8 @@ Terms:
               refused: logged, and never called until it serves the coordinator's model again
               (asked every refresh_s). A single fixed address is not checked (it is the one
               the coordinator started with, or a load balancer).
+    follow    the end of a target rollout: once every replica is refused, all serving one
+              other model of the same vocabulary, that model is adopted (Replicas.follow).
 """
 
 from __future__ import annotations
@@ -116,6 +118,7 @@ class Replica:
     down_until: float = 0.0  # time.monotonic() before which it is skipped
     checked: bool = False  # serves the coordinator's model (module doc); set by Replicas
     refused: str = ""  # why it is never called: it serves another model
+    info: pb.ModelInfoResponse | None = None  # what it answered when last checked
 
     def failed(self) -> None:
         """Skip this replica for DOWN_S seconds (a call to it failed UNAVAILABLE)."""
@@ -179,6 +182,8 @@ class Replicas:
     name: str = "target"
     identity: Identity | None = None
     adopted: pb.ModelInfoResponse | None = None  # the ModelInfo the coordinator started with (adopt)
+    # Adopt the model every replica serves once none serves the adopted one (follow).
+    follow_rollout: bool = False
     checks: dict[str, asyncio.Task] = field(default_factory=dict)  # endpoint -> its running check
 
     @property
@@ -228,9 +233,9 @@ class Replicas:
     def none_checked(self) -> str:
         refused = [r for r in self.replicas.values() if r.refused]
         if refused and len(refused) == len(self.replicas):
-            return (f"every {self.name} replica at {self.address} differs from what this coordinator started "
-                    f"with, {describe_identity(self.reference)}: {refused[0].refused}; restart the coordinator "
-                    "to adopt it")  # fmt: skip
+            return (f"every {self.name} replica at {self.address} differs from what this coordinator serves, "
+                    f"{describe_identity(self.reference)}: {refused[0].refused}; restart the coordinator to "
+                    "adopt it")  # fmt: skip
         return f"no {self.name} replica at {self.address} has answered yet; retry shortly"
 
     def usable_count(self) -> int:
@@ -275,6 +280,7 @@ class Replicas:
             if info is None or not loaded(info):  # not answering, or still loading its model
                 await asyncio.sleep(CHECK_RETRY_S)
                 continue
+            replica.info = info
             identity = self.identity(info)
             if identity == self.reference:
                 if replica.refused:
@@ -284,9 +290,29 @@ class Replicas:
                 return
             if not replica.refused:
                 replica.refused = f"{replica.endpoint} serves {describe_identity(identity)}"
-                log.error("%s replica %s; this coordinator started with %s: refused, no session goes to it",
+                log.error("%s replica %s; this coordinator serves %s: refused, no session goes to it",
                           self.name, replica.refused, describe_identity(self.reference))  # fmt: skip
+                self.follow()
             await asyncio.sleep(self.refresh_s)
+
+    def follow(self) -> None:
+        """The end of a rollout (with follow_rollout): once every replica is refused, all for
+        serving one other model of the adopted vocabulary (other weights, another name: the
+        coordinator's tokenizer still holds), adopt that model: new sessions run on it. A
+        session begun on the old one cannot go on (its Verify names that model, and every
+        replica refuses it) nor be resumed. Another vocabulary needs a coordinator restart."""
+        replicas = list(self.replicas.values())
+        if not (self.follow_rollout and self.adopted is not None and replicas and all(r.refused for r in replicas)):
+            return
+        served = {self.identity(r.info) for r in replicas}
+        if len(served) != 1 or replicas[0].info.vocab_fingerprint != self.adopted.vocab_fingerprint:
+            return
+        log.warning("every %s replica at %s now serves %s: adopted, new sessions run on it (this coordinator "
+                    "served %s; sessions begun on that cannot go on)", self.name, self.address,
+                    describe_identity(served.pop()), describe_identity(self.reference))  # fmt: skip
+        self.adopted = replicas[0].info
+        for replica in replicas:
+            replica.refused, replica.checked = "", True
 
     async def recheck(self, replica: Replica) -> bool:
         """Check `replica` again (a call it refused may mean it now serves another model);
@@ -343,6 +369,8 @@ class Replicas:
             task.add_done_callback(self.closing.discard)
         if self.address.host and (added or gone):
             log.info("%s: %d replica(s): %s", self.address, len(self.replicas), ", ".join(sorted(self.replicas)))
+        if gone:  # the last replicas of the adopted model may have gone
+            self.follow()
 
     async def close(self) -> None:
         if self.refresher is not None:

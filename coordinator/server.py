@@ -128,9 +128,8 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         self.drafts = Replicas(parse_replica_address(config.draft_address), pb_grpc.DraftStub, config.internal,
                                name="draft", identity=draft_identity)  # fmt: skip
         self.targets = Replicas(parse_replica_address(config.target_address), pb_grpc.TargetStub, config.internal,
-                                name="target", identity=target_identity)  # fmt: skip
+                                name="target", identity=target_identity, follow_rollout=True)  # fmt: skip
         self.draft_info: pb.ModelInfoResponse | None = None
-        self.target_info: pb.ModelInfoResponse | None = None
         self.tokenizer = None
         self.background: set[asyncio.Task] = set()
         self.metrics = CoordinatorMetrics()
@@ -140,12 +139,18 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         self.shared_k = AdaptiveK(config.max_k)
         self.running = 0  # Generate calls in progress
 
+    @property
+    def target_info(self) -> pb.ModelInfoResponse | None:
+        """The target model new sessions run on: the adopted one (Replicas.adopt; after a
+        rollout, the one every replica then serves, Replicas.follow)."""
+        return self.targets.adopted
+
     async def load(self) -> None:
         """Wait for both model services, check they share a vocabulary, load the tokenizer."""
         timeout = self.config.startup_timeout_s
         await self.targets.start()
         await self.drafts.start()
-        self.target_info = await wait_for_model_info(self.targets, "target", timeout)
+        await wait_for_model_info(self.targets, "target", timeout)  # adopted: target_info
         self.draft_info = await wait_for_model_info(self.drafts, "draft", timeout)
         await asyncio.gather(self.targets.settle(), self.drafts.settle())  # the other replicas' first answers
         if self.draft_info.kind != NGRAM_DRAFT:
@@ -398,6 +403,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             adaptive=adaptive,
             stop=tuple(request.stop),
             owner=secrets.token_hex(8),
+            target=self.target_info,
             **self.draft_fields(),
         )
 
@@ -431,6 +437,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             pipeline_min_keep=saved["pipeline_min_keep"],
             adaptive=saved["adaptive"],
             stop=tuple(saved["stop"]),
+            target=target,
             **self.draft_fields(),
         )
 
@@ -558,9 +565,9 @@ def session_meta(plan: Plan, servicer: CoordinatorServicer) -> dict:
         "k": plan.k,
         "max_new_tokens": plan.max_new_tokens,
         "prompt_tokens": len(plan.prompt),
-        "target_model": servicer.target_info.model,
-        "target_fingerprint": servicer.target_info.vocab_fingerprint,
-        "target_weights": servicer.target_info.weights_fingerprint,
+        "target_model": plan.target.model,
+        "target_fingerprint": plan.target.vocab_fingerprint,
+        "target_weights": plan.target.weights_fingerprint,
         "draft_model": servicer.draft_info.model,
         "draft_fingerprint": servicer.draft_info.vocab_fingerprint,
         "status": "running",

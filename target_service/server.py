@@ -84,14 +84,15 @@ class TargetServicer(ModelService, pb_grpc.TargetServicer):
         )
 
     def check_target_model(self, request: pb.VerifyRequest) -> None:
-        """Refuse a call for another target model than this one (the coordinator's, sent as
-        target_model, target_fingerprint and target_weights; empty: not checked)."""
+        """Refuse a call for another target model than this one (the session's, as the
+        coordinator sends it: target_model, target_fingerprint and target_weights; empty: not
+        checked)."""
         info = self.info
         wanted = (request.target_model, request.target_fingerprint, request.target_weights or info.weights_fingerprint)
         if request.target_model and wanted != (info.model, info.vocab_fingerprint, info.weights_fingerprint):
             raise FailedPrecondition(
                 f"this target serves {describe_model(info.model, info.vocab_fingerprint, info.weights_fingerprint)}, "
-                f"not {describe_model(*wanted)}, the coordinator's model"
+                f"not {describe_model(*wanted)}, the model the coordinator runs this session on"
             )
 
     def check_draft_vocabulary(self, request: pb.VerifyRequest) -> None:

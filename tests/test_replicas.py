@@ -168,8 +168,62 @@ def test_target_replicas_are_checked_against_the_adopted_model_and_one_serving_a
     assert back == "127.0.0.1:7003", "a refused replica serving the adopted model again is taken back"
     assert checked == chosen == {"127.0.0.1:7001", "127.0.0.1:7002"} and usable == 2
     assert refused == {"127.0.0.1:7003": "127.0.0.1:7003 serves smol-v2 (vocabulary v1)"}
-    assert "differs from what this coordinator started with, smol (vocabulary v1)" in message
+    assert "differs from what this coordinator serves, smol (vocabulary v1)" in message
     assert "smol-v2" in message and "restart the coordinator" in message
+
+
+def test_once_every_target_replica_serves_one_other_model_of_the_same_vocabulary_it_is_adopted_and_not_before():
+    """follow_rollout (the coordinator's targets): a replica serving other weights is refused
+    while any replica serves the adopted model; once the replicas left all serve one other
+    model of the adopted vocabulary, it is adopted and they are picked. Replicas serving two
+    different new models, or a model of another vocabulary, are not adopted: pick stays
+    Unavailable, saying to restart the coordinator."""
+    from coordinator.replicas import target_identity
+
+    def info(model, vocabulary, weights):
+        return pb.ModelInfoResponse(model=model, vocab_fingerprint=vocabulary, weights_fingerprint=weights, vocab_size=9)
+
+    old, tuned = info("smol", "v1", "w1"), info("smol", "v1", "w2")
+    infos = {"127.0.0.1:7001": old, "127.0.0.1:7002": tuned, "127.0.0.1:7003": tuned,
+             "127.0.0.1:7004": info("smol", "v1", "w3"), "127.0.0.1:7005": info("smol", "v1", "w5"),
+             "127.0.0.1:7006": info("big", "v2", "w4")}  # fmt: skip
+
+    async def settled(replicas, endpoints):
+        replicas.update(endpoints)
+        for replica in replicas.replicas.values():
+            async def model_info(request, timeout=None, endpoint=replica.endpoint):
+                return infos[endpoint]
+            replica.stub = SimpleNamespace(ModelInfo=model_info)
+        await replicas.settle()
+        replicas.follow()  # as the end of update() and every refused check do
+        return replicas
+
+    async def run():
+        replicas = Replicas(ReplicaAddress(endpoints=tuple(infos)), pb_grpc.TargetStub, identity=target_identity,
+                            refresh_s=0.05, follow_rollout=True)  # fmt: skip
+        await settled(replicas, ["127.0.0.1:7001", "127.0.0.1:7002"])
+        replicas.adopt(replicas.replicas["127.0.0.1:7001"], old)
+        await replicas.settle()
+        during = (replicas.adopted.weights_fingerprint, replicas.refused_count(), replicas.pick("s").endpoint)
+        await settled(replicas, ["127.0.0.1:7002", "127.0.0.1:7003"])  # the old replica is gone
+        after = (replicas.adopted.weights_fingerprint, replicas.refused_count(),
+                 set(picks(replicas, [f"s{i}" for i in range(50)]).values()))  # fmt: skip
+        messages = []
+        for endpoints in (["127.0.0.1:7004", "127.0.0.1:7005"], ["127.0.0.1:7006"]):
+            await settled(replicas, endpoints)
+            with pytest.raises(Unavailable) as refused:
+                replicas.pick("s")
+            messages.append((replicas.adopted.weights_fingerprint, str(refused.value)))
+        await replicas.close()
+        return during, after, messages
+
+    during, after, messages = asyncio.run(run())
+    assert during == ("w1", 1, "127.0.0.1:7001"), "refused while a replica serves the adopted model"
+    assert after == ("w2", 0, {"127.0.0.1:7002", "127.0.0.1:7003"}), "the rollout's model adopted"
+    (mixed_adopted, mixed), (other_adopted, other) = messages
+    assert mixed_adopted == other_adopted == "w2"
+    assert "smol (vocabulary v1, weights w3)" in mixed and "restart the coordinator" in mixed
+    assert "big (vocabulary v2, weights w4)" in other and "restart the coordinator" in other
 
 
 def test_with_several_target_replicas_an_unavailable_verify_is_retried_until_the_deadline_not_given_up():
@@ -496,3 +550,43 @@ def test_a_target_replica_restarted_with_other_weights_at_its_model_path_refuses
     assert by_service(two_of_each.metrics, "specdec:replicas_refused", "target") == 1
     assert by_service(two_of_each.metrics, "specdec:replicas_usable", "target") == 1
     assert forward_passes(metrics_ports[second]) == 0
+
+
+def test_once_the_last_target_replica_serves_the_fine_tune_too_the_coordinator_adopts_it_and_older_sessions_cannot_resume(
+    two_of_each, tiny_models
+):
+    """The rollout ends: the other target replica restarts with the fine-tune at its model path
+    too. With no replica left serving the coordinator's weights, and both serving one other
+    model of its vocabulary, the coordinator adopts that model (no restart): requests that
+    began on the old weights end FAILED_PRECONDITION (or wait while the replica restarts), the
+    next ones run on both replicas, the stack reports the fine-tune's weights, and a session
+    made before the rollout cannot be resumed on the new weights."""
+    stack, address, metrics_ports = two_of_each.stack, two_of_each.address, two_of_each.targets
+    tuned = internal_stub(stack, "second-target").ModelInfo(pb.ModelInfoRequest(), timeout=10).weights_fingerprint
+    options = dict(prompt_token_ids=tiny_models.tokenizer.encode(PROMPT), max_new_tokens=24, **OPTIONS)
+    with specdec.Client(address) as client:
+        client.generate(session_id="before-rollout", **options)  # on the first replica's old weights
+    stack.restart("target")  # its model path, the link, holds the fine-tune since the test before
+    stack.wait_ready(("target",))
+    failures = []
+    deadline = time.monotonic() + 30
+    with specdec.Client(address, retries=0) as client:
+        while True:  # until the coordinator has found both replicas on the fine-tune
+            try:
+                client.generate(session_id=f"rolled-out-{len(failures)}", **options)
+                break
+            except specdec.SpecdecClientError as exc:
+                failures.append(exc.code)
+                assert time.monotonic() < deadline, failures
+                time.sleep(0.2)
+        assert set(failures) <= {grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.UNAVAILABLE}, failures
+        assert client.info().target.weights_fingerprint == tuned
+        before = {t: forward_passes(p) for t, p in metrics_ports.items()}
+        for i in range(8):
+            assert len(client.generate(session_id=f"after-rollout-{i}", **options).token_ids) == 24
+        ran = {t for t, p in metrics_ports.items() if forward_passes(p) > before[t]}
+        with pytest.raises(specdec.SpecdecClientError) as refused:
+            client.resume("before-rollout")
+    assert ran == set(metrics_ports), "sessions spread over both replicas again"
+    assert by_service(two_of_each.metrics, "specdec:replicas_refused", "target") == 0
+    assert refused.value.code == grpc.StatusCode.FAILED_PRECONDITION and f"weights {tuned[:12]}" in refused.value.message
