@@ -447,9 +447,10 @@ def weights_fingerprint(model: torch.nn.Module) -> str:
     """sha256 over the model's state dict: each tensor's name, dtype and shape, and its values
     (at most FINGERPRINT_SAMPLE of them, evenly spaced: all of every tensor of SmolLM2's layers,
     1 in 27 of its embedding's). Equal fingerprints mean the same weights in the same dtype,
-    so the same distribution; a fine-tune, another checkpoint or dtype changes it. Reading a
-    sample keeps it under a second for a model of tens of GB (a change confined to values
-    between the sampled ones, such as one retrained embedding row, can go unseen)."""
+    so the same distribution; a fine-tune, another checkpoint or dtype changes it. Reading at
+    most FINGERPRINT_SAMPLE values a tensor keeps it to about a second for a 70B model, which
+    hashed whole would take minutes (a change confined to values between the sampled ones,
+    such as one retrained embedding row, can go unseen)."""
     digest = hashlib.sha256()
     for name, tensor in model.state_dict().items():
         digest.update(f"{name}:{str(tensor.dtype).removeprefix('torch.')}:{list(tensor.shape)};".encode())

@@ -451,7 +451,8 @@ def test_resuming_with_a_target_of_other_weights_is_refused_and_leaves_the_run_a
     with torch.no_grad():
         model.model.layers[1].self_attn.q_proj.weight[0, 0] += 1e-3
     tuned = save_model(model, tokenizer, tmp_path / "tuned")
-    argv = ["--target", str(tuned), "--out", str(copied), "--prompts", tiny[2], "--minutes", "0.01", "--resume", *DISTILL_FLAGS]
+    argv = ["--target", str(tuned), "--out", str(copied), "--prompts", tiny[2], "--minutes", "0.01", "--resume",
+            *DISTILL_FLAGS]  # fmt: skip
     assert run_distill(parse(argv)) == 1
     err = capsys.readouterr().err
     assert "sampled from another target" in err and f"{tiny[1]} (vocabulary" in err and f"{tuned} (vocabulary" in err

@@ -530,7 +530,8 @@ def test_a_target_replica_restarted_with_other_weights_at_its_model_path_refuses
 
     stack, address, metrics_ports = two_of_each.stack, two_of_each.address, two_of_each.targets
     assert stack.processes["second-target"].poll() is not None, "the test before kills this replica"
-    tuned = make_tiny_model_dir(tiny_models.tokenizer, tmp_path / "tuned", hidden_size=64, num_layers=2, seed=1, noise=0.01)
+    tuned = make_tiny_model_dir(tiny_models.tokenizer, tmp_path / "tuned", hidden_size=64, num_layers=2, seed=1,
+                                noise=0.01)  # fmt: skip
     moved = tmp_path / "link"
     moved.symlink_to(tuned)
     moved.replace(two_of_each.target_link)  # the rollout: the model path now holds the fine-tune

@@ -233,7 +233,8 @@ def test_resume_refuses_what_it_cannot_serve_with_a_clear_status_and_leaves_the_
             store.hset(meta_key("kept"), "target_weights", "e" * 64)  # generated before a fine-tune rolled out
             with pytest.raises(specdec.SpecdecClientError) as info:
                 client.resume("kept")
-            assert info.value.code == grpc.StatusCode.FAILED_PRECONDITION and "weights eeeeeeeeeeee" in info.value.message
+            assert info.value.code == grpc.StatusCode.FAILED_PRECONDITION
+            assert "weights eeeeeeeeeeee" in info.value.message
             store.hdel(meta_key("kept"), "target_weights")  # a session stored before weights were recorded
             assert client.resume("kept").text == done.text
             store.hset(meta_key("kept"), "target_weights", weights)

@@ -501,7 +501,8 @@ def test_target_refuses_a_verify_for_another_target_model_and_leaves_the_session
     with pytest.raises(grpc.RpcError) as error:
         internal_stub(tiny_stack, "target").Verify(request, timeout=10)
     assert error.value.code() == grpc.StatusCode.FAILED_PRECONDITION
-    assert f"weights {info.weights_fingerprint[:12]}" in error.value.details() and "weights ffffffffffff" in error.value.details()
+    details = error.value.details()
+    assert f"weights {info.weights_fingerprint[:12]}" in details and "weights ffffffffffff" in details
     request.target_weights = info.weights_fingerprint
     assert internal_stub(tiny_stack, "target").Verify(request, timeout=10).next_token >= 0
     request.target_weights = ""  # a coordinator from before weights were sent
