@@ -14,7 +14,7 @@ from typing import NoReturn
 
 from specdec.ngram import DEFAULT_K, DEFAULT_MAX_NGRAM, DEFAULT_MIN_NGRAM, NGRAM_DRAFT
 from specdec.ranges import (
-    AT_LEAST_ONE, DEFAULT_DRAIN_S, DEFAULT_RETRIES, DRAIN_S, MAX_NEW_TOKENS, METRICS_PORT, PORT, RETRIES, SECONDS, SEED,
+    AT_LEAST_ONE, DEFAULT_DRAIN_S, DEFAULT_MAX_BATCH, DEFAULT_RETRIES, DRAIN_S, MAX_NEW_TOKENS, METRICS_PORT, PORT, RETRIES, SECONDS, SEED,
     REPLICA_REFRESH_S, SERVICE_PORT, TEMPERATURE, THREADS, TOP_K, TOP_P, UINT32, Range,
 )
 
@@ -268,6 +268,9 @@ def add_target_flags(p: argparse.ArgumentParser) -> None:
     env_flag(p, "--solo-threads", "SPECDEC_TARGET_SOLO_THREADS", default=0, type=Range(int, 0),
              help="torch threads for a Verify while the draft is idle (drafts in hand, or none), when a "
                   "draft shares the machine; --threads is for one while it drafts beside it (0 = --threads)")  # fmt: skip
+    env_flag(p, "--max-batch", "SPECDEC_TARGET_MAX_BATCH", default=DEFAULT_MAX_BATCH, type=AT_LEAST_ONE,
+             help="sessions one verify pass takes at most: Verify calls that wait while a pass runs share the "
+                  "next one, which reads the weights once for all of them (1 = one session a pass)")  # fmt: skip
 
 
 def add_coordinator_flags(p: argparse.ArgumentParser) -> None:
@@ -476,7 +479,8 @@ def run_serve(args) -> NoReturn:
         else:
             from target_service.server import TargetConfig, serve
 
-            config = TargetConfig(**shared, threads=args.threads, solo_threads=args.solo_threads)
+            config = TargetConfig(**shared, threads=args.threads, solo_threads=args.solo_threads,
+                                  max_batch=args.max_batch)  # fmt: skip
     asyncio.run(serve(config))
     exit_without_teardown(0)
 

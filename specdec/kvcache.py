@@ -477,6 +477,17 @@ def forward(model, cache: DynamicCache | None, tokens: Sequence[int], keep: int 
     return transformers_forward(model, cache, tokens, keep)
 
 
+@torch.inference_mode()
+def forward_batch(model, caches: Sequence[DynamicCache], token_lists: Sequence[Sequence[int]],
+                  keeps: Sequence[int]) -> list[torch.Tensor]:  # fmt: skip
+    """forward for several sessions: token_lists[i] after caches[i], the logits of its last
+    keeps[i] tokens each. On the plain path in one pass over all their rows
+    (plain_forward.plain_forward_batch); otherwise one forward per session."""
+    if len(caches) > 1 and getattr(model, plain_forward.ENABLED, False):
+        return plain_forward.plain_forward_batch(model, caches, token_lists, keeps)
+    return [forward(model, cache, tokens, keep) for cache, tokens, keep in zip(caches, token_lists, keeps)]
+
+
 def transformers_forward(model, cache: DynamicCache | None, tokens: Sequence[int], keep: int = 1) -> torch.Tensor:
     """forward through transformers' own LlamaForCausalLM.forward (or any causal LM's)."""
     device = model.device

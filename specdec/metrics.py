@@ -27,6 +27,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+BATCH_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 32, 64)
 REQUEST_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0)
 
 
@@ -120,6 +121,10 @@ class ModelServiceMetrics:
         self.cache_bytes = Gauge(
             "specdec:kv_cache_bytes", "Memory held by the sessions' KV caches.", ["service"], registry=r
         ).labels(service=service)
+        self.batch_size = Histogram(
+            "specdec:batch_size", "Sessions one forward pass served (the target batches Verify calls).",
+            ["service"], buckets=BATCH_BUCKETS, registry=r,
+        ).labels(service=service)  # fmt: skip
         self._evictions_seen = 0
 
     def observe_pool(self, pool) -> None:

@@ -12,8 +12,15 @@ linear layers, packed or not, MLP, output head) and writes out only the attentio
 them, so its logits are transformers' own, bit for bit: `check_plain_forward` compares the
 two at load and `load_model` uses this path only where they agree.
 
+`plain_forward_batch` feeds several sessions at once, each on its own cache: their rows go
+through every linear layer together (one multiply over all of them, where the weights are read
+once instead of once per session) and only the attention runs per session. Its logits agree
+with one session's pass to float rounding, not bit for bit: a multiply over more rows may sum
+in another order.
+
 Terms:
     T       tokens fed in this call; S = positions the cache covers after them (past + T)
+    N       rows of a batched call: the sessions' T one after another
     H, Hkv  query heads and key/value heads; G = H // Hkv queries share a key/value head
     D       head dimension
 """
@@ -60,17 +67,23 @@ def attend(attn, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) 
     return out.transpose(1, 2).reshape(1, t, heads * dim)  # [1, T, H·D]
 
 
-def decoder_layer(layer: LlamaDecoderLayer, cache_layer, hidden: torch.Tensor, rotary) -> torch.Tensor:
-    """One Llama decoder layer over hidden [1, T, hidden size], appending to cache_layer."""
+def decoder_layer(layer: LlamaDecoderLayer, cache_layers, hidden: torch.Tensor, rotary, lengths: Sequence[int]):
+    """One Llama decoder layer over hidden [1, N, hidden size], the rows of len(lengths)
+    sessions one after another (lengths: each one's T), appending to each one's cache layer."""
     attn = layer.self_attn
-    t = hidden.shape[1]
+    n = hidden.shape[1]
     normed = layer.input_layernorm(hidden)
-    query = attn.q_proj(normed).view(1, t, -1, attn.head_dim).transpose(1, 2)  # [1, H, T, D]
-    key = attn.k_proj(normed).view(1, t, -1, attn.head_dim).transpose(1, 2)  # [1, Hkv, T, D]
-    value = attn.v_proj(normed).view(1, t, -1, attn.head_dim).transpose(1, 2)  # [1, Hkv, T, D]
+    query = attn.q_proj(normed).view(1, n, -1, attn.head_dim).transpose(1, 2)  # [1, H, N, D]
+    key = attn.k_proj(normed).view(1, n, -1, attn.head_dim).transpose(1, 2)  # [1, Hkv, N, D]
+    value = attn.v_proj(normed).view(1, n, -1, attn.head_dim).transpose(1, 2)  # [1, Hkv, N, D]
     query, key = apply_rotary_pos_emb(query, key, *rotary)
-    keys, values = cache_layer.update(key, value)  # [1, Hkv, S, D]
-    hidden = hidden + attn.o_proj(attend(attn, query, keys, values))
+    attended, start = [], 0
+    for cache_layer, t in zip(cache_layers, lengths):
+        rows = slice(start, start + t)
+        keys, values = cache_layer.update(key[:, :, rows], value[:, :, rows])  # [1, Hkv, S, D]
+        attended.append(attend(attn, query[:, :, rows], keys, values))  # [1, T, H·D]
+        start += t
+    hidden = hidden + attn.o_proj(attended[0] if len(attended) == 1 else torch.cat(attended, dim=1))
     return hidden + layer.mlp(layer.post_attention_layernorm(hidden))
 
 
@@ -78,17 +91,29 @@ def plain_forward(model, cache, tokens: Sequence[int], keep: int = 1) -> torch.T
     """Feed `tokens` after what `cache` (a DynamicCache: one appending layer per decoder layer)
     covers; return the logits of the last `keep` of them [keep, V] (float32), as
     kvcache.forward does."""
+    return plain_forward_batch(model, [cache], [tokens], [keep])[0]
+
+
+def plain_forward_batch(model, caches: Sequence, token_lists: Sequence[Sequence[int]],
+                        keeps: Sequence[int]) -> list[torch.Tensor]:  # fmt: skip
+    """plain_forward for several sessions in one pass (module doc): feed token_lists[i] after
+    what caches[i] covers; return each one's logits of its last keeps[i] tokens [keep, V]."""
     inner = model.model
-    input_ids = torch.tensor([list(tokens)], dtype=torch.long, device=model.device)  # [1, T]
-    past = cache.get_seq_length()
-    hidden = inner.embed_tokens(input_ids)  # [1, T, hidden size]
-    positions = torch.arange(past, past + input_ids.shape[1], device=hidden.device)[None]  # [1, T]
-    rotary = inner.rotary_emb(hidden, positions)  # cos, sin [1, T, D]
-    for layer, cache_layer in zip(inner.layers, cache.layers):
-        hidden = decoder_layer(layer, cache_layer, hidden, rotary)
-    keep = min(keep, input_ids.shape[1])
-    hidden = inner.norm(hidden[:, -keep:])  # [1, keep, hidden size]
-    return model.lm_head(hidden)[0].float()  # [keep, V]
+    lengths = [len(tokens) for tokens in token_lists]
+    input_ids = torch.tensor([[t for tokens in token_lists for t in tokens]], dtype=torch.long,
+                             device=model.device)  # [1, N]  # fmt: skip
+    hidden = inner.embed_tokens(input_ids)  # [1, N, hidden size]
+    positions = torch.cat([torch.arange(cache.get_seq_length(), cache.get_seq_length() + t)
+                           for cache, t in zip(caches, lengths)]).to(hidden.device)[None]  # [1, N]  # fmt: skip
+    rotary = inner.rotary_emb(hidden, positions)  # cos, sin [1, N, D]
+    for i, layer in enumerate(inner.layers):
+        hidden = decoder_layer(layer, [cache.layers[i] for cache in caches], hidden, rotary, lengths)
+    ends = torch.tensor(lengths).cumsum(0).tolist()
+    keeps = [min(keep, t) for keep, t in zip(keeps, lengths)]
+    rows = [row for end, keep in zip(ends, keeps) for row in range(end - keep, end)]
+    kept = hidden[:, -keeps[0]:] if len(lengths) == 1 else hidden[:, rows]  # [1, Σkeep, hidden size]
+    logits = model.lm_head(inner.norm(kept))[0].float()  # [Σkeep, V]
+    return list(logits.split(keeps))
 
 
 # What check_plain_forward feeds both paths: a prompt, one decode step, a verify pass over

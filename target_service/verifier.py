@@ -4,6 +4,11 @@ One forward pass over pending + drafts gives the target's logits at every
 position; the last K+1 rows, warped exactly as the draft warped q, are p for the
 K drafts and for the bonus position. `rejection_sample` decides; the KV cache is
 cropped back to the accepted prefix so it never covers a rejected draft.
+
+`verify_batch` verifies the cycles of several sessions with one forward pass over all of
+their rows (kvcache.forward_batch), then judges each on its own: its own drafts, sampling
+and generator, so a session's verdict does not depend on which others shared its pass
+(beyond float rounding in the logits).
 """
 
 from __future__ import annotations
@@ -15,7 +20,7 @@ from dataclasses import dataclass, field
 import torch
 
 from specdec.errors import OutOfRange
-from specdec.kvcache import SessionState, forward
+from specdec.kvcache import SessionState, forward, forward_batch
 from specdec.ngram import find_continuation
 from specdec.sampling import greedy_token, greedy_verdict, rejection_sample, sample
 from specdec.draft_wire import Draft, stack_draft_probs
@@ -26,6 +31,25 @@ def use_threads(threads: int) -> None:
     """Set torch's thread count for the next forward (a no-op when 0 or already set)."""
     if threads and torch.get_num_threads() != threads:
         torch.set_num_threads(threads)
+
+
+@dataclass
+class Job:
+    """One Verify call's work: a session's cycle (see Verifier.verify)."""
+
+    state: SessionState
+    drafts: Sequence[Draft]
+    sampling: Sampling
+    generator: torch.Generator
+    steps: int = 1
+    draft_busy: bool = False
+    stop_at_ngram: tuple[int, int] | None = None
+
+    @property
+    def batchable(self) -> bool:
+        """One forward pass is all it needs (no plain decoding after it, which would hold up
+        the sessions sharing its pass)."""
+        return bool(self.drafts) or self.steps <= 1
 
 
 @dataclass
@@ -55,17 +79,48 @@ class Verifier:
         one generator for the whole call), stopping after an end token, and after a token at
         which the context has an n-gram match of `stop_at_ngram` = (min, max) tokens. `draft_busy`:
         the draft keeps drafting during this call (pipelining), so leave it its core."""
-        k = len(drafts)
-        steps = 1 if k else max(steps, 1)
-        use_threads(self.threads if draft_busy else self.solo_threads)
-        fed = state.pending + [d.token for d in drafts]
-        positions = len(state.held) + len(fed) + steps - 1
+        verdict = self.verify_batch([Job(state, drafts, sampling, generator, steps, draft_busy, stop_at_ngram)])[0]
+        if isinstance(verdict, Exception):
+            raise verdict
+        return verdict
+
+    def verify_batch(self, jobs: Sequence[Job]) -> list[Verdict | Exception]:
+        """Verify each job's cycle, all in one forward pass (module doc); a job that cannot run
+        (past the context) gets its exception in its place and the others go on. Threads: the
+        fewer, `threads`, while any job's draft drafts beside it."""
+        use_threads(self.threads if any(job.draft_busy for job in jobs) else self.solo_threads)
+        results: list[Verdict | Exception | None] = [None] * len(jobs)
+        fed: dict[int, list[int]] = {}
+        for i, job in enumerate(jobs):
+            try:
+                fed[i] = self.fed(job)
+            except OutOfRange as exc:
+                results[i] = exc
+        start = time.perf_counter()
+        ready = list(fed)
+        logits = forward_batch(self.model, [jobs[i].state.cache for i in ready], [fed[i] for i in ready],
+                               [len(jobs[i].drafts) + 1 for i in ready])  # each [K+1, V]  # fmt: skip
+        forward_ms = (time.perf_counter() - start) * 1000
+        for i, rows in zip(ready, logits):
+            results[i] = self.judge(jobs[i], fed[i], rows, forward_ms)
+        return results
+
+    def fed(self, job: Job) -> list[int]:
+        """What the job's forward feeds: the session's pending tokens, then its drafts;
+        OutOfRange when that, and any plain steps after it, would pass the context."""
+        state = job.state
+        fed = state.pending + [d.token for d in job.drafts]
+        positions = len(state.held) + len(fed) + (1 if job.drafts else max(job.steps, 1)) - 1
         if self.loaded.max_context and positions > self.loaded.max_context:
             raise OutOfRange(f"{positions} positions exceed the target's context of {self.loaded.max_context}")
-        start = time.perf_counter()
-        logits = forward(self.model, state.cache, fed, keep=k + 1)  # [K+1, V]
-        forward_done = time.perf_counter()
+        return fed
 
+    def judge(self, job: Job, fed: list[int], logits: torch.Tensor, forward_ms: float) -> Verdict:
+        """The verdict on a job's drafts from the target's logits at its last K + 1 fed
+        positions [K+1, V]; the session brought to the accepted prefix; then its plain steps."""
+        state, drafts, sampling, generator = job.state, job.drafts, job.sampling, job.generator
+        k = len(drafts)
+        forward_done = time.perf_counter()
         draft_tokens = torch.tensor([d.token for d in drafts], dtype=torch.long)  # [K]
         draft_probs = stack_draft_probs(drafts)  # [K, V] or None (one-hot)
         if sampling.greedy:  # the same verdict, certain, read off the logits
@@ -81,13 +136,14 @@ class Verifier:
         state.crop(accepted_length)
         state.pending = [next_token]
         accepted_at = time.perf_counter()
-        more_tokens = self.decode_more(state, steps - 1, sampling, generator, stop_at_ngram)
+        steps = 1 if k else max(job.steps, 1)
+        more_tokens = self.decode_more(state, steps - 1, sampling, generator, job.stop_at_ngram)
         done = time.perf_counter()
         return Verdict(
             num_accepted=num_accepted,
             next_token=next_token,
             bonus=num_accepted == k,
-            forward_ms=(forward_done - start + done - accepted_at) * 1000,  # the plain steps are forwards too
+            forward_ms=forward_ms + (done - accepted_at) * 1000,  # the plain steps are forwards too
             accept_ms=(accepted_at - forward_done) * 1000,
             more_tokens=more_tokens,
         )

@@ -72,6 +72,42 @@ def test_the_plain_forward_matches_in_bfloat16():
     assert_same_logits_on_every_call(tiny_llama(6, 2, dtype=torch.bfloat16))
 
 
+@pytest.mark.parametrize("packed", [False, True], ids=["stock", "packed"])
+def test_a_batched_pass_gives_each_session_its_own_logits_and_cache_as_separate_passes_do(packed):
+    """Three sessions with caches of 300, 7 and 52 positions fed 4, 1 and 3 tokens in one
+    pass (a verify, a step, a verify), then 2, 5 and 1 more: each one's logits equal those of
+    its own passes to float rounding, with the same argmax, and its cache holds the same keys
+    and values, so the next pass on it matches too."""
+    if packed and not packing_available():
+        pytest.skip("this torch build has no oneDNN")
+    model = tiny_llama(6, 2)
+    restrict_output_vocab(model, torch.arange(0, VOCAB, 3))  # an output-vocabulary head: its rows pick kept rows
+    if packed:
+        assert pack_linears(model) > 0
+    generator = torch.Generator().manual_seed(3)
+    tokens = lambda n: torch.randint(0, VOCAB, (n,), generator=generator).tolist()  # noqa: E731
+    batched, alone = [new_cache(model.config) for _ in range(3)], [new_cache(model.config) for _ in range(3)]
+    with torch.inference_mode():
+        for n, ours, theirs in zip((300, 7, 52), batched, alone):
+            prompt = tokens(n)
+            plain_forward(model, ours, prompt)
+            plain_forward(model, theirs, prompt)
+        for fed in ([tokens(4), tokens(1), tokens(3)], [tokens(2), tokens(5), tokens(1)]):
+            keeps = [len(f) for f in fed]
+            together = plain_module.plain_forward_batch(model, batched, fed, keeps)
+            for i, (ours, theirs, f) in enumerate(zip(together, alone, fed)):
+                separate = plain_forward(model, theirs, f, keep=len(f))  # [T, V]
+                assert ours.shape == separate.shape == (len(f), VOCAB)
+                torch.testing.assert_close(ours, separate, rtol=1e-5, atol=1e-5)
+                assert torch.equal(ours.argmax(-1), separate.argmax(-1)), f"session {i}"
+        for ours, theirs in zip(batched, alone):
+            assert ours.get_seq_length() == theirs.get_seq_length()
+            for a, b in zip(ours.layers, theirs.layers):
+                torch.testing.assert_close(a.keys, b.keys, rtol=1e-5, atol=1e-5)
+                torch.testing.assert_close(a.values, b.values, rtol=1e-5, atol=1e-5)
+    assert [c.get_seq_length() for c in batched] == [306, 13, 56]
+
+
 def test_the_check_refuses_a_plain_forward_that_differs_by_one_part_in_a_million(monkeypatch):
     model = tiny_llama(6, 2)
     assert check_plain_forward(model)

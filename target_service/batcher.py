@@ -1,0 +1,84 @@
+"""Verify calls of several sessions batched into one forward pass.
+
+The target's model runs on one worker thread (serving.ModelWorker), one call at a time. A
+Verify that finds the worker idle starts at once, alone: batching adds no wait. Verify calls
+that arrive while a pass runs queue up, and the next pass takes the first of them and every
+other one waiting that can share it (Job.batchable), up to max_batch: one forward over all
+their rows (Verifier.verify_batch), which reads the weights once where separate passes read
+them once each. A call that decodes plain steps after its pass runs alone, so that its steps
+do not hold up the others.
+
+Terms:
+    batch   the jobs of one pass: at most max_batch sessions, in their order of arrival.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Sequence
+
+from specdec.ranges import DEFAULT_MAX_BATCH
+from specdec.serving import ModelWorker
+from target_service.verifier import Job, Verdict
+
+Waiting = tuple[Job, asyncio.Future]
+
+
+class VerifyBatcher:
+    def __init__(self, worker: ModelWorker, run_batch: Callable[[Sequence[Job]], list[Verdict | Exception]],
+                 max_batch: int = DEFAULT_MAX_BATCH, observe: Callable[[int], None] = lambda size: None):  # fmt: skip
+        self.worker = worker
+        self.run_batch = run_batch
+        self.max_batch = max_batch
+        self.observe = observe  # called with each pass's batch size (a metric)
+        self.queue: list[Waiting] = []
+        self.draining: asyncio.Task | None = None
+
+    async def verify(self, job: Job) -> Verdict:
+        """The job's verdict, from the next pass that takes it. Cancelled while queued, the job
+        leaves the queue untouched; cancelled while its pass runs, it waits for the pass (which
+        changes its session) before the cancellation goes on, as ModelWorker.run does."""
+        waiting = (job, asyncio.get_running_loop().create_future())
+        self.queue.append(waiting)
+        if self.draining is None:
+            self.draining = asyncio.get_running_loop().create_task(self.drain())
+        try:
+            return await asyncio.shield(waiting[1])
+        except asyncio.CancelledError:
+            if waiting in self.queue:
+                self.queue.remove(waiting)
+            elif not waiting[1].done():
+                await asyncio.wait([waiting[1]])
+            raise
+
+    async def drain(self) -> None:
+        """Run passes until no job waits."""
+        batch: list[Waiting] = []
+        try:
+            while self.queue:
+                batch = self.next_batch()
+                self.observe(len(batch))
+                try:
+                    results = await self.worker.run(self.run_batch, [job for job, _ in batch])
+                except Exception as exc:  # the pass itself failed: every job in it did
+                    results = [exc] * len(batch)
+                for (_, future), result in zip(batch, results):
+                    if isinstance(result, Exception):
+                        future.set_exception(result)
+                    else:
+                        future.set_result(result)
+                batch = []
+        finally:  # cancelled (the service stopping): nobody waits for ever
+            for _, future in batch + self.queue:
+                if not future.done():
+                    future.cancel()
+            self.draining = None
+
+    def next_batch(self) -> list[Waiting]:
+        """The first job waiting and, if it can share a pass, the others that can (module doc)."""
+        first = self.queue.pop(0)
+        if not first[0].batchable:
+            return [first]
+        batch = [first] + [waiting for waiting in self.queue if waiting[0].batchable][: self.max_batch - 1]
+        self.queue = [waiting for waiting in self.queue if waiting not in batch]
+        return batch

@@ -1,0 +1,228 @@
+"""The target verifies the cycles of several sessions in one forward pass (target_service.batcher,
+Verifier.verify_batch): Verify calls that wait while a pass runs share the next one, each
+session gets the verdict it would have had alone, and through the services the tokens are
+those of one request at a time."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import specdec
+from conftest import scrape, start_stack
+from specdec.draft_wire import Draft
+from specdec.errors import OutOfRange
+from specdec.kvcache import SessionState, new_cache
+from specdec.models import LoadedModel, build_tiny_model, build_tiny_tokenizer
+from specdec.plain_forward import enable_plain_forward
+from specdec.redis_server import free_port
+from specdec.serving import ModelWorker
+from specdec.wire import Sampling
+from target_service.batcher import VerifyBatcher
+from target_service.verifier import Job, Verifier
+
+
+# ---------------------------------------------------------------- the batcher alone
+
+
+class Passes:
+    """A run_batch that records each pass's jobs and holds each pass until released."""
+
+    def __init__(self):
+        self.batches: list[list[str]] = []
+        self.gate = threading.Semaphore(0)
+
+    def __call__(self, jobs):
+        self.gate.acquire(timeout=5)
+        self.batches.append([job.name for job in jobs])
+        return [ValueError(job.name) if job.name.startswith("bad") else f"verdict {job.name}" for job in jobs]
+
+
+def job(name: str, batchable: bool = True):
+    return SimpleNamespace(name=name, batchable=batchable)
+
+
+def test_calls_that_wait_while_a_pass_runs_share_the_next_one_in_order_up_to_max_batch():
+    """The first call runs alone at once; the six that arrive during its pass share the next
+    passes, three at most each (max_batch), in their order of arrival; one that decodes plain
+    steps (not batchable) runs alone in its turn; each call gets its own verdict, and a job's
+    own error reaches only that job."""
+    passes = Passes()
+
+    async def run():
+        worker = ModelWorker("test-target")
+        sizes = []
+        batcher = VerifyBatcher(worker, passes, max_batch=3, observe=sizes.append)
+        first = asyncio.create_task(batcher.verify(job("a")))
+        await asyncio.sleep(0.05)  # the first pass has started, and waits on the gate
+        names = ["b", "c", "steps", "bad-d", "e", "f"]
+        rest = [asyncio.create_task(batcher.verify(job(n, batchable=n != "steps"))) for n in names]
+        await asyncio.sleep(0.05)
+        for _ in range(5):
+            passes.gate.release()
+        results = await asyncio.gather(first, *rest, return_exceptions=True)
+        worker.shutdown()
+        return results, sizes
+
+    results, sizes = asyncio.run(run())
+    assert passes.batches == [["a"], ["b", "c", "bad-d"], ["steps"], ["e", "f"]]
+    assert sizes == [1, 3, 1, 2]
+    assert results[:4] == ["verdict a", "verdict b", "verdict c", "verdict steps"]
+    assert isinstance(results[4], ValueError) and results[5:] == ["verdict e", "verdict f"]
+
+
+def test_a_call_cancelled_while_queued_leaves_the_queue_and_one_cancelled_in_its_pass_waits_for_it():
+    """Cancelled before its pass, a call is taken out (its session untouched: no pass sees
+    it); cancelled during its pass, it returns only once the pass is over (the pass changes
+    its session, which the caller holds until then)."""
+    passes = Passes()
+
+    async def run():
+        worker = ModelWorker("test-target")
+        batcher = VerifyBatcher(worker, passes, max_batch=8)
+        running = asyncio.create_task(batcher.verify(job("running")))
+        await asyncio.sleep(0.05)
+        queued = asyncio.create_task(batcher.verify(job("queued")))
+        kept = asyncio.create_task(batcher.verify(job("kept")))
+        await asyncio.sleep(0.05)
+        queued.cancel()
+        running.cancel()
+        await asyncio.sleep(0.05)
+        cancelled_before_pass_ended = running.done()
+        passes.gate.release()
+        passes.gate.release()
+        outcome = await asyncio.gather(running, queued, kept, return_exceptions=True)
+        worker.shutdown()
+        return cancelled_before_pass_ended, outcome
+
+    cancelled_before_pass_ended, (running, queued, kept) = asyncio.run(run())
+    assert not cancelled_before_pass_ended, "a call in a running pass waits for the pass"
+    assert isinstance(running, asyncio.CancelledError) and isinstance(queued, asyncio.CancelledError)
+    assert kept == "verdict kept"
+    assert passes.batches == [["running"], ["kept"]]
+
+
+# ---------------------------------------------------------------- real verification
+
+
+@pytest.fixture(scope="module")
+def verifier():
+    tokenizer = build_tiny_tokenizer()
+    model = build_tiny_model(tokenizer, hidden_size=64, num_layers=2, seed=1).eval()
+    assert enable_plain_forward(model)
+    loaded = LoadedModel(model=model, tokenizer=tokenizer, name="tiny", path="", vocab_fingerprint="",
+                         weights_fingerprint="", vocab_size=model.config.vocab_size, max_context=0)  # fmt: skip
+    return Verifier(loaded)
+
+
+def greedy_continuation(model, tokens: list[int], n: int) -> list[int]:
+    with torch.inference_mode():
+        for _ in range(n):
+            tokens = tokens + [int(model(torch.tensor([tokens])).logits[0, -1].argmax())]
+    return tokens[-n:] if n else []
+
+
+def peaked(token: int, vocab: int) -> torch.Tensor:
+    q = torch.full((vocab,), 0.1 / (vocab - 1))  # [V]
+    q[token] = 0.9
+    return q
+
+
+def sessions_and_jobs(verifier, temperature: float):
+    """Four sessions (contexts of 5 to 40 tokens) with 3, 0, 1 and 2 drafts, the first and
+    third the target's own greedy tokens, the last random (so verdicts both accept and
+    reject); where sampled, q puts 0.9 on its token and spreads the rest."""
+    vocab = verifier.loaded.vocab_size
+    generator = torch.Generator().manual_seed(11)
+    jobs = []
+    for i, (context, k) in enumerate(((5, 3), (40, 0), (17, 1), (9, 2))):
+        tokens = torch.randint(4, vocab, (context + k,), generator=generator).tolist()
+        if i in (0, 2):
+            tokens[context:] = greedy_continuation(verifier.model, tokens[:context], k)
+        state = SessionState(f"s{i}", held=[], pending=tokens[:context], cache=new_cache(verifier.model.config))
+        drafts = [Draft(t, None if temperature == 0 else peaked(t, vocab)) for t in tokens[context:]]
+        sampling = Sampling(temperature, 0, 1.0, seed=i)
+        jobs.append(Job(state, drafts, sampling, torch.Generator().manual_seed(100 + i)))
+    return jobs
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0], ids=["greedy", "sampled"])
+def test_one_pass_over_several_sessions_gives_each_the_verdict_and_state_of_its_own_pass(verifier, temperature):
+    """The same four cycles verified one at a time and in one pass, twice over (a prefill,
+    then a cycle on the cached context): the same verdicts (accepted count, next token, bonus)
+    and the same session tokens afterwards."""
+    alone, together = sessions_and_jobs(verifier, temperature), sessions_and_jobs(verifier, temperature)
+    accepted, rejected = 0, 0
+    with torch.inference_mode():
+        for _ in range(2):
+            separate = [verifier.verify(j.state, j.drafts, j.sampling, j.generator) for j in alone]
+            batched = verifier.verify_batch(together)
+            accepted += sum(v.num_accepted for v in separate)
+            rejected += sum(not v.bonus for v in separate)
+            assert [(v.num_accepted, v.next_token, v.bonus) for v in batched] == [
+                (v.num_accepted, v.next_token, v.bonus) for v in separate
+            ]
+            for a, b in zip(alone, together):
+                assert (a.state.held, a.state.pending) == (b.state.held, b.state.pending)
+                assert a.state.cache.get_seq_length() == b.state.cache.get_seq_length() == len(a.state.held)
+                b.drafts, a.drafts = list(a.drafts[:1]), list(a.drafts[:1])  # the next cycle: one draft each
+    assert accepted > 0 and rejected > 0
+
+
+def test_a_session_past_the_context_gets_its_error_and_the_others_in_its_pass_their_verdicts(verifier):
+    jobs = sessions_and_jobs(verifier, 0.0)
+    verifier.loaded.max_context = 20
+    try:
+        with torch.inference_mode():
+            results = verifier.verify_batch(jobs)
+    finally:
+        verifier.loaded.max_context = 0
+    assert isinstance(results[1], OutOfRange) and "exceed the target's context of 20" in str(results[1])
+    assert [type(r).__name__ for r in results] == ["Verdict", "OutOfRange", "Verdict", "Verdict"]
+    assert jobs[1].state.held == [] and jobs[1].state.cache.get_seq_length() == 0, "the refused session is untouched"
+
+
+# ---------------------------------------------------------------- through the services
+
+
+def test_concurrent_requests_share_verify_passes_and_get_the_tokens_of_one_request_at_a_time(redis_url, tiny_models):
+    """Eight greedy requests on different prompts at once through a stack whose target serves
+    /metrics: every one gets the tokens it gets alone, and the target's passes served more
+    sessions than there were passes."""
+    port = free_port()
+    stack = start_stack(redis_url, tiny_models.target, tiny_models.draft, target_args=["--metrics-port", str(port)])
+    try:
+        prompts = [tiny_models.tokenizer.encode(f"{word} world, {word}!") for word in
+                   ("hello", "small", "brave", "quiet", "green", "round", "plain", "swift")]  # fmt: skip
+        options = dict(max_new_tokens=40, ignore_eos=True, num_speculative_tokens=3)
+        with specdec.Client(stack.address) as client:
+            alone = [client.generate(prompt_token_ids=p, **options).token_ids for p in prompts]
+        before = batch_metrics(port)
+
+        async def at_once():
+            async with specdec.AsyncClient(stack.address) as aclient:
+                replies = await asyncio.gather(*[aclient.generate(prompt_token_ids=p, **options) for p in prompts])
+                return [r.token_ids for r in replies]
+
+        started = time.perf_counter()
+        together = asyncio.run(at_once())
+        elapsed = time.perf_counter() - started
+        after = batch_metrics(port)
+    finally:
+        stack.stop()
+    assert together == alone
+    passes, sessions = after[0] - before[0], after[1] - before[1]
+    print(f"\n8 requests at once: {passes:.0f} verify passes for {sessions:.0f} session cycles, {elapsed:.2f} s")
+    assert sessions > passes, "some passes should have served several sessions"
+
+
+def batch_metrics(port: int) -> tuple[float, float]:
+    """(passes, sessions served) so far, from the target's specdec:batch_size histogram."""
+    samples = scrape(port)
+    return (samples[("specdec:batch_size_count", (("service", "target"),))],
+            samples[("specdec:batch_size_sum", (("service", "target"),))])  # fmt: skip
