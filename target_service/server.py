@@ -79,6 +79,7 @@ class TargetServicer(ModelService, pb_grpc.TargetServicer):
         span.set_attribute("specdec.forward_ms", verdict.forward_ms)
         span.set_attribute("specdec.accept_ms", verdict.accept_ms)
         span.set_attribute("specdec.accepted", verdict.num_accepted)
+        span.set_attribute("specdec.batch", verdict.batch)
         return pb.VerifyResponse(
             num_accepted=verdict.num_accepted,
             next_token=verdict.next_token,

@@ -60,6 +60,7 @@ class Verdict:
     forward_ms: float
     accept_ms: float
     more_tokens: list[int] = field(default_factory=list)  # decoded after next_token (steps > 1)
+    batch: int = 1  # sessions whose cycles the forward pass verified (verify_batch)
 
 
 class Verifier:
@@ -103,6 +104,7 @@ class Verifier:
         forward_ms = (time.perf_counter() - start) * 1000
         for i, rows in zip(ready, logits):
             results[i] = self.judge(jobs[i], fed[i], rows, forward_ms)
+            results[i].batch = len(ready)
         return results
 
     def fed(self, job: Job) -> list[int]:

@@ -165,6 +165,9 @@ def test_one_generate_is_one_trace_across_client_coordinator_draft_and_target(tr
     assert sum(len(p.events) for p in proposes) == stats["draft_tokens"], "one event per streamed draft token"
     verifies = [s for _, s in spans if s.name == telemetry.VERIFY_SPAN]
     assert all(attr(v, "specdec.forward_ms") > 0 for v in verifies)
+    # The target's own span of each Verify says how many sessions its pass verified: one request, one.
+    served = [s for svc, s in server_spans if svc == "specdec-target" and "Verify" in s.name]
+    assert served and all(attr(s, "specdec.batch") == 1 for s in served)
     # Redis commands (session create and the fenced commits) are spans of the coordinator.
     redis_spans = [s for svc, s in spans if svc == "specdec-coordinator" and attr(s, "db.system") == "redis"]
     assert len(redis_spans) >= stats["cycles"]
