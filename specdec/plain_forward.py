@@ -27,6 +27,7 @@ Terms:
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 from collections.abc import Sequence
@@ -77,13 +78,18 @@ def decoder_layer(layer: LlamaDecoderLayer, cache_layers, hidden: torch.Tensor, 
     key = attn.k_proj(normed).view(1, n, -1, attn.head_dim).transpose(1, 2)  # [1, Hkv, N, D]
     value = attn.v_proj(normed).view(1, n, -1, attn.head_dim).transpose(1, 2)  # [1, Hkv, N, D]
     query, key = apply_rotary_pos_emb(query, key, *rotary)
-    attended, start = [], 0
-    for cache_layer, t in zip(cache_layers, lengths):
-        rows = slice(start, start + t)
-        keys, values = cache_layer.update(key[:, :, rows], value[:, :, rows])  # [1, Hkv, S, D]
-        attended.append(attend(attn, query[:, :, rows], keys, values))  # [1, T, H·D]
-        start += t
-    hidden = hidden + attn.o_proj(attended[0] if len(attended) == 1 else torch.cat(attended, dim=1))
+    if len(cache_layers) == 1:  # one session (every draft step): nothing to split
+        keys, values = cache_layers[0].update(key, value)  # [1, Hkv, S, D]
+        attended = attend(attn, query, keys, values)  # [1, N, H·D]
+    else:
+        parts, start = [], 0
+        for cache_layer, t in zip(cache_layers, lengths):
+            rows = slice(start, start + t)
+            keys, values = cache_layer.update(key[:, :, rows], value[:, :, rows])  # [1, Hkv, S, D]
+            parts.append(attend(attn, query[:, :, rows], keys, values))  # [1, T, H·D]
+            start += t
+        attended = torch.cat(parts, dim=1)  # [1, N, H·D]
+    hidden = hidden + attn.o_proj(attended)
     return hidden + layer.mlp(layer.post_attention_layernorm(hidden))
 
 
@@ -103,15 +109,18 @@ def plain_forward_batch(model, caches: Sequence, token_lists: Sequence[Sequence[
     input_ids = torch.tensor([[t for tokens in token_lists for t in tokens]], dtype=torch.long,
                              device=model.device)  # [1, N]  # fmt: skip
     hidden = inner.embed_tokens(input_ids)  # [1, N, hidden size]
-    positions = torch.cat([torch.arange(cache.get_seq_length(), cache.get_seq_length() + t)
-                           for cache, t in zip(caches, lengths)]).to(hidden.device)[None]  # [1, N]  # fmt: skip
+    spans = [(cache.get_seq_length(), t) for cache, t in zip(caches, lengths)]  # (past, T) of each session
+    ranges = [torch.arange(past, past + t, device=hidden.device) for past, t in spans]
+    positions = (ranges[0] if len(ranges) == 1 else torch.cat(ranges))[None]  # [1, N]
     rotary = inner.rotary_emb(hidden, positions)  # cos, sin [1, N, D]
     for i, layer in enumerate(inner.layers):
         hidden = decoder_layer(layer, [cache.layers[i] for cache in caches], hidden, rotary, lengths)
-    ends = torch.tensor(lengths).cumsum(0).tolist()
     keeps = [min(keep, t) for keep, t in zip(keeps, lengths)]
-    rows = [row for end, keep in zip(ends, keeps) for row in range(end - keep, end)]
-    kept = hidden[:, -keeps[0]:] if len(lengths) == 1 else hidden[:, rows]  # [1, Σkeep, hidden size]
+    if len(caches) == 1:
+        kept = hidden[:, -keeps[0] :]  # [1, keep, hidden size]
+    else:
+        rows = [row for end, keep in zip(itertools.accumulate(lengths), keeps) for row in range(end - keep, end)]
+        kept = hidden[:, rows]  # [1, Σkeep, hidden size]
     logits = model.lm_head(inner.norm(kept))[0].float()  # [Σkeep, V]
     return list(logits.split(keeps))
 
