@@ -229,7 +229,8 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         on generating. A finished session only gets what the client lacks."""
         session_id = check_session_id(request.session_id)
         meta = await self.store.meta(session_id)
-        if meta.get("caller", "") != caller_id(context.invocation_metadata(), self.config.security.tokens):
+        # A session made without API tokens (or before callers were recorded) names none: anyone may.
+        if meta.get("caller") and meta["caller"] != caller_id(context.invocation_metadata(), self.config.security.tokens):
             raise PermissionDenied(f"session {session_id!r} was created with another API token: only the token "
                                    "that created a session can resume it")  # fmt: skip
         committed = await self.store.tokens(session_id)

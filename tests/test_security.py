@@ -79,7 +79,7 @@ def test_a_session_belongs_to_the_api_token_that_created_it_and_another_token_ca
 ):
     """A session made with one API token records a digest of it, never the token: that token
     resumes it; another accepted token gets PERMISSION_DENIED, saying why, and the session is
-    left as it was (not taken over)."""
+    left as it was (not taken over). One that names no caller (made without tokens) is anyone's."""
     import redis
 
     with specdec.Client(tls_stack.address, tls_ca=pki["ca"], token=API_TOKEN) as client:
@@ -97,6 +97,13 @@ def test_a_session_belongs_to_the_api_token_that_created_it_and_another_token_ca
         store.close()
     with specdec.Client(tls_stack.address, tls_ca=pki["ca"], token=API_TOKEN) as client:
         assert client.resume("tenant-a", received_tokens=3).token_ids == done.token_ids[3:]
+    store = redis.Redis.from_url(redis_url, decode_responses=True)
+    try:  # a session made while the coordinator took no tokens names no caller: any token resumes it
+        store.hset(meta_key("tenant-a"), "caller", "")
+    finally:
+        store.close()
+    with specdec.Client(tls_stack.address, tls_ca=pki["ca"], token="second-token-77") as other:
+        assert other.resume("tenant-a", received_tokens=3).token_ids == done.token_ids[3:]
 
 
 def test_plaintext_and_untrusting_clients_cannot_talk_to_a_tls_coordinator(tls_stack, pki):
