@@ -81,7 +81,7 @@ from specdec.errors import Unavailable
 from specdec.ngram import find_continuation
 from specdec.session import SessionStore
 from specdec.v1 import specdec_pb2 as pb
-from specdec.wire import Sampling, sampling_to_pb
+from specdec.wire import Sampling, sampling_to_pb, target_key
 
 log = logging.getLogger("specdec.coordinator")
 
@@ -779,8 +779,7 @@ class CycleLoop:
             awaits_commit=self.committing is not None and not self.committing.done(),
         )
         if (target := self.plan.target) is not None:  # a target serving another model refuses the call
-            request.target_model, request.target_fingerprint = target.model, target.vocab_fingerprint
-            request.target_weights = target.weights_fingerprint
+            request.target_model, request.target_fingerprint, request.target_weights = target_key(target)
         attempt = 0
         while True:
             # Each attempt asks the session's replica as of now: one that failed is skipped.

@@ -49,6 +49,7 @@ from specdec.ranges import REPLICA_REFRESH_S
 from specdec.security import ChannelSecurity
 from specdec.v1 import specdec_pb2 as pb
 from specdec.vocab import describe_model
+from specdec.wire import target_key
 
 log = logging.getLogger("specdec.coordinator")
 
@@ -139,8 +140,7 @@ def target_identity(info: pb.ModelInfoResponse) -> tuple:
     """What every target replica must share: the model and its weights (a session keeps its
     distribution wherever it moves) and its vocabulary (token ids, end tokens, context length).
     Starts, as every identity, with what describe_model names: (name, vocabulary, weights)."""
-    return (info.model, info.vocab_fingerprint, info.weights_fingerprint, info.vocab_size, info.max_context,
-            tuple(info.eos_token_ids))  # fmt: skip
+    return (*target_key(info), info.vocab_size, info.max_context, tuple(info.eos_token_ids))
 
 
 def draft_identity(info: pb.ModelInfoResponse) -> tuple:

@@ -366,13 +366,19 @@ class LoadedModel:
     name: str  # what the user passed (catalog name or path), shown in ModelInfo and errors
     path: str  # the resolved local path actually loaded: a directory or a .gguf file
     vocab_fingerprint: str  # sha256 of the vocabulary; draft and target must match
-    weights_fingerprint: str  # weights_fingerprint(model): target replicas must match
     vocab_size: int  # rows of the embedding/logits (config.vocab_size); may exceed len(tokenizer)
     max_context: int  # config.max_position_embeddings; 0 when the config does not say
     eos_token_ids: list[int] = field(default_factory=list)  # generation_config's eos ids, then the tokenizer's
     device: str = "cpu"  # where the weights are: "cpu", "cuda:0", ...
     dtype: str = "float32"  # the weights' dtype as a name: "float32", "bfloat16", ...
     kernels: dict[str, str] = field(default_factory=dict)  # packed models: which linear kernel each pass takes (specdec.packed)
+
+    @functools.cached_property
+    def weights_fingerprint(self) -> str:
+        """weights_fingerprint(model), target replicas must match: taken when first asked (a
+        model service's ModelInfo, a distillation's target), not by every load (the bench's
+        baselines); packing keeps the state dict, so it is the weights as loaded."""
+        return weights_fingerprint(self.model)
 
 
 def load_model(name_or_path: str, *, dtype: str = "float32", device: str = "cpu", pack: bool = True) -> LoadedModel:
@@ -399,7 +405,6 @@ def load_model(name_or_path: str, *, dtype: str = "float32", device: str = "cpu"
         restrict_output_vocab(model, read_output_vocab(path / OUTPUT_VOCAB_FILE, _embedding_rows(model)))
     model.to(device)
     model.eval()
-    weights = weights_fingerprint(model)  # before packing: the weights as loaded, whatever kernel runs them
     kernels = pack_model(model) if pack else {}  # verify K + 1 rows from prepacked weights, where faster here
     if pack:  # decode and verify without transformers' per-call machinery, where the logits agree
         enable_plain_forward(model)
@@ -410,7 +415,6 @@ def load_model(name_or_path: str, *, dtype: str = "float32", device: str = "cpu"
         name=name_or_path,
         path=str(path),
         vocab_fingerprint=vocab_fingerprint(tokenizer),
-        weights_fingerprint=weights,
         vocab_size=_embedding_rows(model),
         max_context=int(getattr(model.config, "max_position_embeddings", 0) or 0),
         eos_token_ids=eos_token_ids(model, tokenizer),

@@ -83,6 +83,12 @@ def sampling_to_pb(s: Sampling) -> pb.SamplingParams:
     return msg
 
 
+def target_key(info: pb.ModelInfoResponse) -> tuple[str, str, str]:
+    """A target model as every check compares it (replicas, Verify, Resume): its name and its
+    vocabulary and weights fingerprints; describe_model(*target_key(info)) names it."""
+    return info.model, info.vocab_fingerprint, info.weights_fingerprint
+
+
 def model_info_to_pb(loaded) -> pb.ModelInfoResponse:
     """ModelInfoResponse fields that describe a loaded model (a models.LoadedModel)."""
     return pb.ModelInfoResponse(

@@ -15,6 +15,7 @@ from specdec.session import SessionStore
 from specdec.v1 import specdec_pb2 as pb
 from specdec.v1 import specdec_pb2_grpc as pb_grpc
 from specdec.draft_wire import draft_from_pb
+from specdec.wire import target_key
 from specdec.ranges import DEFAULT_MAX_BATCH
 from target_service.batcher import VerifyBatcher
 from target_service.verifier import Job, Verifier
@@ -93,13 +94,11 @@ class TargetServicer(ModelService, pb_grpc.TargetServicer):
         """Refuse a call for another target model than this one (the session's, as the
         coordinator sends it: target_model, target_fingerprint and target_weights; empty: not
         checked)."""
-        info = self.info
-        wanted = (request.target_model, request.target_fingerprint, request.target_weights or info.weights_fingerprint)
-        if request.target_model and wanted != (info.model, info.vocab_fingerprint, info.weights_fingerprint):
-            raise FailedPrecondition(
-                f"this target serves {describe_model(info.model, info.vocab_fingerprint, info.weights_fingerprint)}, "
-                f"not {describe_model(*wanted)}, the model the coordinator runs this session on"
-            )
+        served = target_key(self.info)
+        wanted = (request.target_model, request.target_fingerprint, request.target_weights or served[2])
+        if request.target_model and wanted != served:
+            raise FailedPrecondition(f"this target serves {describe_model(*served)}, not {describe_model(*wanted)}, "
+                                     "the model the coordinator runs this session on")  # fmt: skip
 
     def check_draft_vocabulary(self, request: pb.VerifyRequest) -> None:
         """Refuse drafts from a model with another vocabulary (an n-gram draft sends none)."""

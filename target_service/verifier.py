@@ -103,8 +103,7 @@ class Verifier:
                                [len(jobs[i].drafts) + 1 for i in ready])  # each [K+1, V]  # fmt: skip
         forward_ms = (time.perf_counter() - start) * 1000
         for i, rows in zip(ready, logits):
-            results[i] = self.judge(jobs[i], fed[i], rows, forward_ms)
-            results[i].batch = len(ready)
+            results[i] = self.judge(jobs[i], fed[i], rows, forward_ms, len(ready))
         return results
 
     def fed(self, job: Job) -> list[int]:
@@ -117,9 +116,10 @@ class Verifier:
             raise OutOfRange(f"{positions} positions exceed the target's context of {self.loaded.max_context}")
         return fed
 
-    def judge(self, job: Job, fed: list[int], logits: torch.Tensor, forward_ms: float) -> Verdict:
+    def judge(self, job: Job, fed: list[int], logits: torch.Tensor, forward_ms: float, batch: int) -> Verdict:
         """The verdict on a job's drafts from the target's logits at its last K + 1 fed
-        positions [K+1, V]; the session brought to the accepted prefix; then its plain steps."""
+        positions [K+1, V] (from a pass over `batch` sessions); the session brought to the
+        accepted prefix; then its plain steps."""
         state, drafts, sampling, generator = job.state, job.drafts, job.sampling, job.generator
         k = len(drafts)
         forward_done = time.perf_counter()
@@ -148,6 +148,7 @@ class Verifier:
             forward_ms=forward_ms + (done - accepted_at) * 1000,  # the plain steps are forwards too
             accept_ms=(accepted_at - forward_done) * 1000,
             more_tokens=more_tokens,
+            batch=batch,
         )
 
     def decode_more(

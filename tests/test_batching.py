@@ -116,7 +116,7 @@ def verifier():
     model = build_tiny_model(tokenizer, hidden_size=64, num_layers=2, seed=1).eval()
     assert enable_plain_forward(model)
     loaded = LoadedModel(model=model, tokenizer=tokenizer, name="tiny", path="", vocab_fingerprint="",
-                         weights_fingerprint="", vocab_size=model.config.vocab_size, max_context=0)  # fmt: skip
+                         vocab_size=model.config.vocab_size, max_context=0)  # fmt: skip
     return Verifier(loaded)
 
 
