@@ -13,12 +13,14 @@ hops are mutual TLS, all with the one certificate given.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import secrets
 import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -127,6 +129,7 @@ class Stack:
         self.logs: dict[str, IO[bytes]] = {}  # a quiet service's output
         # The secret the coordinator sends to the draft and target services.
         self.internal_token = secrets.token_urlsafe(32)
+        self.interrupts: list[int] = []  # Ctrl-Cs held while starting or stopping (holding_interrupts)
 
     @property
     def address(self) -> str:
@@ -165,21 +168,51 @@ class Stack:
         return args + ["--tls-client-ca", tls.ca]
 
     def start(self) -> "Stack":
+        """Start Redis (unless the config names one) and the three services; wait until all
+        report SERVING. On any error, Ctrl-C included, stop what was started and raise."""
         cfg = self.config
-        try:
-            if not cfg.redis_url:
-                self.redis = EmbeddedRedis().start()
-            self.ports = {"coordinator": cfg.port}
-            self.ports["draft"] = free_port_except(self.ports.values())
-            self.ports["target"] = free_port_except(self.ports.values())
-            self.spawn("target", "target", *self.service_args("target"))
-            self.spawn("draft", "draft", *self.service_args("draft"))
-            self.spawn("coordinator", "coordinator", *self.service_args("coordinator"))
-            self.wait_ready()
-        except BaseException:
-            self.stop()
-            raise
+        with self.holding_interrupts():
+            try:
+                if not cfg.redis_url:
+                    self.redis = EmbeddedRedis().start()
+                self.ports = {"coordinator": cfg.port}
+                self.ports["draft"] = free_port_except(self.ports.values())
+                self.ports["target"] = free_port_except(self.ports.values())
+                for name in ("target", "draft", "coordinator"):
+                    self.raise_if_interrupted()
+                    self.spawn(name, name, *self.service_args(name))
+                self.wait_ready()
+            except BaseException:
+                self.stop()
+                raise
         return self
+
+    @contextlib.contextmanager
+    def holding_interrupts(self):
+        """Within: Ctrl-C (SIGINT) is held, not raised where it lands; raise_if_interrupted
+        raises it at points where nothing is half done, and leaving raises one still held.
+        A KeyboardInterrupt raised inside Popen leaves the child it has forked running with
+        no one to stop it (and holding our stderr open); one raised inside a gRPC call can
+        leave its channel unable to close. Only where Ctrl-C raises KeyboardInterrupt as
+        usual (the main thread, Python's default handler); elsewhere this does nothing."""
+        if threading.current_thread() is not threading.main_thread() or (
+            signal.getsignal(signal.SIGINT) is not signal.default_int_handler
+        ):
+            yield
+            return
+        self.interrupts.clear()
+        signal.signal(signal.SIGINT, lambda signum, frame: self.interrupts.append(signum))
+        try:
+            yield
+        finally:
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+        self.raise_if_interrupted()
+
+    def raise_if_interrupted(self) -> None:
+        """KeyboardInterrupt if Ctrl-C came while interrupts were held."""
+        if self.interrupts:
+            self.interrupts.clear()
+            raise KeyboardInterrupt
 
     def service_args(self, service: str) -> list[str]:
         """The flags this stack starts `service` with (but its address, TLS and metrics port)."""
@@ -276,6 +309,7 @@ class Stack:
         for name in names:
             address = f"127.0.0.1:{self.ports[name]}"
             while not is_serving(address, services[self.kind(name)], credentials=credentials):
+                self.raise_if_interrupted()
                 self.check_running(names)  # any of them: a draft that cannot load fails at once, not after the target
                 if time.monotonic() > deadline:
                     raise StackStartError(f"the {name} service did not report SERVING in {self.config.ready_timeout_s}s")
@@ -290,27 +324,29 @@ class Stack:
                                       + (f"; its last output:{tail}" if (tail := self.log_tail(name)) else ""))  # fmt: skip
 
     def stop(self) -> None:
-        """Stop the coordinators first (they release sessions on the model services), then the rest."""
-        coordinators = [p for n, p in self.processes.items() if self.kind(n) == "coordinator"]
-        models = [p for n, p in self.processes.items() if self.kind(n) != "coordinator"]
-        for group in (coordinators, models):
-            for process in group:
-                if process.poll() is None:
-                    process.send_signal(signal.SIGTERM)
-            deadline = time.monotonic() + STOP_TIMEOUT_S
-            for process in group:
-                try:
-                    process.wait(timeout=max(0.1, deadline - time.monotonic()))
-                except subprocess.TimeoutExpired:
-                    process.kill()
-                    process.wait()
-        self.processes.clear()
-        if self.redis is not None:
-            self.redis.stop()
-            self.redis = None
-        for log in self.logs.values():
-            log.close()
-        self.logs.clear()
+        """Stop the coordinators first (they release sessions on the model services), then the
+        rest. A Ctrl-C meanwhile is raised once every process is stopped."""
+        with self.holding_interrupts():
+            coordinators = [p for n, p in self.processes.items() if self.kind(n) == "coordinator"]
+            models = [p for n, p in self.processes.items() if self.kind(n) != "coordinator"]
+            for group in (coordinators, models):
+                for process in group:
+                    if process.poll() is None:
+                        process.send_signal(signal.SIGTERM)
+                deadline = time.monotonic() + STOP_TIMEOUT_S
+                for process in group:
+                    try:
+                        process.wait(timeout=max(0.1, deadline - time.monotonic()))
+                    except subprocess.TimeoutExpired:
+                        process.kill()
+                        process.wait()
+            self.processes.clear()
+            if self.redis is not None:
+                self.redis.stop()
+                self.redis = None
+            for log in self.logs.values():
+                log.close()
+            self.logs.clear()
 
     def __enter__(self) -> "Stack":
         return self.start()

@@ -363,6 +363,35 @@ def test_ctrl_c_while_a_stack_starts_stops_every_process_and_says_interrupted(ti
     assert not [c for c in children if c.is_running() and c.status() != psutil.STATUS_ZOMBIE]
 
 
+def test_ctrl_c_the_moment_a_service_is_forked_stops_it_with_the_rest(tiny_models, monkeypatch):
+    """Ctrl-C lands inside Popen, after the coordinator's fork, before Popen returns: the
+    window the test above hits by chance. It must not leave that process running unrecorded."""
+    from specdec import launcher
+    from specdec.launcher import Stack, StackConfig
+
+    started = []
+    real_popen = subprocess.Popen
+
+    def popen_then_ctrl_c(command, *args, **kwargs):
+        process = real_popen(command, *args, **kwargs)
+        started.append(process)
+        if "coordinator" in command:
+            signal.raise_signal(signal.SIGINT)  # Python runs the handler here, inside "Popen"
+        return process
+
+    monkeypatch.setattr(launcher.subprocess, "Popen", popen_then_ctrl_c)
+    stack = Stack(StackConfig(port=free_port(), target=tiny_models.target, draft=tiny_models.draft), quiet=True)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            stack.start()
+        assert len(started) == 4 and "redis" in started[0].args[0]  # redis, target, draft, coordinator
+        assert [p.poll() is not None for p in started] == [True] * 4, "a process of the stack still runs"
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    finally:
+        for process in started:
+            process.kill()
+
+
 def test_up_with_a_missing_model_says_which_service_failed_and_why_without_a_traceback(tmp_path):
     missing = str(tmp_path / "no-model")
     out = run_cli("up", "--port", str(free_port()), "--target", missing, timeout=300)
