@@ -32,7 +32,7 @@ from specdec.errors import (
 from specdec.metrics import CoordinatorMetrics
 from specdec.ngram import DEFAULT_K, DEFAULT_MAX_NGRAM, DEFAULT_MIN_NGRAM, NGRAM_DRAFT
 from specdec.ranges import DEFAULT_DRAIN_S
-from specdec.security import ChannelSecurity, ServerSecurity, caller_id
+from specdec.security import ChannelSecurity, ServerSecurity, caller_id, is_caller
 from specdec.session import SessionStore, check_session_id, new_session_id
 from specdec.vocab import chat_ids, describe_model, has_chat_template
 from specdec.v1 import specdec_pb2 as pb
@@ -212,7 +212,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         plan = self.plan(request)
         # Refused here (e.g. the id is taken), the request never touches the session again:
         # only a session this request created is finished and released below.
-        caller = caller_id(context.invocation_metadata(), self.config.security.tokens)
+        caller = caller_id(context.invocation_metadata(), self.config.security)
         await self.store.create(plan.session_id, plan.prompt, session_meta(plan, self, caller))
         # The response headers commit the call: a client's retry policy (the SDK retries
         # UNAVAILABLE) sends a call again only while no header came, that is only while no
@@ -229,10 +229,10 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         on generating. A finished session only gets what the client lacks."""
         session_id = check_session_id(request.session_id)
         meta = await self.store.meta(session_id)
-        # A session made without API tokens (or before callers were recorded) names none: anyone may.
-        if meta.get("caller") and meta["caller"] != caller_id(context.invocation_metadata(), self.config.security.tokens):
+        # A session made without API tokens (or before callers were recorded) names none: anyone's.
+        if not is_caller(meta.get("caller", ""), context.invocation_metadata(), self.config.security):
             raise PermissionDenied(f"session {session_id!r} was created with another API token: only the token "
-                                   "that created a session can resume it")  # fmt: skip
+                                   "that created a session, or another token of its caller name, can resume it")  # fmt: skip
         committed = await self.store.tokens(session_id)
         plan = self.resumed_plan(session_id, meta, committed)  # refused before the session is touched
         output = committed[len(plan.prompt):]

@@ -303,8 +303,9 @@ def add_coordinator_flags(p: argparse.ArgumentParser) -> None:
     env_flag(p, "--max-concurrent-requests", "SPECDEC_MAX_CONCURRENT_REQUESTS", default=64, type=AT_LEAST_ONE,
              help="Generate calls served at once; more are refused with RESOURCE_EXHAUSTED")  # fmt: skip
     env_flag(p, "--auth-token-file", "SPECDEC_AUTH_TOKEN_FILE", default="",
-             help="file of API tokens (one a line) clients must send as `authorization: Bearer TOKEN`; "
-                  "SPECDEC_AUTH_TOKEN adds one (comma-separated for several); none = no token check")  # fmt: skip
+             help="file of API tokens clients must send as `authorization: Bearer TOKEN`, a line each: TOKEN, or "
+                  "NAME TOKEN, whose sessions belong to the caller NAME (any token of it resumes them: rotate "
+                  "tokens under one name); SPECDEC_AUTH_TOKEN adds entries (comma-separated); none = no token check")  # fmt: skip
     env_flag(p, "--internal-tls-ca", "SPECDEC_INTERNAL_TLS_CA", default="",
              help="PEM CA that signed the draft and target certificates: talk TLS to them")  # fmt: skip
     env_flag(p, "--internal-tls-cert", "SPECDEC_INTERNAL_TLS_CERT", default="",
@@ -341,7 +342,8 @@ def add_stack_flags(p: argparse.ArgumentParser) -> None:
     env_flag(p, "--tls-key", "SPECDEC_TLS_KEY", default="", help="PEM private key of --tls-cert")
     env_flag(p, "--tls-ca", "SPECDEC_TLS_CA", default="", help="PEM CA that signed --tls-cert")
     env_flag(p, "--auth-token-file", "SPECDEC_AUTH_TOKEN_FILE", default="",
-             help="file of API tokens (one a line) clients must send; none = no token check")  # fmt: skip
+             help="file of API tokens clients must send, a line each: TOKEN, or NAME TOKEN (a caller whose "
+                  "tokens share its sessions); none = no token check")  # fmt: skip
     env_flag(p, "--metrics-port-base", "SPECDEC_METRICS_PORT_BASE", default=9400, type=Range(int, 0, 65533, note="0 = off"),
              help="Prometheus /metrics of coordinator, draft, target on this port and the next two (0 = off)")  # fmt: skip
 
@@ -412,10 +414,11 @@ def set_threads(threads: int) -> None:
         torch.set_num_interop_threads(1)
 
 
-def server_security(args, tokens: tuple[str, ...]):
+def server_security(args, named_tokens: dict[str, str]):
+    """The server's TLS files and accepted tokens (load_named_tokens: token -> caller name)."""
     from specdec.security import ServerSecurity
 
-    return ServerSecurity(args.tls_cert, args.tls_key, args.tls_client_ca, tokens)
+    return ServerSecurity(args.tls_cert, args.tls_key, args.tls_client_ca, tuple(named_tokens), named_tokens)
 
 
 def internal_token(args) -> str:
@@ -441,7 +444,7 @@ def refuse_missing_model(service: str, model: str) -> None:
 
 
 def run_serve(args) -> NoReturn:
-    from specdec.security import AUTH_TOKEN_ENV, INTERNAL_TOKEN_ENV, ChannelSecurity, load_tokens, require_caller_credential
+    from specdec.security import AUTH_TOKEN_ENV, INTERNAL_TOKEN_ENV, ChannelSecurity, load_named_tokens, require_caller_credential
 
     logging.basicConfig(level=args.log_level.upper(), format=f"%(asctime)s {args.service} %(levelname)s %(message)s")
     if not args.redis_url:
@@ -457,13 +460,13 @@ def run_serve(args) -> NoReturn:
             pipeline_min_keep=args.pipeline_min_keep, draft_timeout_s=args.draft_timeout, drain_s=args.drain_s,
             ngram_via_draft_service=args.ngram_via_draft_service, ngram_first=args.ngram_first,
             max_prompt_tokens=args.max_prompt_tokens, max_concurrent_requests=args.max_concurrent_requests,
-            security=server_security(args, load_tokens(args.auth_token_file, AUTH_TOKEN_ENV)),
+            security=server_security(args, load_named_tokens(args.auth_token_file, AUTH_TOKEN_ENV)),
             internal=ChannelSecurity(args.internal_tls_ca, args.internal_tls_cert, args.internal_tls_key,
                                      internal_token(args)),
         )  # fmt: skip
     else:  # draft or target: --model, credentials and TLS files checked before torch is imported
         refuse_missing_model(args.service, args.model)
-        security = server_security(args, load_tokens(args.internal_token_file, INTERNAL_TOKEN_ENV))
+        security = server_security(args, load_named_tokens(args.internal_token_file, INTERNAL_TOKEN_ENV))
         require_caller_credential(security, args.allow_unauthenticated, args.service)
         security.credentials()  # a TLS flag missing its partner, or an unreadable PEM file, exits here
         set_threads(args.threads)

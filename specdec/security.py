@@ -9,9 +9,11 @@ Terms:
                     the model services require.
     bearer token    the metadata `authorization: Bearer <token>`, compared in constant
                     time with every accepted token.
-    caller          who a session belongs to: where the coordinator takes API tokens, a
-                    digest of the token that created it (caller_id); only that token can
-                    Resume it. Without API tokens every caller is one ("").
+    caller          who a session belongs to: where the coordinator takes API tokens, the
+                    name of the token that created it, or for an unnamed token a digest of
+                    it (caller_id); only tokens of that caller can Resume it (is_caller),
+                    so a tenant's tokens can be rotated under one name. Without API tokens
+                    every caller is one ("").
 
 Certificates and keys come from PEM files. Secrets (tokens, the Redis password in its
 URL) come from files or the environment, never from command-line flags, which any
@@ -23,8 +25,9 @@ from __future__ import annotations
 import hashlib
 import hmac
 import os
-from collections.abc import Sequence
-from dataclasses import dataclass
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 
 import grpc
 
@@ -39,6 +42,7 @@ OPEN_SERVICES = frozenset({"grpc.health.v1.Health"})
 AUTH_TOKEN_ENV = "SPECDEC_AUTH_TOKEN"
 INTERNAL_TOKEN_ENV = "SPECDEC_INTERNAL_TOKEN"
 CLIENT_TOKEN_ENV = "SPECDEC_TOKEN"
+CALLER_NAME = re.compile(r"[A-Za-z0-9._@-]{1,64}")
 
 
 def read_pem(path: str, what: str) -> bytes:
@@ -51,20 +55,45 @@ def read_pem(path: str, what: str) -> bytes:
 
 
 def load_tokens(path: str = "", env: str = "") -> tuple[str, ...]:
-    """Tokens from a file (one per line; blank lines and `#` comments skipped) and from
-    the environment variable `env` (one token, or several separated by commas)."""
-    tokens: list[str] = []
+    """The tokens of load_named_tokens(path, env), in order."""
+    return tuple(load_named_tokens(path, env))
+
+
+def load_named_tokens(path: str = "", env: str = "") -> dict[str, str]:
+    """Tokens, each with its caller name ("" for none), from a file (a line is `TOKEN` or
+    `NAME TOKEN`; blank lines and `#` comments skipped) and from the environment variable
+    `env` (the same, entries separated by commas). SystemExit, naming the line but never
+    its token, for an entry that is neither or a token named twice."""
+    entries: list[tuple[str, str]] = []  # (where, entry)
     if path:
         try:
             with open(path, encoding="utf-8") as f:
-                tokens += [line.strip() for line in f if line.strip() and not line.lstrip().startswith("#")]
+                entries += [(f"{path}:{n}", line.strip()) for n, line in enumerate(f, 1)
+                            if line.strip() and not line.lstrip().startswith("#")]  # fmt: skip
         except OSError as exc:
             raise SystemExit(f"cannot read the token file {path!r}: {exc.strerror}") from None
-        if not tokens:
+        if not entries:
             raise SystemExit(f"the token file {path!r} holds no token")
     if env and os.environ.get(env):
-        tokens += [t.strip() for t in os.environ[env].split(",") if t.strip()]
-    return tuple(tokens)
+        entries += [(f"{env} entry {n}", e.strip()) for n, e in enumerate(os.environ[env].split(","), 1) if e.strip()]
+    named: dict[str, str] = {}
+    for where, entry in entries:
+        token, name = parse_token_entry(entry, where)
+        if named.get(token, name) != name:
+            raise SystemExit(f"{where}: this token is listed before under another caller name; a token has one")
+        named[token] = name
+    return named
+
+
+def parse_token_entry(entry: str, where: str) -> tuple[str, str]:
+    """(token, caller name) of one entry, `TOKEN` or `NAME TOKEN`."""
+    fields = entry.split()
+    if len(fields) == 1:
+        return fields[0], ""
+    if len(fields) == 2 and CALLER_NAME.fullmatch(fields[0]):
+        return fields[1], fields[0]
+    raise SystemExit(f"{where}: a token entry is `TOKEN` or `NAME TOKEN`, NAME of at most 64 letters, digits "
+                     "and ._@- (the caller its sessions belong to)")  # fmt: skip
 
 
 @dataclass
@@ -78,6 +107,8 @@ class ServerSecurity:
     tls_client_ca: str = ""
     # Accepted bearer tokens; empty = no token check.
     tokens: tuple[str, ...] = ()
+    # The caller name of each named token (load_named_tokens): its sessions belong to the name.
+    names: Mapping[str, str] = field(default_factory=dict)
 
     @property
     def tls(self) -> bool:
@@ -168,12 +199,34 @@ def bearer_token(metadata: Sequence[tuple[str, str | bytes]] | None) -> str | No
     return offered[len(BEARER) :]
 
 
-def caller_id(metadata: Sequence[tuple[str, str | bytes]] | None, tokens: Sequence[str]) -> str:
-    """The caller of a call TokenCheck let through: sha256 of its bearer token (hex, 32
-    characters: a session's record names its caller, never the secret), or "" where no
-    token is required."""
-    token = bearer_token(metadata) if tokens else None
-    return "" if token is None else hashlib.sha256(token.encode()).hexdigest()[:32]
+def caller_id(metadata: Sequence[tuple[str, str | bytes]] | None, security: ServerSecurity) -> str:
+    """The caller of a call TokenCheck let through: `name:NAME` for a named token, else a
+    digest of its token (token_digest: a session's record names its caller, never the
+    secret); "" where no token is required."""
+    token = bearer_token(metadata) if security.tokens else None
+    if token is None:
+        return ""
+    name = security.names.get(token, "")
+    return f"name:{name}" if name else token_digest(token)
+
+
+def is_caller(recorded: str, metadata: Sequence[tuple[str, str | bytes]] | None, security: ServerSecurity) -> bool:
+    """Whether a call comes from the caller a session's record names: its caller_id, or,
+    for a named token, the digest of any token of that name (a session made before the
+    tokens were named). A record naming no caller ("") is anyone's."""
+    if not recorded:
+        return True
+    token = bearer_token(metadata) if security.tokens else None
+    if token is None:
+        return False
+    name = security.names.get(token, "")
+    siblings = [t for t, n in security.names.items() if n == name] if name else [token]
+    return recorded == caller_id(metadata, security) or recorded in {token_digest(t) for t in siblings}
+
+
+def token_digest(token: str) -> str:
+    """sha256 of a token, 32 hex digits: an unnamed token's caller id."""
+    return hashlib.sha256(token.encode()).hexdigest()[:32]
 
 
 class TokenCheck(grpc.aio.ServerInterceptor):

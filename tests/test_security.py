@@ -44,7 +44,7 @@ def code_of(call):
 @pytest.fixture(scope="module")
 def tls_stack(redis_url, tiny_models, pki, tmp_path_factory):
     tokens = tmp_path_factory.mktemp("tokens") / "tokens.txt"
-    tokens.write_text(f"# API tokens\n{API_TOKEN}\nsecond-token-77\n")
+    tokens.write_text(f"# API tokens\n{API_TOKEN}\nsecond-token-77\n# tenant a, rotating\nalice alice-token-1\nalice alice-token-2\n")
     stack = start_stack(
         redis_url, tiny_models.target, tiny_models.draft,
         tls=StackTLS(pki["cert"], pki["key"], pki["ca"]), auth_token_file=str(tokens),
@@ -104,6 +104,61 @@ def test_a_session_belongs_to_the_api_token_that_created_it_and_another_token_ca
         store.close()
     with specdec.Client(tls_stack.address, tls_ca=pki["ca"], token="second-token-77") as other:
         assert other.resume("tenant-a", received_tokens=3).token_ids == done.token_ids[3:]
+
+
+def test_a_named_tokens_sessions_belong_to_its_caller_name_so_rotating_the_token_keeps_them(tls_stack, pki, redis_url):
+    """`NAME TOKEN` lines: a session made with one of alice's tokens records `name:alice` and
+    her other token resumes it (a rotation); a token of no name or another name is refused.
+    A session recorded before her tokens were named (the digest of one) is hers too."""
+    import redis
+
+    from specdec.security import token_digest
+
+    with specdec.Client(tls_stack.address, tls_ca=pki["ca"], token="alice-token-1") as client:
+        done = client.generate(PROMPT, max_new_tokens=8, ignore_eos=True, session_id="alice-1")
+    store = redis.Redis.from_url(redis_url, decode_responses=True)
+    try:
+        assert store.hget(meta_key("alice-1"), "caller") == "name:alice"
+        for token in (API_TOKEN, "second-token-77"):
+            with specdec.Client(tls_stack.address, tls_ca=pki["ca"], token=token) as other:
+                assert code_of(lambda: other.resume("alice-1"))[0] == grpc.StatusCode.PERMISSION_DENIED
+        with specdec.Client(tls_stack.address, tls_ca=pki["ca"], token="alice-token-2") as rotated:
+            assert rotated.resume("alice-1", received_tokens=3).token_ids == done.token_ids[3:]
+        store.hset(meta_key("alice-1"), "caller", token_digest("alice-token-1"))  # made before she was named
+        with specdec.Client(tls_stack.address, tls_ca=pki["ca"], token="alice-token-2") as rotated:
+            assert rotated.resume("alice-1", received_tokens=5).token_ids == done.token_ids[5:]
+        with specdec.Client(tls_stack.address, tls_ca=pki["ca"], token="second-token-77") as other:
+            assert code_of(lambda: other.resume("alice-1"))[0] == grpc.StatusCode.PERMISSION_DENIED
+    finally:
+        store.close()
+
+
+def test_token_entries_are_a_token_or_a_name_and_a_token_and_a_bad_one_is_refused_without_showing_it(tmp_path, monkeypatch):
+    from specdec.security import ServerSecurity, caller_id, is_caller, load_named_tokens, token_digest
+
+    path = tmp_path / "tokens"
+    path.write_text("# comment\n\nplain-token\n  bob   bob-token-1  \nbob bob-token-2\n")
+    monkeypatch.setenv("SPECDEC_AUTH_TOKEN", "env-token, carol carol-token")
+    named = load_named_tokens(str(path), "SPECDEC_AUTH_TOKEN")
+    assert named == {"plain-token": "", "bob-token-1": "bob", "bob-token-2": "bob", "env-token": "", "carol-token": "carol"}
+    security = ServerSecurity(tokens=tuple(named), names=named)
+    call = lambda token: (("authorization", f"Bearer {token}"),)  # noqa: E731
+    assert caller_id(call("bob-token-2"), security) == "name:bob"
+    assert caller_id(call("plain-token"), security) == token_digest("plain-token")
+    assert caller_id(call("plain-token"), ServerSecurity()) == ""  # no tokens: every caller is one
+    assert is_caller("name:bob", call("bob-token-1"), security) and not is_caller("name:bob", call("carol-token"), security)
+    assert is_caller(token_digest("bob-token-1"), call("bob-token-2"), security)  # bob's, from before names
+    assert not is_caller(token_digest("bob-token-1"), call("plain-token"), security)
+    assert is_caller("", call("carol-token"), security)
+    for text, says in [
+        ("bob secret-one extra\n", "is `TOKEN` or `NAME TOKEN`"),
+        ("b/ob secret-one\n", "is `TOKEN` or `NAME TOKEN`"),
+        ("bob secret-one\ncarol secret-one\n", "another caller name"),
+    ]:
+        path.write_text(text)
+        with pytest.raises(SystemExit) as error:
+            load_named_tokens(str(path))
+        assert says in str(error.value) and f"{path}:" in str(error.value) and "secret-one" not in str(error.value)
 
 
 def test_plaintext_and_untrusting_clients_cannot_talk_to_a_tls_coordinator(tls_stack, pki):
