@@ -245,7 +245,8 @@ def add_model_flags(p: argparse.ArgumentParser, prefix: str, model: str) -> None
              help="memory the sessions' KV caches may hold, in MiB; least recently used evicted beyond "
                   "(never a running cycle's); 0 = no limit")  # fmt: skip
     env_flag(p, "--internal-token-file", "SPECDEC_INTERNAL_TOKEN_FILE", default="",
-             help="file with the internal token(s) the coordinator must send (or set SPECDEC_INTERNAL_TOKEN)")  # fmt: skip
+             help="file with the internal token(s) the coordinator must send, re-read when it changes "
+                  "(or set SPECDEC_INTERNAL_TOKEN)")  # fmt: skip
     env_flag(p, "--allow-unauthenticated", "SPECDEC_ALLOW_UNAUTHENTICATED", action="store_true",
              help="serve without mutual TLS and without an internal token (development only)")  # fmt: skip
 
@@ -305,7 +306,8 @@ def add_coordinator_flags(p: argparse.ArgumentParser) -> None:
     env_flag(p, "--auth-token-file", "SPECDEC_AUTH_TOKEN_FILE", default="",
              help="file of API tokens clients must send as `authorization: Bearer TOKEN`, a line each: TOKEN, or "
                   "NAME TOKEN, whose sessions belong to the caller NAME (any token of it resumes them: rotate "
-                  "tokens under one name); SPECDEC_AUTH_TOKEN adds entries (comma-separated); none = no token check")  # fmt: skip
+                  "tokens under one name); re-read when it changes; SPECDEC_AUTH_TOKEN adds entries "
+                  "(comma-separated); none = no token check")  # fmt: skip
     env_flag(p, "--internal-tls-ca", "SPECDEC_INTERNAL_TLS_CA", default="",
              help="PEM CA that signed the draft and target certificates: talk TLS to them")  # fmt: skip
     env_flag(p, "--internal-tls-cert", "SPECDEC_INTERNAL_TLS_CERT", default="",
@@ -414,11 +416,12 @@ def set_threads(threads: int) -> None:
         torch.set_num_interop_threads(1)
 
 
-def server_security(args, named_tokens: dict[str, str]):
-    """The server's TLS files and accepted tokens (load_named_tokens: token -> caller name)."""
+def server_security(args, token_file: str, token_env: str):
+    """The server's TLS files and the tokens it accepts, from `token_file` (re-read when it
+    changes) and the environment variable `token_env`."""
     from specdec.security import ServerSecurity
 
-    return ServerSecurity(args.tls_cert, args.tls_key, args.tls_client_ca, tuple(named_tokens), named_tokens)
+    return ServerSecurity.from_token_file(args.tls_cert, args.tls_key, args.tls_client_ca, token_file, token_env)
 
 
 def internal_token(args) -> str:
@@ -444,7 +447,7 @@ def refuse_missing_model(service: str, model: str) -> None:
 
 
 def run_serve(args) -> NoReturn:
-    from specdec.security import AUTH_TOKEN_ENV, INTERNAL_TOKEN_ENV, ChannelSecurity, load_named_tokens, require_caller_credential
+    from specdec.security import AUTH_TOKEN_ENV, INTERNAL_TOKEN_ENV, ChannelSecurity, require_caller_credential
 
     logging.basicConfig(level=args.log_level.upper(), format=f"%(asctime)s {args.service} %(levelname)s %(message)s")
     if not args.redis_url:
@@ -460,13 +463,13 @@ def run_serve(args) -> NoReturn:
             pipeline_min_keep=args.pipeline_min_keep, draft_timeout_s=args.draft_timeout, drain_s=args.drain_s,
             ngram_via_draft_service=args.ngram_via_draft_service, ngram_first=args.ngram_first,
             max_prompt_tokens=args.max_prompt_tokens, max_concurrent_requests=args.max_concurrent_requests,
-            security=server_security(args, load_named_tokens(args.auth_token_file, AUTH_TOKEN_ENV)),
+            security=server_security(args, args.auth_token_file, AUTH_TOKEN_ENV),
             internal=ChannelSecurity(args.internal_tls_ca, args.internal_tls_cert, args.internal_tls_key,
                                      internal_token(args)),
         )  # fmt: skip
     else:  # draft or target: --model, credentials and TLS files checked before torch is imported
         refuse_missing_model(args.service, args.model)
-        security = server_security(args, load_named_tokens(args.internal_token_file, INTERNAL_TOKEN_ENV))
+        security = server_security(args, args.internal_token_file, INTERNAL_TOKEN_ENV)
         require_caller_credential(security, args.allow_unauthenticated, args.service)
         security.credentials()  # a TLS flag missing its partner, or an unreadable PEM file, exits here
         set_threads(args.threads)

@@ -17,15 +17,18 @@ Terms:
 
 Certificates and keys come from PEM files. Secrets (tokens, the Redis password in its
 URL) come from files or the environment, never from command-line flags, which any
-user of the machine can read in the process list, and are never logged or traced.
+user of the machine can read in the process list, and are never logged or traced. A
+server re-reads its token file when it changes (ServerSecurity.refresh_tokens).
 """
 
 from __future__ import annotations
 
 import hashlib
 import hmac
+import logging
 import os
 import re
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -43,6 +46,9 @@ AUTH_TOKEN_ENV = "SPECDEC_AUTH_TOKEN"
 INTERNAL_TOKEN_ENV = "SPECDEC_INTERNAL_TOKEN"
 CLIENT_TOKEN_ENV = "SPECDEC_TOKEN"
 CALLER_NAME = re.compile(r"[A-Za-z0-9._@-]{1,64}")
+TOKEN_RECHECK_S = 1.0  # how often, at most, a server looks whether its token file changed
+
+log = logging.getLogger("specdec")
 
 
 def read_pem(path: str, what: str) -> bytes:
@@ -54,6 +60,11 @@ def read_pem(path: str, what: str) -> bytes:
         raise SystemExit(f"cannot read the {what} {path!r}: {exc.strerror}") from None
 
 
+class TokenFileError(SystemExit):
+    """A token file or entry that cannot be used: ends a process that starts with it; a
+    server that re-reads its file (ServerSecurity.refresh_tokens) keeps the tokens it had."""
+
+
 def load_tokens(path: str = "", env: str = "") -> tuple[str, ...]:
     """The tokens of load_named_tokens(path, env), in order."""
     return tuple(load_named_tokens(path, env))
@@ -62,8 +73,8 @@ def load_tokens(path: str = "", env: str = "") -> tuple[str, ...]:
 def load_named_tokens(path: str = "", env: str = "") -> dict[str, str]:
     """Tokens, each with its caller name ("" for none), from a file (a line is `TOKEN` or
     `NAME TOKEN`; blank lines and `#` comments skipped) and from the environment variable
-    `env` (the same, entries separated by commas). SystemExit, naming the line but never
-    its token, for an entry that is neither or a token named twice."""
+    `env` (the same, entries separated by commas). TokenFileError, naming the line but
+    never its token, for an entry that is neither, a token named twice, or no token."""
     entries: list[tuple[str, str]] = []  # (where, entry)
     if path:
         try:
@@ -71,16 +82,16 @@ def load_named_tokens(path: str = "", env: str = "") -> dict[str, str]:
                 entries += [(f"{path}:{n}", line.strip()) for n, line in enumerate(f, 1)
                             if line.strip() and not line.lstrip().startswith("#")]  # fmt: skip
         except OSError as exc:
-            raise SystemExit(f"cannot read the token file {path!r}: {exc.strerror}") from None
+            raise TokenFileError(f"cannot read the token file {path!r}: {exc.strerror}") from None
         if not entries:
-            raise SystemExit(f"the token file {path!r} holds no token")
+            raise TokenFileError(f"the token file {path!r} holds no token")
     if env and os.environ.get(env):
         entries += [(f"{env} entry {n}", e.strip()) for n, e in enumerate(os.environ[env].split(","), 1) if e.strip()]
     named: dict[str, str] = {}
     for where, entry in entries:
         token, name = parse_token_entry(entry, where)
         if named.get(token, name) != name:
-            raise SystemExit(f"{where}: this token is listed before under another caller name; a token has one")
+            raise TokenFileError(f"{where}: this token is listed before under another caller name; a token has one")
         named[token] = name
     return named
 
@@ -92,7 +103,7 @@ def parse_token_entry(entry: str, where: str) -> tuple[str, str]:
         return fields[0], ""
     if len(fields) == 2 and CALLER_NAME.fullmatch(fields[0]):
         return fields[1], fields[0]
-    raise SystemExit(f"{where}: a token entry is `TOKEN` or `NAME TOKEN`, NAME of at most 64 letters, digits "
+    raise TokenFileError(f"{where}: a token entry is `TOKEN` or `NAME TOKEN`, NAME of at most 64 letters, digits "
                      "and ._@- (the caller its sessions belong to)")  # fmt: skip
 
 
@@ -109,6 +120,41 @@ class ServerSecurity:
     tokens: tuple[str, ...] = ()
     # The caller name of each named token (load_named_tokens): its sessions belong to the name.
     names: Mapping[str, str] = field(default_factory=dict)
+    # The file the tokens come from (with the entries of the environment variable token_env):
+    # re-read when it changes (refresh_tokens). "" = the tokens are fixed.
+    token_file: str = ""
+    token_env: str = ""
+    token_stamp: tuple = field(default=(), repr=False)  # the file as last read (file_stamp)
+    tokens_checked_at: float = field(default=0.0, repr=False)  # time.monotonic() of the last look
+
+    @classmethod
+    def from_token_file(cls, tls_cert: str, tls_key: str, tls_client_ca: str, path: str, env: str) -> "ServerSecurity":
+        """A server's security with the tokens of `path` and `env` (load_named_tokens), re-read
+        from `path` when it changes."""
+        stamp = file_stamp(path)  # before reading: a change while we read is seen next time
+        named = load_named_tokens(path, env)
+        return cls(tls_cert, tls_key, tls_client_ca, tuple(named), named, path, env, stamp, time.monotonic())
+
+    def refresh_tokens(self) -> None:
+        """Re-read the token file if it changed since it was read (looked at once every
+        TOKEN_RECHECK_S at most): a token added to it is accepted, one removed refused, with
+        no restart (a Kubernetes Secret mounted as a file changes so). A file that cannot be
+        used (unreadable, empty, a bad entry) is logged and the tokens read before stay."""
+        now = time.monotonic()
+        if not self.token_file or now - self.tokens_checked_at < TOKEN_RECHECK_S:
+            return
+        self.tokens_checked_at = now
+        stamp = file_stamp(self.token_file)
+        if stamp == self.token_stamp:
+            return
+        self.token_stamp = stamp
+        try:
+            named = load_named_tokens(self.token_file, self.token_env)
+        except TokenFileError as exc:
+            log.error("%s: the %d tokens read before stay accepted", exc, len(self.tokens))
+            return
+        self.tokens, self.names = tuple(named), named
+        log.info("re-read %s: %d tokens accepted, %d of them named", self.token_file, len(named), sum(map(bool, named.values())))
 
     @property
     def tls(self) -> bool:
@@ -131,7 +177,7 @@ class ServerSecurity:
 
     def interceptors(self, credential: str) -> list[grpc.aio.ServerInterceptor]:
         """`credential` names what a refused caller lacks, e.g. "an API token"."""
-        return [TokenCheck(self.tokens, credential)] if self.tokens else []
+        return [TokenCheck(self, credential)] if self.tokens else []
 
 
 def require_caller_credential(security: ServerSecurity, allow_unauthenticated: bool, role: str) -> bool:
@@ -224,6 +270,15 @@ def is_caller(recorded: str, metadata: Sequence[tuple[str, str | bytes]] | None,
     return recorded == caller_id(metadata, security) or recorded in {token_digest(t) for t in siblings}
 
 
+def file_stamp(path: str) -> tuple:
+    """What tells a file changed: its inode, size and modification time (() when absent)."""
+    try:
+        stat = os.stat(path)
+    except OSError:
+        return ()
+    return stat.st_ino, stat.st_size, stat.st_mtime_ns
+
+
 def token_digest(token: str) -> str:
     """sha256 of a token, 32 hex digits: an unnamed token's caller id."""
     return hashlib.sha256(token.encode()).hexdigest()[:32]
@@ -232,14 +287,15 @@ def token_digest(token: str) -> str:
 class TokenCheck(grpc.aio.ServerInterceptor):
     """Refuse calls without an accepted bearer token with UNAUTHENTICATED (health is open)."""
 
-    def __init__(self, tokens: Sequence[str], credential: str):
-        self.tokens = tuple(tokens)
+    def __init__(self, security: ServerSecurity, credential: str):
+        self.security = security  # its tokens as they are now (refresh_tokens)
         self.message = f"this server requires {credential}: send the metadata `authorization: Bearer <token>`"
 
     async def intercept_service(self, continuation, details: grpc.HandlerCallDetails):
         service = details.method.rsplit("/", 2)[-2] if details.method.count("/") >= 2 else ""
         handler = await continuation(details)
-        if handler is None or service in OPEN_SERVICES or token_matches(details.invocation_metadata, self.tokens):
+        self.security.refresh_tokens()
+        if handler is None or service in OPEN_SERVICES or token_matches(details.invocation_metadata, self.security.tokens):
             return handler
         return refusing_handler(handler, self.message)
 

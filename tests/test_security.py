@@ -161,6 +161,77 @@ def test_token_entries_are_a_token_or_a_name_and_a_token_and_a_bad_one_is_refuse
         assert says in str(error.value) and f"{path}:" in str(error.value) and "secret-one" not in str(error.value)
 
 
+def test_a_coordinator_rereads_its_token_file_when_it_changes_so_tokens_rotate_without_a_restart(tls_stack, pki):
+    """A token added to the file is accepted and one removed is refused, within about a second
+    (TOKEN_RECHECK_S), by the running coordinator; a file that cannot be used (a bad line)
+    leaves the tokens it had."""
+    import time
+
+    path = tls_stack.config.auth_token_file
+    original = open(path).read()
+
+    def accepted(token: str) -> bool:
+        with specdec.Client(tls_stack.address, tls_ca=pki["ca"], token=token) as client:
+            try:
+                client.info()
+                return True
+            except specdec.SpecdecClientError as exc:
+                assert exc.code == grpc.StatusCode.UNAUTHENTICATED, exc
+                return False
+
+    def becomes(token: str, wanted: bool, within_s: float = 10.0) -> bool:
+        deadline = time.monotonic() + within_s
+        while accepted(token) != wanted:
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.2)
+        return True
+
+    try:
+        assert not accepted("carol-token")
+        with open(path, "w") as f:  # carol's token in, second-token-77 out
+            f.write(original.replace("second-token-77\n", "") + "carol carol-token\n")
+        assert becomes("carol-token", True) and becomes("second-token-77", False)
+        with open(path, "w") as f:  # a line of three words: the file is not used, carol stays
+            f.write(original + "carol carol-token extra\n")
+        time.sleep(1.5)
+        assert accepted("carol-token") and not accepted("second-token-77")
+    finally:
+        with open(path, "w") as f:
+            f.write(original)
+    assert becomes("second-token-77", True) and becomes("carol-token", False)
+
+
+def test_refresh_tokens_takes_a_changed_file_and_keeps_the_old_tokens_when_the_new_file_is_bad(tmp_path, caplog):
+    from specdec.security import ServerSecurity
+
+    path = tmp_path / "tokens"
+    path.write_text("alice secret-a1\n")
+    security = ServerSecurity.from_token_file("", "", "", str(path), "")
+    assert security.tokens == ("secret-a1",) and security.names == {"secret-a1": "alice"}
+    path.write_text("alice secret-a1\nalice secret-a2\n")
+    security.refresh_tokens()  # looked at less than TOKEN_RECHECK_S ago: not yet
+    assert security.tokens == ("secret-a1",)
+    security.tokens_checked_at = 0.0
+    security.refresh_tokens()
+    assert security.tokens == ("secret-a1", "secret-a2") and security.names["secret-a2"] == "alice"
+    for bad in ("", "alice secret-a3 oops\n"):
+        path.write_text(bad)
+        security.tokens_checked_at = 0.0
+        with caplog.at_level("ERROR", logger="specdec"):
+            security.refresh_tokens()
+        assert security.tokens == ("secret-a1", "secret-a2")
+        assert "the 2 tokens read before stay accepted" in caplog.text and "secret-a3" not in caplog.text
+    path.unlink()  # a Secret's file swapped out for a moment
+    security.tokens_checked_at = 0.0
+    security.refresh_tokens()
+    assert security.tokens == ("secret-a1", "secret-a2")
+    path.write_text("secret-b\n")
+    security.tokens_checked_at = 0.0
+    security.refresh_tokens()
+    assert security.tokens == ("secret-b",) and security.names == {"secret-b": ""}
+
+
 def test_plaintext_and_untrusting_clients_cannot_talk_to_a_tls_coordinator(tls_stack, pki):
     with specdec.Client(tls_stack.address, token=API_TOKEN) as client:
         assert code_of(lambda: client.generate(PROMPT, max_new_tokens=2))[0] == grpc.StatusCode.UNAVAILABLE
