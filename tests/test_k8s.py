@@ -60,7 +60,9 @@ HEALTH_SERVICE = {
 METRICS_PORT = 9400
 REDIS_PORT = 6379
 # Secrets an overlay expects the operator to create before `kubectl apply -k` (not rendered).
-EXTERNAL_SECRETS = {"cpu-demo": set(), "gpu": {"specdec-redis", "specdec-internal"}}
+EXTERNAL_SECRETS = {"cpu-demo": set(), "gpu": {"specdec-redis", "specdec-internal", "specdec-api-tokens"}}
+# The Secret (and key) of the API tokens each overlay's coordinator takes; None: an open API.
+API_TOKENS = {"cpu-demo": None, "gpu": ("specdec-api-tokens", "tokens")}
 GPU = "nvidia.com/gpu"
 
 
@@ -283,6 +285,13 @@ def test_references_resolve(overlay):
             assert len(sources) == 1, f"{name}: volume {volume['name']} has sources {sources} (an overlay left two)"
             if "persistentVolumeClaim" in volume:
                 assert volume["persistentVolumeClaim"]["claimName"] in claims, f"{name}: {volume}"
+            if "secret" in volume:
+                secret = volume["secret"]["secretName"]
+                if secret in external:
+                    assert secret not in secrets
+                else:
+                    keys = [item["key"] for item in volume["secret"].get("items", [])]
+                    assert secret in secrets and all(k in secrets[secret] for k in keys), f"{name}: {volume}"
         for c in all_containers(w):
             for mount in c.get("volumeMounts", []):
                 assert mount["name"] in volumes or mount["name"] in templates, f"{name}: mount {mount['name']}"
@@ -522,17 +531,62 @@ def test_redis_url(overlay):
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
 def test_the_services_share_one_internal_token_from_a_secret(overlay):
-    """The coordinator sends the token the draft and target require (no plaintext value)."""
+    """The coordinator sends the token the draft and target require: each reads it from the
+    file of the same Secret key, mounted (a file, so the services re-read it when the Secret
+    changes), never from a plaintext value."""
     r = rendered(overlay)
     refs = set()
     for service in SERVICES:
-        env = {e["name"]: e for e in r.container(service)["env"]}
-        source = env["SPECDEC_INTERNAL_TOKEN"]["valueFrom"]["secretKeyRef"]
-        refs.add((source["name"], source["key"]))
+        env = resolve_env(r, r.container(service))
+        assert "SPECDEC_INTERNAL_TOKEN" not in env, f"{service}: the internal token as a variable is never re-read"
+        refs.add(secret_file(r, service, env["SPECDEC_INTERNAL_TOKEN_FILE"]))
     (name, key), = refs
     assert name.startswith("specdec-internal") and key == "token"
-    external = EXTERNAL_SECRETS.get(overlay, set())
-    assert "specdec-internal" in external or any(s["metadata"]["name"] == name for s in r.of_kind("Secret"))
+    check_secret_key(r, overlay, name, key)
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_the_coordinator_takes_api_tokens_from_a_mounted_secret_where_the_overlay_says(overlay):
+    """gpu: bearer tokens from the file of Secret specdec-api-tokens (re-read when it changes);
+    the laptop demo's API is open. The model services never take API tokens."""
+    r = rendered(overlay)
+    env = resolve_env(r, r.container("coordinator"))
+    if API_TOKENS[overlay] is None:
+        assert "SPECDEC_AUTH_TOKEN_FILE" not in env and "SPECDEC_AUTH_TOKEN" not in env
+    else:
+        assert "SPECDEC_AUTH_TOKEN" not in env, "a token as a variable is visible to anyone who reads the pod spec"
+        name, key = secret_file(r, "coordinator", env["SPECDEC_AUTH_TOKEN_FILE"])
+        wanted, wanted_key = API_TOKENS[overlay]
+        assert (name == wanted or name.startswith(f"{wanted}-")) and key == wanted_key, (name, key)  # -<hash>: generated
+        check_secret_key(r, overlay, name, key)
+    for service in ("draft", "target"):
+        assert not {"SPECDEC_AUTH_TOKEN_FILE", "SPECDEC_AUTH_TOKEN"} & set(resolve_env(r, r.container(service)))
+
+
+def secret_file(r: Render, component: str, path: str) -> tuple[str, str]:
+    """(Secret, key) of the file `path` that a component's container reads from a mounted,
+    read-only Secret volume."""
+    pod = r.workload(component)["spec"]["template"]["spec"]
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    for mount in r.container(component)["volumeMounts"]:
+        folder = mount["mountPath"].rstrip("/") + "/"
+        if path.startswith(folder):
+            source = volumes[mount["name"]].get("secret")
+            assert source and mount.get("readOnly"), f"{component}: {path} is not on a read-only Secret volume"
+            file = path[len(folder):]
+            items = {item["path"]: item["key"] for item in source.get("items", [])}
+            assert not items or file in items, f"{component}: {path} is no file of the Secret volume"
+            return source["secretName"], items.get(file, file)
+    raise AssertionError(f"{component}: {path} is on no mounted volume")
+
+
+def check_secret_key(r: Render, overlay: str, name: str, key: str) -> None:
+    """The Secret is rendered with the key, or is one the overlay has the operator create."""
+    if name in EXTERNAL_SECRETS.get(overlay, set()):
+        assert r.get("Secret", name) is None
+        return
+    secret = r.get("Secret", name)
+    assert secret is not None and key in secret.get("data", {}) | secret.get("stringData", {}), (overlay, name, key)
 
 
 # ---------------------------------------------------------------- 4. network policies
