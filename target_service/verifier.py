@@ -13,6 +13,7 @@ and generator, so a session's verdict does not depend on which others shared its
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -20,11 +21,13 @@ from dataclasses import dataclass, field
 import torch
 
 from specdec.errors import OutOfRange
-from specdec.kvcache import SessionState, forward, forward_batch
+from specdec.kvcache import SessionState, crop_cache, forward, forward_batch
 from specdec.ngram import find_continuation
 from specdec.sampling import greedy_token, greedy_verdict, rejection_sample, sample
 from specdec.draft_wire import Draft, stack_draft_probs
 from specdec.wire import Sampling
+
+log = logging.getLogger("specdec")
 
 
 def use_threads(threads: int) -> None:
@@ -87,8 +90,9 @@ class Verifier:
 
     def verify_batch(self, jobs: Sequence[Job]) -> list[Verdict | Exception]:
         """Verify each job's cycle, all in one forward pass (module doc); a job that cannot run
-        (past the context) gets its exception in its place and the others go on. Threads: the
-        fewer, `threads`, while any job's draft drafts beside it."""
+        (past the context) gets its exception in its place and the others go on, and when the
+        pass itself fails, each job is verified alone (verify_alone). Threads: the fewer,
+        `threads`, while any job's draft drafts beside it."""
         use_threads(self.threads if any(job.draft_busy for job in jobs) else self.solo_threads)
         results: list[Verdict | Exception | None] = [None] * len(jobs)
         fed: dict[int, list[int]] = {}
@@ -99,11 +103,31 @@ class Verifier:
                 results[i] = exc
         start = time.perf_counter()
         ready = list(fed)
-        logits = forward_batch(self.model, [jobs[i].state.cache for i in ready], [fed[i] for i in ready],
-                               [len(jobs[i].drafts) + 1 for i in ready])  # each [K+1, V]  # fmt: skip
+        try:
+            logits = forward_batch(self.model, [jobs[i].state.cache for i in ready], [fed[i] for i in ready],
+                                   [len(jobs[i].drafts) + 1 for i in ready])  # each [K+1, V]  # fmt: skip
+        except Exception as exc:  # noqa: BLE001 - the session's error, for it alone where it can be
+            if len(ready) > 1:
+                return self.verify_alone(jobs, results, exc)
+            results[ready[0]] = exc
+            return results
         forward_ms = (time.perf_counter() - start) * 1000
         for i, rows in zip(ready, logits):
             results[i] = self.judge(jobs[i], fed[i], rows, forward_ms, len(ready))
+        return results
+
+    def verify_alone(self, jobs: Sequence[Job], results: list, error: Exception) -> list[Verdict | Exception]:
+        """After a pass over several sessions failed (out of memory, say: more rows than one
+        session's), each session's cache brought back to what it held before the pass, then
+        each job verified in a pass of its own: only a job that fails alone fails."""
+        log.warning("a verify pass over %d sessions failed (%s): verifying them one at a time", len(jobs), error)
+        for i, job in enumerate(jobs):
+            if results[i] is None:
+                crop_cache(job.state.cache, len(job.state.held))  # what the failed pass appended to some layers
+                try:
+                    results[i] = self.verify_batch([job])[0]
+                except Exception as exc:  # noqa: BLE001 - judging failed: this job's own error, for it alone
+                    results[i] = exc
         return results
 
     def fed(self, job: Job) -> list[int]:

@@ -187,6 +187,43 @@ def test_a_session_past_the_context_gets_its_error_and_the_others_in_its_pass_th
     assert jobs[1].state.held == [] and jobs[1].state.cache.get_seq_length() == 0, "the refused session is untouched"
 
 
+def test_a_pass_that_fails_over_several_sessions_is_rerun_one_session_at_a_time_and_only_a_failing_one_fails(
+    verifier, monkeypatch
+):
+    """The batched forward runs out of memory after it has appended to one session's cache
+    (simulated); each session is then verified alone, from the cache it had: the verdicts and
+    states of one pass each, except the session whose own pass fails too, which gets that error."""
+    from target_service import verifier as verifier_module
+
+    real = verifier_module.forward_batch
+    jobs, reference = sessions_and_jobs(verifier, 1.0), sessions_and_jobs(verifier, 1.0)
+    doomed = jobs[3].state.cache
+    solo_starts = []  # the cached length each pass of one session starts from
+
+    def out_of_memory(model, caches, token_lists, keeps):
+        if len(caches) > 1:
+            real(model, caches[:2], token_lists[:2], keeps[:2])  # some rows in, then the failure
+            raise RuntimeError("CUDA out of memory (simulated)")
+        solo_starts.append(caches[0].get_seq_length())
+        if caches[0] is doomed:
+            raise RuntimeError("this session fails on its own too")
+        return real(model, caches, token_lists, keeps)
+
+    with torch.inference_mode():
+        expected = [verifier.verify(j.state, j.drafts, j.sampling, j.generator) for j in reference[:3]]
+        monkeypatch.setattr(verifier_module, "forward_batch", out_of_memory)
+        results = verifier.verify_batch(jobs)
+    assert solo_starts == [0, 0, 0, 0], "a session's own pass must start from the cache it had before the failed one"
+    assert isinstance(results[3], RuntimeError) and "on its own" in str(results[3])
+    assert [(v.num_accepted, v.next_token, v.batch) for v in results[:3]] == [
+        (v.num_accepted, v.next_token, 1) for v in expected
+    ]
+    for a, b in zip(jobs[:3], reference[:3]):
+        assert (a.state.held, a.state.pending) == (b.state.held, b.state.pending)
+        assert a.state.cache.get_seq_length() == len(a.state.held)
+    assert jobs[3].state.held == [] and jobs[3].state.cache.get_seq_length() == 0
+
+
 # ---------------------------------------------------------------- through the services
 
 
