@@ -81,6 +81,10 @@ class CoordinatorConfig:
     # Generate calls running at once; more are refused with RESOURCE_EXHAUSTED at once
     # (a client retries with back-off) instead of queueing without bound.
     max_concurrent_requests: int = 64
+    # ... and of those, at most this many of one caller (specdec.security: an API token, or a
+    # caller name shared by several), so one client cannot take every slot; 0 = no such limit.
+    # Without API tokens every caller is one and only the limit above applies.
+    max_requests_per_caller: int = 0
     # How long to wait for the model services at start-up.
     startup_timeout_s: float = STARTUP_TIMEOUT_S
     # Port of the Prometheus /metrics endpoint; 0 = off.
@@ -137,7 +141,8 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         self.metrics.follow_replicas("target", self.targets)
         # What adaptive K has learnt about this draft/target pair, shared by all sessions.
         self.shared_k = AdaptiveK(config.max_k)
-        self.running = 0  # Generate calls in progress
+        self.running = 0  # Generate and Resume calls in progress
+        self.running_by_caller: dict[str, int] = {}  # ... of each caller (caller_id) with any
 
     @property
     def target_info(self) -> pb.ModelInfoResponse | None:
@@ -185,34 +190,44 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
 
     @grpc_handler
     async def Generate(self, request: pb.GenerateRequest, context):
-        async for chunk in self.admitted(self.generate(request, context)):
+        caller = caller_id(context.invocation_metadata(), self.config.security)
+        async for chunk in self.admitted(self.generate(request, context, caller), caller):
             yield chunk
 
     @grpc_handler
     async def Resume(self, request: pb.ResumeRequest, context):
-        async for chunk in self.admitted(self.resume(request, context)):
+        caller = caller_id(context.invocation_metadata(), self.config.security)
+        async for chunk in self.admitted(self.resume(request, context), caller):
             yield chunk
 
-    async def admitted(self, chunks):
-        """`chunks` if this coordinator is ready and below its limit of requests at once."""
+    async def admitted(self, chunks, caller: str):
+        """`chunks` if this coordinator is ready and below its limits of requests at once:
+        in all, and of `caller` (caller_id; "" = no API tokens, no limit of its own)."""
         if self.tokenizer is None:
             raise Unavailable("the coordinator is still starting; retry shortly")
         if self.running >= self.config.max_concurrent_requests:
             raise ResourceExhausted(
                 f"{self.running} requests are running, the limit of this coordinator; retry with back-off"
             )
+        mine, limit = self.running_by_caller.get(caller, 0), self.config.max_requests_per_caller
+        if caller and limit and mine >= limit:
+            raise ResourceExhausted(f"{mine} requests of this API token's caller are running, the limit of one "
+                                    "caller on this coordinator; retry with back-off once one ends")  # fmt: skip
         self.running += 1
+        self.running_by_caller[caller] = mine + 1
         try:
             async for chunk in chunks:
                 yield chunk
         finally:
             self.running -= 1
+            self.running_by_caller[caller] -= 1
+            if not self.running_by_caller[caller]:
+                del self.running_by_caller[caller]
 
-    async def generate(self, request: pb.GenerateRequest, context):
+    async def generate(self, request: pb.GenerateRequest, context, caller: str):
         plan = self.plan(request)
         # Refused here (e.g. the id is taken), the request never touches the session again:
         # only a session this request created is finished and released below.
-        caller = caller_id(context.invocation_metadata(), self.config.security)
         await self.store.create(plan.session_id, plan.prompt, session_meta(plan, self, caller))
         # The response headers commit the call: a client's retry policy (the SDK retries
         # UNAVAILABLE) sends a call again only while no header came, that is only while no

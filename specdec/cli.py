@@ -14,7 +14,8 @@ from typing import NoReturn
 
 from specdec.ngram import DEFAULT_K, DEFAULT_MAX_NGRAM, DEFAULT_MIN_NGRAM, NGRAM_DRAFT
 from specdec.ranges import (
-    AT_LEAST_ONE, DEFAULT_DRAIN_S, DEFAULT_MAX_BATCH, DEFAULT_RETRIES, DRAIN_S, MAX_NEW_TOKENS, METRICS_PORT, PORT, RETRIES, SECONDS, SEED,
+    AT_LEAST_ONE, DEFAULT_DRAIN_S, DEFAULT_MAX_BATCH, DEFAULT_RETRIES, DRAIN_S, MAX_NEW_TOKENS, METRICS_PORT, PER_CALLER, PORT,
+    RETRIES, SECONDS, SEED,
     REPLICA_REFRESH_S, SERVICE_PORT, TEMPERATURE, THREADS, TOP_K, TOP_P, UINT32, Range,
 )
 
@@ -303,6 +304,10 @@ def add_coordinator_flags(p: argparse.ArgumentParser) -> None:
              help="longest prompt accepted, in tokens")  # fmt: skip
     env_flag(p, "--max-concurrent-requests", "SPECDEC_MAX_CONCURRENT_REQUESTS", default=64, type=AT_LEAST_ONE,
              help="Generate calls served at once; more are refused with RESOURCE_EXHAUSTED")  # fmt: skip
+    env_flag(p, "--max-requests-per-caller", "SPECDEC_MAX_REQUESTS_PER_CALLER", default=0, type=PER_CALLER,
+             help="of those, at most this many of one caller (an API token, or one caller NAME of the "
+                  "token file), so one client cannot take every slot; 0 = no such limit (without API tokens "
+                  "every client is one caller: only --max-concurrent-requests applies)")  # fmt: skip
     env_flag(p, "--auth-token-file", "SPECDEC_AUTH_TOKEN_FILE", default="",
              help="file of API tokens clients must send as `authorization: Bearer TOKEN`, a line each: TOKEN, or "
                   "NAME TOKEN, whose sessions belong to the caller NAME (any token of it resumes them: rotate "
@@ -463,6 +468,7 @@ def run_serve(args) -> NoReturn:
             pipeline_min_keep=args.pipeline_min_keep, draft_timeout_s=args.draft_timeout, drain_s=args.drain_s,
             ngram_via_draft_service=args.ngram_via_draft_service, ngram_first=args.ngram_first,
             max_prompt_tokens=args.max_prompt_tokens, max_concurrent_requests=args.max_concurrent_requests,
+            max_requests_per_caller=args.max_requests_per_caller,
             security=server_security(args, args.auth_token_file, AUTH_TOKEN_ENV),
             internal=ChannelSecurity(args.internal_tls_ca, args.internal_tls_cert, args.internal_tls_key,
                                      internal_token(args)),

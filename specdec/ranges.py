@@ -86,6 +86,7 @@ PORT = Range(int, 1, 65535)
 SERVICE_PORT = Range(int, 0, 65535, note="0 = a free port, printed once serving")
 METRICS_PORT = Range(int, 0, 65535, note="0 = off")
 THREADS = Range(int, 0, note="0 = torch's choice")
+PER_CALLER = Range(int, 0, note="0 = no limit")  # requests one caller may run at once
 # Seconds a stopping service lets running calls go on (serving.run's grace; `--drain-s`).
 DRAIN_S = Range(float, 0)
 DEFAULT_DRAIN_S = 5.0

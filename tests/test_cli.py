@@ -63,6 +63,7 @@ def test_ngram_first_outside_its_range_is_refused_with_the_range_on_every_comman
     (["serve", "coordinator"], "--port", "-1", "an integer at least 0 and at most 65535 (0 = a free port, printed once serving)"),
     (["serve", "coordinator"], "--max-k", "0", "an integer at least 1"),
     (["serve", "coordinator"], "--max-concurrent-requests", "0", "an integer at least 1"),
+    (["serve", "coordinator"], "--max-requests-per-caller", "-1", "an integer at least 0 (0 = no limit)"),
     (["serve", "coordinator"], "--draft-timeout", "-1", "a number at least 0 (0 = only the deadline)"),
     (["serve", "coordinator"], "--drain-s", "-1", "a number at least 0"),
     (["resume", "some-session"], "--received-tokens", "-1", "an integer at least 0 and at most 4294967295"),

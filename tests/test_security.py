@@ -48,6 +48,7 @@ def tls_stack(redis_url, tiny_models, pki, tmp_path_factory):
     stack = start_stack(
         redis_url, tiny_models.target, tiny_models.draft,
         tls=StackTLS(pki["cert"], pki["key"], pki["ca"]), auth_token_file=str(tokens),
+        coordinator_args=["--max-requests-per-caller", "2"],
     )  # fmt: skip
     yield stack
     stack.stop()
@@ -131,6 +132,45 @@ def test_a_named_tokens_sessions_belong_to_its_caller_name_so_rotating_the_token
             assert code_of(lambda: other.resume("alice-1"))[0] == grpc.StatusCode.PERMISSION_DENIED
     finally:
         store.close()
+
+
+def test_one_caller_runs_at_most_its_limit_of_requests_at_once_and_others_are_not_held_up(tls_stack, pki):
+    """--max-requests-per-caller 2: with the target frozen, alice's two requests (one per token
+    of her name) are in flight; her third, by either token, is refused RESOURCE_EXHAUSTED at
+    once; another caller's request is admitted; thawed, all three finish."""
+    import signal
+    import time
+
+    results = {}
+
+    def run(name: str, token: str):
+        with specdec.Client(tls_stack.address, tls_ca=pki["ca"], token=token) as c:
+            results[name] = c.generate(PROMPT, max_new_tokens=6, ignore_eos=True).token_ids
+
+    target = tls_stack.processes["target"]
+    target.send_signal(signal.SIGSTOP)
+    try:
+        threads = [threading.Thread(target=run, args=(f"alice-{i}", f"alice-token-{i}")) for i in (1, 2)]
+        for t in threads:
+            t.start()
+        time.sleep(2.0)  # both wait on the frozen target
+        for token in ("alice-token-1", "alice-token-2"):
+            with specdec.Client(tls_stack.address, tls_ca=pki["ca"], token=token) as c:
+                started = time.monotonic()
+                code, message = code_of(lambda: c.generate(PROMPT, max_new_tokens=2, timeout=10))  # admitted: waits, then DEADLINE_EXCEEDED
+                assert time.monotonic() - started < 5.0
+            assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "2 requests of this API token's caller" in message
+        threads.append(threading.Thread(target=run, args=("other", API_TOKEN)))
+        threads[-1].start()
+        time.sleep(1.0)
+        assert threads[-1].is_alive() and "other" not in results, "another caller's request was not admitted"
+    finally:
+        target.send_signal(signal.SIGCONT)
+    for t in threads:
+        t.join(timeout=60)
+    assert sorted(results) == ["alice-1", "alice-2", "other"] and all(len(ids) == 6 for ids in results.values())
+    with specdec.Client(tls_stack.address, tls_ca=pki["ca"], token="alice-token-1") as c:  # her slots are free again
+        assert len(c.generate(PROMPT, max_new_tokens=2, ignore_eos=True).token_ids) == 2
 
 
 def test_token_entries_are_a_token_or_a_name_and_a_token_and_a_bad_one_is_refused_without_showing_it(tmp_path, monkeypatch):
