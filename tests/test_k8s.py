@@ -477,6 +477,9 @@ def test_services_match_the_cli(overlay, monkeypatch):
     assert 1 <= coordinator.max_k <= min(parsed["draft"].max_k, parsed["target"].max_k)
     assert coordinator.default_k is None or 1 <= coordinator.default_k <= coordinator.max_k
     assert 1 <= coordinator.default_max_new_tokens <= coordinator.max_new_tokens_limit
+    # a per-caller limit is below the pod's, and means something only where callers are told apart
+    assert 0 <= coordinator.max_requests_per_caller <= coordinator.max_concurrent_requests
+    assert not coordinator.max_requests_per_caller or API_TOKENS[overlay], "a per-caller limit without API tokens"
     # the coordinator loads the tokenizer of the model the target reports: it must see it too
     target_model = parsed["target"].model
     coordinator_mounts = {m["mountPath"] for m in r.container("coordinator")["volumeMounts"]}
