@@ -22,6 +22,7 @@ from specdec.client import SESSION_HEADER
 from specdec.errors import (
     FailedPrecondition,
     InvalidArgument,
+    NotFound,
     OutOfRange,
     PermissionDenied,
     ResourceExhausted,
@@ -244,10 +245,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         on generating. A finished session only gets what the client lacks."""
         session_id = check_session_id(request.session_id)
         meta = await self.store.meta(session_id)
-        # A session made without API tokens (or before callers were recorded) names none: anyone's.
-        if not is_caller(meta.get("caller", ""), context.invocation_metadata(), self.config.security):
-            raise PermissionDenied(f"session {session_id!r} was created with another API token: only the token "
-                                   "that created a session, or another token of its caller name, can resume it")  # fmt: skip
+        self.check_caller(session_id, meta, context, "resume")
         committed = await self.store.tokens(session_id)
         plan = self.resumed_plan(session_id, meta, committed)  # refused before the session is touched
         output = committed[len(plan.prompt):]
@@ -271,6 +269,25 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             return
         async for chunk in self.stream(plan, context, text, (committed, int(meta["cycle"]), stats), catch_up):
             yield chunk
+
+    @grpc_handler
+    async def Delete(self, request: pb.DeleteRequest, context):
+        session_id = check_session_id(request.session_id)
+        try:
+            meta = await self.store.meta(session_id)
+        except NotFound:
+            return pb.DeleteResponse(deleted=False)
+        self.check_caller(session_id, meta, context, "delete")
+        await self.store.delete(session_id)
+        self.spawn(self.release(session_id))
+        return pb.DeleteResponse(deleted=True)
+
+    def check_caller(self, session_id: str, meta: dict, context, verb: str) -> None:
+        """PermissionDenied unless the call comes from the session's caller (is_caller). A
+        session made without API tokens (or before callers were recorded) names none: anyone's."""
+        if not is_caller(meta.get("caller", ""), context.invocation_metadata(), self.config.security):
+            raise PermissionDenied(f"session {session_id!r} was created with another API token: only the token "
+                                   f"that created a session, or another token of its caller name, can {verb} it")  # fmt: skip
 
     async def stream(self, plan: Plan, context, text: TextStream, resume_at=None, catch_up=None):
         """Run the cycles of a session this request owns and stream its chunks, with the
@@ -527,11 +544,16 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
                 return
         except Exception as exc:  # noqa: BLE001 - Redis down: free the caches anyway
             log.warning("recording the end of session %s: %s", session_id, exc)
-        async def release(replicas: Replicas):
+        await self.release(session_id)
+
+    async def release(self, session_id: str) -> None:
+        """Free the session's caches on its draft and target replicas (failures logged)."""
+
+        async def release_on(replicas: Replicas):
             replica = replicas.pick(session_id)  # may raise Unavailable: no replica to ask
             return await replica.stub.Release(pb.ReleaseRequest(session_id=session_id), timeout=RELEASE_TIMEOUT_S)
 
-        calls = [release(replicas) for replicas in (self.drafts, self.targets)]
+        calls = [release_on(replicas) for replicas in (self.drafts, self.targets)]
         for result in await asyncio.gather(*calls, return_exceptions=True):
             if isinstance(result, grpc.aio.AioRpcError):
                 log.warning("releasing session %s: %s %s", session_id, result.code().name, result.details())

@@ -170,25 +170,31 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     )
     add_generate_flags(trace)
 
-    resume = commands.add_parser(
-        "resume",
+    resume = add_session_parser(
+        commands, "resume", "the session to go on with",
         help="go on with a session whose stream broke",
         description="Print the rest of a session from any coordinator on its Redis: what it committed after "
         "the tokens and characters you already have, then what it generates until it finishes (a finished "
         "session's text, without generating). The session id is in every chunk, in `generate --json` and "
         "`trace` output, or the one you chose. `generate` and the SDK resume a broken stream by themselves "
         "(--retries); this is for starting over from another process.",
-    )
-    resume.add_argument("session_id", help="the session to go on with")
-    env_flag(resume, "--address", "SPECDEC_ADDRESS", default=DEFAULT_ADDRESS,
-             help="coordinator address" + SEVERAL_COORDINATORS)  # fmt: skip
+    )  # fmt: skip
     resume.add_argument("--received-tokens", type=UINT32, default=0,
                         help="output tokens you already have; printing starts after them (default 0: all)")  # fmt: skip
     resume.add_argument("--received-chars", type=UINT32, default=0,
                         help="characters of output text you already have (default 0: all)")  # fmt: skip
     env_flag(resume, "--json", "SPECDEC_JSON", action="store_true", help="print one JSON object instead of text")
     env_flag(resume, "--timeout", "SPECDEC_TIMEOUT", default=None, type=SECONDS, help="deadline of the call in seconds")
-    add_client_security_flags(resume)
+
+    add_session_parser(
+        commands, "delete", "the session to delete",
+        help="delete a session now instead of when it expires",
+        description="Remove a session's record, prompt and tokens from Redis and its caches from the model "
+        "services, through any coordinator on its Redis; a stream of it still running ends NOT_FOUND. Sessions "
+        "otherwise expire an hour after their last use. Only the API token that created a session, or another "
+        "token of its caller name, may delete it. Exit status 0 when it was deleted, 1 when there was no such "
+        "session (expired, deleted already, or never created) or the call failed.",
+    )  # fmt: skip
 
     from specdec.bench import add_bench_parser
 
@@ -564,6 +570,17 @@ def prompt_arguments(args) -> dict:
     return {"prompt": args.prompt}
 
 
+def add_session_parser(commands, name: str, session_help: str, **texts) -> argparse.ArgumentParser:
+    """A subcommand on one session (`texts`: its help and description): the session id, the
+    coordinator's address and the client's TLS and token flags."""
+    parser = commands.add_parser(name, **texts)
+    parser.add_argument("session_id", help=session_help)
+    env_flag(parser, "--address", "SPECDEC_ADDRESS", default=DEFAULT_ADDRESS,
+             help="coordinator address" + SEVERAL_COORDINATORS)  # fmt: skip
+    add_client_security_flags(parser)
+    return parser
+
+
 def client_error(exc, args) -> str:
     """The line a failed call prints; UNAVAILABLE says where it looked and how to start a stack."""
     import grpc
@@ -637,6 +654,21 @@ def run_resume(args) -> int:
         print(client_error(exc, args), file=sys.stderr)
         return 1
     return 0
+
+
+def run_delete(args) -> int:
+    from specdec.client import Client, SpecdecClientError
+
+    try:
+        with Client(args.address, **client_options(args)) as client:
+            deleted = client.delete(args.session_id)
+    except SpecdecClientError as exc:
+        print(client_error(exc, args), file=sys.stderr)
+        return 1
+    print(f"deleted session {args.session_id}" if deleted else
+          f"no session {args.session_id} (expired, deleted already, or never created)",
+          file=sys.stdout if deleted else sys.stderr)  # fmt: skip
+    return 0 if deleted else 1
 
 
 def run_trace(args) -> int:
@@ -733,7 +765,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.verbose:
         logging.basicConfig(level=logging.INFO)
     handlers = {
-        "up": run_up, "serve": run_serve, "generate": run_generate, "trace": run_trace, "resume": run_resume, "models": run_models,
+        "up": run_up, "serve": run_serve, "generate": run_generate, "trace": run_trace, "resume": run_resume, "delete": run_delete, "models": run_models,
         "bench": run_bench, "distill": run_distill, "soak": run_soak,
     }  # fmt: skip
     from specdec.launcher import StackStartError

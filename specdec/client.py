@@ -538,6 +538,18 @@ class Client:
             collector.add(chunk)
         return collector.result()
 
+    def delete(self, session_id: str, timeout: float | None = 10.0) -> bool:
+        """Delete the session `session_id` now instead of when it expires (an hour after its
+        last use): its record, prompt and tokens leave Redis and the model services drop its
+        caches; a stream of it still running ends NOT_FOUND. True if it existed; False if not
+        (expired, deleted already, or never created). PERMISSION_DENIED where the session was
+        created with another API token, as for resume."""
+        try:
+            reply = self._stub.Delete(pb.DeleteRequest(session_id=session_id), timeout=timeout, metadata=self._metadata)
+        except grpc.RpcError as exc:
+            raise SpecdecClientError(exc.code(), exc.details() or "") from None
+        return reply.deleted
+
     def info(self, timeout: float | None = 10.0) -> pb.InfoResponse:
         """Models the stack serves (target and draft), as the coordinator reports them."""
         try:
@@ -647,6 +659,15 @@ class AsyncClient:
         async for chunk in self.generate_stream(prompt, **kwargs):
             collector.add(chunk)
         return collector.result()
+
+    async def delete(self, session_id: str, timeout: float | None = 10.0) -> bool:
+        """Client.delete, awaited."""
+        try:
+            reply = await self._stub.Delete(pb.DeleteRequest(session_id=session_id), timeout=timeout,
+                                            metadata=self._metadata)  # fmt: skip
+        except grpc.aio.AioRpcError as exc:
+            raise SpecdecClientError(exc.code(), exc.details() or "") from None
+        return reply.deleted
 
     async def info(self, timeout: float | None = 10.0) -> pb.InfoResponse:
         try:

@@ -263,3 +263,66 @@ def test_specdec_resume_prints_the_rest_of_a_session_and_says_what_is_wrong_with
     assert printed["token_ids"] == done.token_ids[10:] and printed["finish_reason"] == "length"
     assert main(["resume", "no-such-session", "--address", stack.address]) == 1
     assert "error: NOT_FOUND: session 'no-such-session' does not exist" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------- delete
+
+
+def test_delete_removes_a_session_from_redis_and_the_model_services_and_a_running_stream_of_it_ends_not_found(
+    stack, redis_url
+):
+    """A finished session deleted through the other coordinator: its keys are gone, Resume says
+    NOT_FOUND, deleting again says False. A running one deleted mid-stream: the stream ends
+    NOT_FOUND at its next commit, nothing is written back, and the target holds no cache of it."""
+    from conftest import internal_stub
+    from specdec.session import tokens_key
+    from specdec.v1 import specdec_pb2 as pb
+
+    store = redis.Redis.from_url(redis_url, decode_responses=True)
+    try:
+        with specdec.Client(stack.address) as client, specdec.Client(spare(stack)) as other:
+            client.generate(prompt="hello world", max_new_tokens=8, session_id="to-delete", **PROMPT_OPTIONS)
+            assert store.exists(meta_key("to-delete"), tokens_key("to-delete")) == 2
+            assert other.delete("to-delete") is True
+            assert store.exists(meta_key("to-delete"), tokens_key("to-delete")) == 0
+            assert client.delete("to-delete") is False
+            with pytest.raises(specdec.SpecdecClientError) as info:
+                client.resume("to-delete")
+            assert info.value.code == grpc.StatusCode.NOT_FOUND and "deleted" in info.value.message
+            with pytest.raises(specdec.SpecdecClientError) as info:
+                client.delete("{bad}")
+            assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT
+
+            def held() -> int:
+                return internal_stub(stack, "target").ModelInfo(pb.ModelInfoRequest(), timeout=10).sessions_held
+
+            before = held()
+            with specdec.Client(stack.address, retries=0) as streaming:
+                stream = streaming.generate_stream(prompt="hello world", max_new_tokens=LONG, session_id="deleted-running",
+                                                   **PROMPT_OPTIONS)  # fmt: skip
+                next(stream)
+                assert held() == before + 1
+                assert other.delete("deleted-running") is True
+                with pytest.raises(specdec.SpecdecClientError) as info:
+                    for _ in stream:
+                        pass
+            assert info.value.code == grpc.StatusCode.NOT_FOUND
+            time.sleep(0.5)  # the ended run's clean-up, had it written anything
+            assert store.exists(meta_key("deleted-running"), tokens_key("deleted-running")) == 0
+            deadline = time.monotonic() + 10
+            while held() != before and time.monotonic() < deadline:
+                time.sleep(0.1)
+            assert held() == before, "the target still holds the deleted session's cache"
+    finally:
+        store.close()
+
+
+def test_specdec_delete_deletes_a_session_and_says_when_there_is_none(stack, capsys):
+    from specdec.cli import main
+
+    with specdec.Client(stack.address) as client:
+        client.generate(prompt="hello world", max_new_tokens=4, session_id="for-cli-delete", **PROMPT_OPTIONS)
+    assert main(["delete", "for-cli-delete", "--address", stack.address]) == 0
+    assert capsys.readouterr().out == "deleted session for-cli-delete\n"
+    assert main(["delete", "for-cli-delete", "--address", stack.address]) == 1
+    assert "no session for-cli-delete (expired, deleted already, or never created)" in capsys.readouterr().err

@@ -134,18 +134,29 @@ def test_a_named_tokens_sessions_belong_to_its_caller_name_so_rotating_the_token
         store.close()
 
 
-def test_one_caller_runs_at_most_its_limit_of_requests_at_once_and_others_are_not_held_up(tls_stack, pki):
+def test_one_caller_runs_at_most_its_limit_of_requests_at_once_and_others_are_not_held_up(tls_stack, pki, redis_url):
     """--max-requests-per-caller 2: with the target frozen, alice's two requests (one per token
     of her name) are in flight; her third, by either token, is refused RESOURCE_EXHAUSTED at
     once; another caller's request is admitted; thawed, all three finish."""
     import signal
     import time
 
+    import redis
+
     results = {}
 
     def run(name: str, token: str):
         with specdec.Client(tls_stack.address, tls_ca=pki["ca"], token=token) as c:
-            results[name] = c.generate(PROMPT, max_new_tokens=6, ignore_eos=True).token_ids
+            results[name] = c.generate(PROMPT, max_new_tokens=6, ignore_eos=True, session_id=f"limit-{name}").token_ids
+
+    store = redis.Redis.from_url(redis_url, decode_responses=True)
+
+    def wait_admitted(*names: str) -> None:
+        """Until the coordinator has created the requests' sessions (it counts a request first)."""
+        deadline = time.monotonic() + 60
+        while not all(store.exists(meta_key(f"limit-{n}")) for n in names):
+            assert time.monotonic() < deadline, f"{names} not admitted in 60 s"
+            time.sleep(0.05)
 
     target = tls_stack.processes["target"]
     target.send_signal(signal.SIGSTOP)
@@ -153,7 +164,7 @@ def test_one_caller_runs_at_most_its_limit_of_requests_at_once_and_others_are_no
         threads = [threading.Thread(target=run, args=(f"alice-{i}", f"alice-token-{i}")) for i in (1, 2)]
         for t in threads:
             t.start()
-        time.sleep(2.0)  # both wait on the frozen target
+        wait_admitted("alice-1", "alice-2")  # both wait on the frozen target
         for token in ("alice-token-1", "alice-token-2"):
             with specdec.Client(tls_stack.address, tls_ca=pki["ca"], token=token) as c:
                 started = time.monotonic()
@@ -162,12 +173,12 @@ def test_one_caller_runs_at_most_its_limit_of_requests_at_once_and_others_are_no
             assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "2 requests of this API token's caller" in message
         threads.append(threading.Thread(target=run, args=("other", API_TOKEN)))
         threads[-1].start()
-        time.sleep(1.0)
-        assert threads[-1].is_alive() and "other" not in results, "another caller's request was not admitted"
+        wait_admitted("other")
     finally:
         target.send_signal(signal.SIGCONT)
-    for t in threads:
-        t.join(timeout=60)
+        for t in threads:
+            t.join(timeout=60)
+        store.close()
     assert sorted(results) == ["alice-1", "alice-2", "other"] and all(len(ids) == 6 for ids in results.values())
     with specdec.Client(tls_stack.address, tls_ca=pki["ca"], token="alice-token-1") as c:  # her slots are free again
         assert len(c.generate(PROMPT, max_new_tokens=2, ignore_eos=True).token_ids) == 2
@@ -199,6 +210,25 @@ def test_token_entries_are_a_token_or_a_name_and_a_token_and_a_bad_one_is_refuse
         with pytest.raises(SystemExit) as error:
             load_named_tokens(str(path))
         assert says in str(error.value) and f"{path}:" in str(error.value) and "secret-one" not in str(error.value)
+
+
+def test_only_the_callers_tokens_can_delete_its_session(tls_stack, pki, redis_url):
+    import redis
+
+    with specdec.Client(tls_stack.address, tls_ca=pki["ca"], token="alice-token-1") as client:
+        client.generate(PROMPT, max_new_tokens=4, ignore_eos=True, session_id="alice-delete")
+    store = redis.Redis.from_url(redis_url, decode_responses=True)
+    try:
+        before = store.hgetall(meta_key("alice-delete"))
+        with specdec.Client(tls_stack.address, tls_ca=pki["ca"], token="second-token-77") as other:
+            code, message = code_of(lambda: other.delete("alice-delete"))
+        assert code == grpc.StatusCode.PERMISSION_DENIED and "can delete it" in message
+        assert store.hgetall(meta_key("alice-delete")) == before
+        with specdec.Client(tls_stack.address, tls_ca=pki["ca"], token="alice-token-2") as rotated:
+            assert rotated.delete("alice-delete") is True
+        assert not store.exists(meta_key("alice-delete"))
+    finally:
+        store.close()
 
 
 def test_a_coordinator_rereads_its_token_file_when_it_changes_so_tokens_rotate_without_a_restart(tls_stack, pki):

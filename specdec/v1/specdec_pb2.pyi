@@ -162,6 +162,18 @@ class ResumeRequest(_message.Message):
     received_chars: int
     def __init__(self, session_id: _Optional[str] = ..., received_tokens: _Optional[int] = ..., received_chars: _Optional[int] = ...) -> None: ...
 
+class DeleteRequest(_message.Message):
+    __slots__ = ("session_id",)
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    def __init__(self, session_id: _Optional[str] = ...) -> None: ...
+
+class DeleteResponse(_message.Message):
+    __slots__ = ("deleted",)
+    DELETED_FIELD_NUMBER: _ClassVar[int]
+    deleted: bool
+    def __init__(self, deleted: _Optional[bool] = ...) -> None: ...
+
 class CycleInfo(_message.Message):
     __slots__ = ("index", "drafted", "accepted", "bonus", "draft_ms", "verify_ms", "k", "draft_bytes", "pipelined", "forward_ms", "commit_ms", "looked_up")
     INDEX_FIELD_NUMBER: _ClassVar[int]

@@ -46,6 +46,11 @@ class CoordinatorStub:
                 request_serializer=specdec_dot_v1_dot_specdec__pb2.ResumeRequest.SerializeToString,
                 response_deserializer=specdec_dot_v1_dot_specdec__pb2.GenerateChunk.FromString,
                 _registered_method=True)
+        self.Delete = channel.unary_unary(
+                '/specdec.v1.Coordinator/Delete',
+                request_serializer=specdec_dot_v1_dot_specdec__pb2.DeleteRequest.SerializeToString,
+                response_deserializer=specdec_dot_v1_dot_specdec__pb2.DeleteResponse.FromString,
+                _registered_method=True)
         self.Info = channel.unary_unary(
                 '/specdec.v1.Coordinator/Info',
                 request_serializer=specdec_dot_v1_dot_specdec__pb2.InfoRequest.SerializeToString,
@@ -74,6 +79,15 @@ class CoordinatorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Delete(self, request, context):
+        """Delete a session now instead of when it expires: its record, prompt and tokens leave Redis
+        and the model services drop its caches. A run of it still going ends NOT_FOUND at its next
+        commit. Only its caller may delete it, as for Resume (PERMISSION_DENIED otherwise).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Info(self, request, context):
         """Models the stack serves (target and draft).
         """
@@ -93,6 +107,11 @@ def add_CoordinatorServicer_to_server(servicer, server):
                     servicer.Resume,
                     request_deserializer=specdec_dot_v1_dot_specdec__pb2.ResumeRequest.FromString,
                     response_serializer=specdec_dot_v1_dot_specdec__pb2.GenerateChunk.SerializeToString,
+            ),
+            'Delete': grpc.unary_unary_rpc_method_handler(
+                    servicer.Delete,
+                    request_deserializer=specdec_dot_v1_dot_specdec__pb2.DeleteRequest.FromString,
+                    response_serializer=specdec_dot_v1_dot_specdec__pb2.DeleteResponse.SerializeToString,
             ),
             'Info': grpc.unary_unary_rpc_method_handler(
                     servicer.Info,
@@ -156,6 +175,33 @@ class Coordinator:
             '/specdec.v1.Coordinator/Resume',
             specdec_dot_v1_dot_specdec__pb2.ResumeRequest.SerializeToString,
             specdec_dot_v1_dot_specdec__pb2.GenerateChunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Delete(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/specdec.v1.Coordinator/Delete',
+            specdec_dot_v1_dot_specdec__pb2.DeleteRequest.SerializeToString,
+            specdec_dot_v1_dot_specdec__pb2.DeleteResponse.FromString,
             options,
             channel_credentials,
             insecure,
