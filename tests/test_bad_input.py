@@ -338,6 +338,15 @@ def test_fuzzed_resume_requests_get_a_clear_status_and_disturb_nobody(
     record(storm, lambda: list(stubs["coordinator"].Resume(request, timeout=30)))
 
 
+@settings(max_examples=100, **FUZZ)
+@given(session_id=wild_session_ids.filter(lambda s: s != BYSTANDER))
+def test_fuzzed_delete_requests_get_a_clear_status_and_disturb_nobody(stubs, storm, session_id):
+    """Deletes of ids that name no session, or could not name one: deleted=False or
+    INVALID_ARGUMENT, and the bystander and the running watcher untouched."""
+    request = pb.DeleteRequest(session_id=session_id)
+    record(storm, lambda: stubs["coordinator"].Delete(request, timeout=30))
+
+
 @settings(max_examples=250, **FUZZ)
 @given(data=st.data())
 def test_fuzzed_propose_requests_get_a_clear_status_and_disturb_nobody(stubs, storm, committed, data):
@@ -363,6 +372,7 @@ def test_an_ngram_stop_outside_its_bounds_is_an_invalid_argument_that_says_them(
 
 RPCS = [
     ("Coordinator", "Generate", True), ("Coordinator", "Resume", True), ("Coordinator", "Info", False),
+    ("Coordinator", "Delete", False),
     ("Draft", "Propose", True), ("Draft", "Release", False), ("Draft", "ModelInfo", False),
     ("Target", "Verify", False), ("Target", "Release", False), ("Target", "ModelInfo", False),
 ]  # fmt: skip
