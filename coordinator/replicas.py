@@ -26,7 +26,9 @@ Terms:
               (asked every refresh_s). A single fixed address is not checked (it is the one
               the coordinator started with, or a load balancer).
     follow    the end of a target rollout: once every replica is refused, all serving one
-              other model of the same vocabulary, that model is adopted (Replicas.follow).
+              other model of the same vocabulary, that model is adopted (Replicas.follow);
+              a single fixed address, once it refuses a Verify for serving another model of
+              the same vocabulary (Replicas.follow_single).
 """
 
 from __future__ import annotations
@@ -307,17 +309,42 @@ class Replicas:
         served = {self.identity(r.info) for r in replicas}
         if len(served) != 1 or replicas[0].info.vocab_fingerprint != self.adopted.vocab_fingerprint:
             return
-        log.warning("every %s replica at %s now serves %s: adopted, new sessions run on it (this coordinator "
-                    "served %s; sessions begun on that cannot go on)", self.name, self.address,
-                    describe_identity(served.pop()), describe_identity(self.reference))  # fmt: skip
-        self.adopted = replicas[0].info
+        self.take_rollout(replicas[0].info, f"every {self.name} replica at {self.address}")
         for replica in replicas:
             replica.refused, replica.checked = "", True
 
+    def take_rollout(self, info: pb.ModelInfoResponse, where: str) -> None:
+        """Adopt the model a rollout put in place of the adopted one (follow, follow_single)."""
+        log.warning("%s now serves %s: adopted, new sessions run on it (this coordinator served %s; sessions "
+                    "begun on that cannot go on)", where, describe_identity(self.identity(info)),
+                    describe_identity(self.reference))  # fmt: skip
+        self.adopted = info
+
+    async def follow_single(self, replica: Replica) -> None:
+        """follow for a single fixed address, which is never checked (it may be a load balancer
+        in front of several pods): after it refused a call, ask what it serves, and adopt that
+        when it is another model of the adopted vocabulary. Behind a balancer in mid-rollout the
+        answer is one pod's: a session that then meets a pod of the other model is refused, as
+        it would be anyway; once every pod serves the new model, so does the coordinator."""
+        if not self.follow_rollout:
+            return
+        try:
+            info = await replica.stub.ModelInfo(pb.ModelInfoRequest(), timeout=CHECK_TIMEOUT_S)
+        except grpc.aio.AioRpcError:
+            return
+        if loaded(info) and self.identity(info) != self.reference and (
+            info.vocab_fingerprint == self.adopted.vocab_fingerprint
+        ):
+            self.take_rollout(info, f"the {self.name} at {self.address}")
+
     async def recheck(self, replica: Replica) -> bool:
         """Check `replica` again (a call it refused may mean it now serves another model);
-        True when it is refused now."""
-        if not self.checking or self.adopted is None:
+        True when it is refused now. A single fixed address is never refused: it is asked
+        what it serves, to follow a rollout there (follow_single)."""
+        if self.identity is None or self.adopted is None:
+            return False
+        if self.single:
+            await self.follow_single(replica)
             return False
         replica.checked = False
         self.start_check(replica)

@@ -226,6 +226,43 @@ def test_once_every_target_replica_serves_one_other_model_of_the_same_vocabulary
     assert "big (vocabulary v2, weights w4)" in other and "restart the coordinator" in other
 
 
+def test_a_single_target_address_that_refuses_a_verify_is_asked_what_it_serves_and_a_rollout_there_followed():
+    """One fixed --target-address is never checked nor refused (it may be a load balancer);
+    after it refused a call, recheck asks its ModelInfo: other weights of the adopted
+    vocabulary are adopted; another vocabulary, the same model, a service still loading or not
+    answering, or follow_rollout off, change nothing. The call is never retried elsewhere."""
+    from coordinator.replicas import target_identity
+
+    def info(vocabulary, weights, vocab_size=9):
+        return pb.ModelInfoResponse(model="smol", vocab_fingerprint=vocabulary, weights_fingerprint=weights,
+                                    vocab_size=vocab_size)  # fmt: skip
+
+    old = info("v1", "w1")
+    answers = [info("v2", "w9"), info("v1", "w1"), info("v1", "w2", vocab_size=0), None, info("v1", "w2")]
+
+    async def run(follow_rollout):
+        replicas = Replicas(ReplicaAddress(endpoints=("127.0.0.1:7001",)), pb_grpc.TargetStub,
+                            identity=target_identity, follow_rollout=follow_rollout)  # fmt: skip
+        await replicas.start()
+        replica = replicas.replicas["127.0.0.1:7001"]
+        replicas.adopt(replica, old)
+        adopted = []
+        for answer in answers:
+            async def model_info(request, timeout=None, answer=answer):
+                if answer is None:
+                    raise grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, None, None, "down")
+                return answer
+            replica.stub = SimpleNamespace(ModelInfo=model_info)
+            assert await replicas.recheck(replica) is False
+            adopted.append(replicas.adopted.weights_fingerprint)
+        picked = replicas.pick("s").endpoint
+        await replicas.close()
+        return adopted, picked
+
+    assert asyncio.run(run(True)) == (["w1", "w1", "w1", "w1", "w2"], "127.0.0.1:7001")
+    assert asyncio.run(run(False)) == (["w1"] * 5, "127.0.0.1:7001")
+
+
 def test_with_several_target_replicas_an_unavailable_verify_is_retried_until_the_deadline_not_given_up():
     """With one target a lost connection is waited for (wait_for_ready) and the retries end
     after TARGET_RETRY_BACKOFF_S; with several, calls fail fast, so UNAVAILABLE goes on being
@@ -595,3 +632,38 @@ def test_once_the_last_target_replica_serves_the_fine_tune_too_the_coordinator_a
     assert ran == set(metrics_ports), "sessions spread over both replicas again"
     assert by_service(two_of_each.metrics, "specdec:replicas_refused", "target") == 0
     assert refused.value.code == grpc.StatusCode.FAILED_PRECONDITION and f"weights {tuned[:12]}" in refused.value.message
+
+
+def test_a_coordinator_with_one_target_address_follows_a_restart_of_it_on_other_weights(redis_url, tiny_models, tmp_path):
+    """The common one-target stack (`specdec up`, one --target-address): its target restarts with
+    a fine-tune at its model path. The first request after ends FAILED_PRECONDITION (its Verify
+    names the old weights), the coordinator asks the target what it serves and adopts it: the next
+    requests run, `Info` reports the fine-tune's weights, and a session from before cannot resume
+    on them. Before, every request failed until the coordinator restarted."""
+    from conftest import make_tiny_model_dir
+
+    link = tmp_path / "target"
+    link.symlink_to(tiny_models.target)
+    stack = start_stack(redis_url, str(link), tiny_models.draft)
+    try:
+        options = dict(prompt_token_ids=tiny_models.tokenizer.encode(PROMPT), max_new_tokens=16, **OPTIONS)
+        with specdec.Client(stack.address) as client:
+            client.generate(session_id="before-restart", **options)
+            tuned = make_tiny_model_dir(tiny_models.tokenizer, tmp_path / "tuned", hidden_size=64, num_layers=2,
+                                        seed=1, noise=0.01)  # fmt: skip
+            moved = tmp_path / "moved"
+            moved.symlink_to(tuned)
+            moved.replace(link)
+            stack.restart("target")
+            stack.wait_ready(("target",))
+            weights = internal_stub(stack, "target").ModelInfo(pb.ModelInfoRequest(), timeout=10).weights_fingerprint
+            with pytest.raises(specdec.SpecdecClientError) as first:
+                client.generate(session_id="at-the-switch", **options)
+            assert first.value.code == grpc.StatusCode.FAILED_PRECONDITION
+            assert len(client.generate(session_id="after-restart", **options).token_ids) == 16
+            assert client.info().target.weights_fingerprint == weights
+            with pytest.raises(specdec.SpecdecClientError) as refused:
+                client.resume("before-restart")
+        assert refused.value.code == grpc.StatusCode.FAILED_PRECONDITION
+    finally:
+        stack.stop()
