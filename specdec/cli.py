@@ -223,7 +223,8 @@ def add_common_service_flags(p: argparse.ArgumentParser, prefix: str, port: int)
     env_flag(p, "--port", f"{prefix}_PORT", default=port, type=SERVICE_PORT, help="port to listen on")
     env_flag(p, "--redis-url", "SPECDEC_REDIS_URL", default="", secret=True,
              help="Redis URL for sessions: redis://[:PASSWORD@]HOST:PORT/DB, or rediss://...?ssl_ca_certs=CA.pem "
-                  "for TLS; prefer the environment variable, since a password on the command line is visible "
+                  "for TLS, or redis+cluster://HOST:PORT (rediss+cluster://) naming any node of a Redis Cluster; "
+                  "prefer the environment variable, since a password on the command line is visible "
                   "to every user of the machine")  # fmt: skip
     env_flag(p, "--log-level", f"{prefix}_LOG_LEVEL", default="INFO", help="logging level")
     env_flag(p, "--metrics-port", f"{prefix}_METRICS_PORT", default=0, type=METRICS_PORT,

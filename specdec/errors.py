@@ -80,6 +80,14 @@ class MalformedRequest:
         return InvalidArgument(f"the request is not a valid {self.message_name} message: {self.reason}")
 
 
+# A Redis Cluster between states (a node down, a failover, a slot moving), past the client's
+# redirects: retry shortly. (A cross-slot command would be our bug: not in this list.)
+CLUSTER_IN_FLUX = (
+    redis.exceptions.ClusterError, redis.exceptions.AskError, redis.exceptions.TryAgainError,
+    redis.exceptions.RedisClusterException,
+)  # fmt: skip
+
+
 def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
     """Map an exception raised while serving an RPC to (status code, message)."""
     if isinstance(exc, SpecdecError):
@@ -89,6 +97,8 @@ def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
         return grpc.StatusCode.INVALID_ARGUMENT, str(exc)
     if isinstance(exc, (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError)):
         return grpc.StatusCode.UNAVAILABLE, f"session store (Redis) unreachable: {exc}"
+    if isinstance(exc, CLUSTER_IN_FLUX):
+        return grpc.StatusCode.UNAVAILABLE, f"session store (Redis Cluster) failing over or moving slots: {exc}"
     if isinstance(exc, grpc.aio.AioRpcError):
         # A downstream call failed: pass its code on, say which hop it was.
         return exc.code(), f"downstream call failed: {exc.details()}"

@@ -21,6 +21,10 @@ around it.
 When Redis is unreachable every call fails fast (no silent retries: see
 `SessionStore`) with a redis ConnectionError/TimeoutError, which servers report as
 UNAVAILABLE; the connection pool reconnects by itself once Redis is back.
+
+The URL names one Redis server (`redis://`, `rediss://` for TLS) or a Redis Cluster
+(`redis+cluster://` or `rediss+cluster://`, any node of it: the client learns the rest and
+sends each session's keys to the node that holds its slot; see `connect`).
 """
 
 from __future__ import annotations
@@ -40,6 +44,10 @@ from specdec.errors import Aborted, AlreadyExists, InvalidArgument, NotFound
 from specdec.security import redact_url
 
 REDIS_URL_ENV = "SPECDEC_REDIS_URL"
+# The URL schemes of a Redis Cluster, and the scheme redis-py takes for each.
+CLUSTER_SCHEMES = {"redis+cluster": "redis", "rediss+cluster": "rediss"}
+# A cluster client follows MOVED / ASK redirects (a failover, a slot moving) within its retries.
+CLUSTER_RETRIES = 2
 DEFAULT_TTL_S = 3600
 MAX_SESSION_ID_LEN = 128
 # Opening a connection: loopback or a LAN answers in milliseconds, so a Redis that has
@@ -144,6 +152,22 @@ def check_session_id(session_id: str) -> str:
     return session_id
 
 
+def connect(url: str, socket_timeout_s: float, connect_timeout_s: float) -> aioredis.Redis | aioredis.RedisCluster:
+    """A client of the Redis that `url` names. `redis://` / `rediss://`: one server, every
+    command sent once (SessionStore). `redis+cluster://` / `rediss+cluster://`: a Redis
+    Cluster reached through the node the URL names; a session's keys share a hash tag, so
+    each script runs on the one node holding its slot, and a command that meets a failover or a
+    moving slot follows the redirect (at most CLUSTER_RETRIES times; a commit resent after a lost
+    reply is refused by its cycle fence, never applied twice)."""
+    options = dict(socket_timeout=socket_timeout_s, socket_connect_timeout=connect_timeout_s, decode_responses=True,
+                   **NO_MAINT_NOTIFICATIONS)  # fmt: skip
+    scheme, _, rest = url.partition("://")
+    if scheme in CLUSTER_SCHEMES:
+        return aioredis.RedisCluster.from_url(f"{CLUSTER_SCHEMES[scheme]}://{rest}",
+                                              retry=Retry(NoBackoff(), CLUSTER_RETRIES), **options)  # fmt: skip
+    return aioredis.Redis.from_url(url, retry=Retry(NoBackoff(), 0), **options)
+
+
 def redis_url_from_env() -> str | None:
     return os.environ.get(REDIS_URL_ENV) or None
 
@@ -169,14 +193,7 @@ class SessionStore:
         self.url = url
         logging.getLogger("specdec").info("sessions in Redis at %s", redact_url(url))
         self.ttl_s = ttl_s
-        self.redis = aioredis.Redis.from_url(
-            url,
-            socket_timeout=socket_timeout_s,
-            socket_connect_timeout=connect_timeout_s,
-            retry=Retry(NoBackoff(), 0),
-            decode_responses=True,
-            **NO_MAINT_NOTIFICATIONS,
-        )
+        self.redis = connect(url, socket_timeout_s, connect_timeout_s)
         self._create = self.redis.register_script(_CREATE)
         self._commit = self.redis.register_script(_COMMIT)
         self._take_over = self.redis.register_script(_TAKE_OVER)

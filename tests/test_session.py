@@ -1,6 +1,7 @@
 """The Redis session store against a real redis-server: layout, fencing, TTL."""
 
 import asyncio
+from types import SimpleNamespace
 
 import pytest
 
@@ -158,3 +159,130 @@ def test_bad_session_ids_are_refused(redis_url, bad):
         await store.close()
 
     run(go())
+
+
+# ---------------------------------------------------------------- Redis Cluster
+
+
+@pytest.fixture(scope="module")
+def redis_cluster(tmp_path_factory):
+    """Three real redis-server processes made one Redis Cluster (slots split in three, no
+    replicas), as `redis-cli --cluster create` would: the address of its first node."""
+    import subprocess
+    import time
+
+    import redis
+
+    from specdec.redis_server import redis_server_binary
+
+    folder = tmp_path_factory.mktemp("redis-cluster")
+    ports = [cluster_port() for _ in range(3)]
+    processes = [
+        subprocess.Popen([redis_server_binary(), "--port", str(port), "--bind", "127.0.0.1", "--cluster-enabled", "yes",
+                          "--cluster-config-file", f"nodes-{port}.conf", "--save", "", "--appendonly", "no",
+                          "--dir", str(folder)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+        for port in ports
+    ]
+    nodes = [redis.Redis(host="127.0.0.1", port=port) for port in ports]
+    try:
+        for node in nodes:
+            deadline = time.monotonic() + 10
+            while True:
+                try:
+                    node.ping()
+                    break
+                except redis.exceptions.ConnectionError:
+                    assert time.monotonic() < deadline, "a cluster node did not start"
+                    time.sleep(0.05)
+        for i, node in enumerate(nodes):
+            node.execute_command("CLUSTER", "ADDSLOTS", *range(i * 16384 // 3, (i + 1) * 16384 // 3))
+        for port in ports[1:]:
+            nodes[0].execute_command("CLUSTER", "MEET", "127.0.0.1", port)
+        deadline = time.monotonic() + 30
+        while not all(b"cluster_state:ok" in node.execute_command("CLUSTER", "INFO") for node in nodes):
+            assert time.monotonic() < deadline, "the cluster did not come up"
+            time.sleep(0.1)
+        yield SimpleNamespace(address=f"127.0.0.1:{ports[0]}", nodes=nodes)
+    finally:
+        for node in nodes:
+            node.close()
+        for process in processes:
+            process.terminate()
+            process.wait(timeout=10)
+
+
+def cluster_port() -> int:
+    """A free port whose cluster bus port (port + 10000, in Redis 6) is free and valid too."""
+    import socket
+
+    from specdec.redis_server import free_port
+
+    while True:
+        port = free_port()
+        if port + 10000 > 65535:
+            continue
+        with socket.socket() as bus:
+            try:
+                bus.bind(("127.0.0.1", port + 10000))
+            except OSError:
+                continue
+        return port
+
+
+def test_a_stack_keeps_its_sessions_in_a_redis_cluster_named_by_a_cluster_url(redis_cluster, tiny_models):
+    """`redis+cluster://` one node: the services find the others and each session's keys go to the
+    node of its slot (sessions land on all three), and generate, resume and delete work as on one
+    server. A plain `redis://` URL of the same node cannot: most sessions live on other nodes."""
+    import specdec
+    from conftest import start_stack
+
+    url = f"redis+cluster://{redis_cluster.address}/0"
+    stack = start_stack(url, tiny_models.target, tiny_models.draft)
+    try:
+        options = dict(max_new_tokens=12, ignore_eos=True, num_speculative_tokens=3)
+        with specdec.Client(stack.address) as client:
+            expected = client.generate("hello world", **options).token_ids
+            results = [client.generate("hello world", session_id=f"clustered-{i}", **options) for i in range(9)]
+            assert all(r.token_ids == expected for r in results)
+
+            def holder(session_id: str) -> int:
+                """The node that has the session's slot's keys."""
+                first = redis_cluster.nodes[0]
+                slot = first.execute_command("CLUSTER", "KEYSLOT", meta_key(session_id))
+                return next(i for i, node in enumerate(redis_cluster.nodes)
+                            if node.execute_command("CLUSTER", "COUNTKEYSINSLOT", slot))  # fmt: skip
+
+            assert {holder(f"clustered-{n}") for n in range(9)} == {0, 1, 2}, "sessions spread over the nodes"
+            assert client.resume("clustered-4", received_tokens=5).token_ids == expected[5:]
+            assert client.delete("clustered-4") is True and client.delete("clustered-4") is False
+
+        async def plain_reads():
+            import redis
+
+            store = SessionStore(f"redis://{redis_cluster.address}/0")
+            moved = 0
+            for n in (0, 1, 2, 3, 5, 6, 7, 8):
+                try:
+                    await store.meta(f"clustered-{n}")
+                except redis.exceptions.MovedError:  # the key is on another node
+                    moved += 1
+            await store.close()
+            return moved
+
+        assert run(plain_reads()) > 0
+    finally:
+        stack.stop()
+
+
+def test_a_redis_cluster_between_states_is_unavailable_to_callers_and_a_cross_slot_command_is_a_bug():
+    import grpc
+    import redis
+
+    from specdec.errors import status_for
+
+    for exc in (redis.exceptions.ClusterDownError("CLUSTERDOWN The cluster is down"),
+                redis.exceptions.MovedError("3999 127.0.0.1:6381"), redis.exceptions.TryAgainError("TRYAGAIN"),
+                redis.exceptions.RedisClusterException("Redis Cluster cannot be connected")):  # fmt: skip
+        code, message = status_for(exc)
+        assert code == grpc.StatusCode.UNAVAILABLE and "Redis Cluster" in message, exc
+    assert status_for(redis.exceptions.ClusterCrossSlotError())[0] == grpc.StatusCode.INTERNAL
