@@ -346,6 +346,59 @@ def test_internal_services_refuse_calls_without_the_internal_token(tiny_stack, s
     assert is_serving(address, {"draft": "specdec.v1.Draft", "target": TARGET_SERVICE}[service])
 
 
+def test_a_model_service_rereads_its_internal_token_file_so_the_token_rotates_without_a_restart(
+    redis_url, tiny_models, tmp_path
+):
+    """A target started with --internal-token-file: its token is accepted; the file then holds
+    the new token first and the old second (a rotation's middle step): both are; then only the
+    new one: the old is refused. No restart."""
+    import time
+
+    from specdec.redis_server import free_port
+
+    path = tmp_path / "internal-token"
+    path.write_text("old-internal-token\n")
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SPECDEC_INTERNAL")}
+    target = subprocess.Popen(
+        [sys.executable, "-m", "specdec.cli", "serve", "target", "--model", tiny_models.target, "--redis-url", redis_url,
+         "--port", str(port), "--threads", "1", "--internal-token-file", str(path)],
+        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 120
+        while not is_serving(f"127.0.0.1:{port}", TARGET_SERVICE):
+            assert target.poll() is None and time.monotonic() < deadline, "the target did not start"
+            time.sleep(0.2)
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = pb_grpc.TargetStub(channel)
+
+            def accepted(token: str) -> bool:
+                try:
+                    stub.ModelInfo(pb.ModelInfoRequest(), timeout=10, metadata=(("authorization", f"Bearer {token}"),))
+                    return True
+                except grpc.RpcError as exc:
+                    assert exc.code() == grpc.StatusCode.UNAUTHENTICATED, exc
+                    return False
+
+            def eventually(check) -> bool:
+                deadline = time.monotonic() + 10
+                while not check():
+                    if time.monotonic() > deadline:
+                        return False
+                    time.sleep(0.2)
+                return True
+
+            assert accepted("old-internal-token") and not accepted("new-internal-token")
+            path.write_text("new-internal-token\nold-internal-token\n")
+            assert eventually(lambda: accepted("new-internal-token")) and accepted("old-internal-token")
+            path.write_text("new-internal-token\n")
+            assert eventually(lambda: not accepted("old-internal-token")) and accepted("new-internal-token")
+    finally:
+        target.terminate()
+        target.wait(timeout=30)
+
+
 REFUSAL_CHECK = """
 import sys
 from specdec.cli import main
