@@ -204,18 +204,12 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
     async def admitted(self, chunks, caller: str):
         """`chunks` if this coordinator is ready and below its limits of requests at once:
         in all, and of `caller` (caller_id; "" = no API tokens, no limit of its own)."""
-        if self.tokenizer is None:
-            raise Unavailable("the coordinator is still starting; retry shortly")
-        if self.running >= self.config.max_concurrent_requests:
-            raise ResourceExhausted(
-                f"{self.running} requests are running, the limit of this coordinator; retry with back-off"
-            )
-        mine, limit = self.running_by_caller.get(caller, 0), self.config.max_requests_per_caller
-        if caller and limit and mine >= limit:
-            raise ResourceExhausted(f"{mine} requests of this API token's caller are running, the limit of one "
-                                    "caller on this coordinator; retry with back-off once one ends")  # fmt: skip
+        if (refused := self.refusal(caller)) is not None:
+            reason, error = refused
+            self.metrics.requests_refused.labels(reason=reason).inc()
+            raise error
         self.running += 1
-        self.running_by_caller[caller] = mine + 1
+        self.running_by_caller[caller] = self.running_by_caller.get(caller, 0) + 1
         try:
             async for chunk in chunks:
                 yield chunk
@@ -224,6 +218,23 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             self.running_by_caller[caller] -= 1
             if not self.running_by_caller[caller]:
                 del self.running_by_caller[caller]
+
+    def refusal(self, caller: str) -> tuple[str, Exception] | None:
+        """Why a call of `caller` cannot start now (a reason for the metric and the error to
+        raise: starting, limit, caller_limit), or None."""
+        mine, limit = self.running_by_caller.get(caller, 0), self.config.max_requests_per_caller
+        if self.tokenizer is None:
+            return "starting", Unavailable("the coordinator is still starting; retry shortly")
+        if self.running >= self.config.max_concurrent_requests:
+            return "limit", ResourceExhausted(
+                f"{self.running} requests are running, the limit of this coordinator; retry with back-off"
+            )
+        if caller and limit and mine >= limit:
+            return "caller_limit", ResourceExhausted(
+                f"{mine} requests of this API token's caller are running, the limit of one caller on this "
+                "coordinator; retry with back-off once one ends"
+            )
+        return None
 
     async def generate(self, request: pb.GenerateRequest, context, caller: str):
         plan = self.plan(request)

@@ -11,6 +11,9 @@ Coordinator:
     specdec:spec_decode_num_accepted_tokens_per_pos{position}
     specdec:request_success{finished_reason}     finished requests (length, stop, eos)
     specdec:request_failure{status}              failed or cancelled requests, by gRPC status
+    specdec:requests_refused{reason}             Generate / Resume calls refused before they ran:
+                                                 starting, limit (--max-concurrent-requests),
+                                                 caller_limit (--max-requests-per-caller)
     specdec:prompt_tokens, specdec:generation_tokens
     specdec:time_to_first_token_seconds, specdec:inter_token_latency_seconds,
     specdec:e2e_request_latency_seconds          histograms
@@ -51,6 +54,9 @@ class CoordinatorMetrics:
         )
         self.request_failure = Counter(
             "specdec:request_failure", "Failed or cancelled requests by gRPC status.", ["status"], registry=r
+        )
+        self.requests_refused = Counter(
+            "specdec:requests_refused", "Calls refused before they ran, by reason.", ["reason"], registry=r
         )
         self.prompt_tokens = Counter("specdec:prompt_tokens", "Prompt tokens processed.", registry=r)
         self.generation_tokens = Counter("specdec:generation_tokens", "Tokens generated.", registry=r)

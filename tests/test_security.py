@@ -42,13 +42,21 @@ def code_of(call):
 
 
 @pytest.fixture(scope="module")
-def tls_stack(redis_url, tiny_models, pki, tmp_path_factory):
+def tls_metrics_port():
+    """The /metrics port of tls_stack's coordinator."""
+    from specdec.redis_server import free_port
+
+    return free_port()
+
+
+@pytest.fixture(scope="module")
+def tls_stack(redis_url, tiny_models, pki, tmp_path_factory, tls_metrics_port):
     tokens = tmp_path_factory.mktemp("tokens") / "tokens.txt"
     tokens.write_text(f"# API tokens\n{API_TOKEN}\nsecond-token-77\n# tenant a, rotating\nalice alice-token-1\nalice alice-token-2\n")
     stack = start_stack(
         redis_url, tiny_models.target, tiny_models.draft,
         tls=StackTLS(pki["cert"], pki["key"], pki["ca"]), auth_token_file=str(tokens),
-        coordinator_args=["--max-requests-per-caller", "2"],
+        coordinator_args=["--max-requests-per-caller", "2", "--metrics-port", str(tls_metrics_port)],
     )  # fmt: skip
     yield stack
     stack.stop()
@@ -134,14 +142,24 @@ def test_a_named_tokens_sessions_belong_to_its_caller_name_so_rotating_the_token
         store.close()
 
 
-def test_one_caller_runs_at_most_its_limit_of_requests_at_once_and_others_are_not_held_up(tls_stack, pki, redis_url):
+def test_one_caller_runs_at_most_its_limit_of_requests_at_once_and_others_are_not_held_up(
+    tls_stack, pki, redis_url, tls_metrics_port
+):
     """--max-requests-per-caller 2: with the target frozen, alice's two requests (one per token
     of her name) are in flight; her third, by either token, is refused RESOURCE_EXHAUSTED at
-    once; another caller's request is admitted; thawed, all three finish."""
+    once, and counted in specdec:requests_refused_total{reason="caller_limit"}; another caller's
+    request is admitted; thawed, all three finish."""
     import signal
     import time
 
     import redis
+
+    from conftest import scrape
+
+    def refused() -> float:
+        return scrape(tls_metrics_port).get(("specdec:requests_refused_total", (("reason", "caller_limit"),)), 0.0)
+
+    refused_before = refused()
 
     results = {}
 
@@ -180,6 +198,7 @@ def test_one_caller_runs_at_most_its_limit_of_requests_at_once_and_others_are_no
             t.join(timeout=60)
         store.close()
     assert sorted(results) == ["alice-1", "alice-2", "other"] and all(len(ids) == 6 for ids in results.values())
+    assert refused() - refused_before == 2
     with specdec.Client(tls_stack.address, tls_ca=pki["ca"], token="alice-token-1") as c:  # her slots are free again
         assert len(c.generate(PROMPT, max_new_tokens=2, ignore_eos=True).token_ids) == 2
 
