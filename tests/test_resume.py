@@ -326,3 +326,15 @@ def test_specdec_delete_deletes_a_session_and_says_when_there_is_none(stack, cap
     assert capsys.readouterr().out == "deleted session for-cli-delete\n"
     assert main(["delete", "for-cli-delete", "--address", stack.address]) == 1
     assert "no session for-cli-delete (expired, deleted already, or never created)" in capsys.readouterr().err
+
+
+def test_the_async_client_deletes_a_session_too(stack, redis_url):
+    import asyncio
+
+    async def go():
+        async with specdec.AsyncClient(stack.address) as client:
+            await client.generate(prompt="hello world", max_new_tokens=4, session_id="async-delete", **PROMPT_OPTIONS)
+            return await client.delete("async-delete"), await client.delete("async-delete")
+
+    assert asyncio.run(go()) == (True, False)
+    assert session_meta(redis_url, "async-delete") == {}
