@@ -8,7 +8,7 @@ import logging
 from dataclasses import dataclass, field
 
 from specdec import serving, telemetry
-from specdec.errors import InvalidArgument, Unavailable, grpc_handler
+from specdec.errors import FailedPrecondition, InvalidArgument, NotFound, OutOfRange, Unavailable, grpc_handler
 from specdec.kvcache import SessionPool
 from specdec.metrics import ModelServiceMetrics
 from specdec.security import ServerSecurity, require_caller_credential
@@ -102,11 +102,19 @@ class ModelService:
         pool = self.ready()
         session_id = check_session_id(request.session_id)
         async with pool.use(session_id, self.store.exists) as state:
-            async with state.brought(
-                request.position, request.new_tokens, self.store.tokens, self.info.vocab_size,
-                self.info.max_context, self.committed_only, wait_s,
-            ):  # fmt: skip
-                yield state
+            try:
+                async with state.brought(
+                    request.position, request.new_tokens, self.store.tokens, self.info.vocab_size,
+                    self.info.max_context, self.committed_only, wait_s,
+                ):  # fmt: skip
+                    yield state
+            except (FailedPrecondition, OutOfRange):
+                # Tokens missing from Redis may mean the session itself is gone (deleted, expired)
+                # while we held it: say so, rather than call the request stale.
+                if not await self.store.exists(session_id):
+                    pool.release(session_id)
+                    raise NotFound(f"session {session_id!r} does not exist (expired, deleted or never created)") from None
+                raise
 
     @grpc_handler
     async def Release(self, request: pb.ReleaseRequest, context):

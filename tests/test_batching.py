@@ -190,7 +190,7 @@ def test_a_session_past_the_context_gets_its_error_and_the_others_in_its_pass_th
 def test_a_pass_that_fails_over_several_sessions_is_rerun_one_session_at_a_time_and_only_a_failing_one_fails(
     verifier, monkeypatch
 ):
-    """The batched forward runs out of memory after it has appended to one session's cache
+    """The batched forward runs out of memory after it has appended to two sessions' caches
     (simulated); each session is then verified alone, from the cache it had: the verdicts and
     states of one pass each, except the session whose own pass fails too, which gets that error."""
     from target_service import verifier as verifier_module

@@ -462,6 +462,34 @@ def test_internal_calls_for_unknown_sessions_are_not_found(tiny_stack):
     assert info.value.code() == grpc.StatusCode.NOT_FOUND
 
 
+def test_a_session_gone_from_redis_while_a_service_holds_it_is_not_found_there_and_dropped(
+    tiny_stack, client, tiny_models, redis_url
+):
+    """The target holds a session (its prompt verified), then the session's keys leave Redis
+    (its TTL, or a Delete while a cycle is in flight): the next Verify, whose new token cannot be
+    checked against the committed ones, is NOT_FOUND, not FAILED_PRECONDITION ("a stale or
+    foreign call"), and the target drops the session's cache."""
+    from specdec.session import tokens_key
+
+    client.generate(PROMPT, max_new_tokens=2, session_id="gone-while-held")
+    stub = internal_stub(tiny_stack, "target")
+    sampling = pb.SamplingParams(temperature=0.0, seed=1)
+    prompt = tiny_models.tokenizer.encode(PROMPT)
+    reply = stub.Verify(pb.VerifyRequest(session_id="gone-while-held", position=0, new_tokens=prompt,
+                                         sampling=sampling), timeout=10)  # fmt: skip
+    held = sessions_held(tiny_stack, "target")
+    store = redis.Redis.from_url(redis_url)
+    try:
+        store.delete(meta_key("gone-while-held"), tokens_key("gone-while-held"))
+    finally:
+        store.close()
+    with pytest.raises(grpc.RpcError) as info:
+        stub.Verify(pb.VerifyRequest(session_id="gone-while-held", position=len(prompt), new_tokens=[reply.next_token],
+                                     sampling=sampling), timeout=10)  # fmt: skip
+    assert info.value.code() == grpc.StatusCode.NOT_FOUND and "does not exist" in info.value.details()
+    assert sessions_held(tiny_stack, "target") == held - 1
+
+
 def test_target_refuses_a_draft_with_another_vocabulary(tiny_stack):
     request = pb.VerifyRequest(
         session_id="whatever", position=0, new_tokens=[5], sampling=pb.SamplingParams(seed=1),
