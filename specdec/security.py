@@ -116,10 +116,9 @@ class ServerSecurity:
     tls_key: str = ""
     # PEM CA bundle; set = mutual TLS: clients must present a certificate it signed.
     tls_client_ca: str = ""
-    # Accepted bearer tokens; empty = no token check.
-    tokens: tuple[str, ...] = ()
-    # The caller name of each named token (load_named_tokens): its sessions belong to the name.
-    names: Mapping[str, str] = field(default_factory=dict)
+    # Accepted bearer tokens, each with its caller name ("" for none: load_named_tokens); a
+    # named token's sessions belong to the name. Empty = no token check.
+    named: Mapping[str, str] = field(default_factory=dict)
     # The file the tokens come from (with the entries of the environment variable token_env):
     # re-read when it changes (refresh_tokens). "" = the tokens are fixed.
     token_file: str = ""
@@ -133,7 +132,12 @@ class ServerSecurity:
         from `path` when it changes."""
         stamp = file_stamp(path)  # before reading: a change while we read is seen next time
         named = load_named_tokens(path, env)
-        return cls(tls_cert, tls_key, tls_client_ca, tuple(named), named, path, env, stamp, time.monotonic())
+        return cls(tls_cert, tls_key, tls_client_ca, named, path, env, stamp, time.monotonic())
+
+    @property
+    def tokens(self) -> tuple[str, ...]:
+        """The accepted bearer tokens."""
+        return tuple(self.named)
 
     def refresh_tokens(self) -> None:
         """Re-read the token file if it changed since it was read (looked at once every
@@ -153,7 +157,7 @@ class ServerSecurity:
         except TokenFileError as exc:
             log.error("%s: the %d tokens read before stay accepted", exc, len(self.tokens))
             return
-        self.tokens, self.names = tuple(named), named
+        self.named = named
         log.info("re-read %s: %d tokens accepted, %d of them named", self.token_file, len(named), sum(map(bool, named.values())))
 
     @property
@@ -252,7 +256,7 @@ def caller_id(metadata: Sequence[tuple[str, str | bytes]] | None, security: Serv
     token = bearer_token(metadata) if security.tokens else None
     if token is None:
         return ""
-    name = security.names.get(token, "")
+    name = security.named.get(token, "")
     return f"name:{name}" if name else token_digest(token)
 
 
@@ -265,8 +269,8 @@ def is_caller(recorded: str, metadata: Sequence[tuple[str, str | bytes]] | None,
     token = bearer_token(metadata) if security.tokens else None
     if token is None:
         return False
-    name = security.names.get(token, "")
-    siblings = [t for t, n in security.names.items() if n == name] if name else [token]
+    name = security.named.get(token, "")
+    siblings = [t for t, n in security.named.items() if n == name] if name else [token]
     return recorded == caller_id(metadata, security) or recorded in {token_digest(t) for t in siblings}
 
 

@@ -211,7 +211,7 @@ def test_token_entries_are_a_token_or_a_name_and_a_token_and_a_bad_one_is_refuse
     monkeypatch.setenv("SPECDEC_AUTH_TOKEN", "env-token, carol carol-token")
     named = load_named_tokens(str(path), "SPECDEC_AUTH_TOKEN")
     assert named == {"plain-token": "", "bob-token-1": "bob", "bob-token-2": "bob", "env-token": "", "carol-token": "carol"}
-    security = ServerSecurity(tokens=tuple(named), names=named)
+    security = ServerSecurity(named=named)
     call = lambda token: (("authorization", f"Bearer {token}"),)  # noqa: E731
     assert caller_id(call("bob-token-2"), security) == "name:bob"
     assert caller_id(call("plain-token"), security) == token_digest("plain-token")
@@ -297,13 +297,13 @@ def test_refresh_tokens_takes_a_changed_file_and_keeps_the_old_tokens_when_the_n
     path = tmp_path / "tokens"
     path.write_text("alice secret-a1\n")
     security = ServerSecurity.from_token_file("", "", "", str(path), "")
-    assert security.tokens == ("secret-a1",) and security.names == {"secret-a1": "alice"}
+    assert security.tokens == ("secret-a1",) and security.named == {"secret-a1": "alice"}
     path.write_text("alice secret-a1\nalice secret-a2\n")
     security.refresh_tokens()  # looked at less than TOKEN_RECHECK_S ago: not yet
     assert security.tokens == ("secret-a1",)
     security.tokens_checked_at = 0.0
     security.refresh_tokens()
-    assert security.tokens == ("secret-a1", "secret-a2") and security.names["secret-a2"] == "alice"
+    assert security.tokens == ("secret-a1", "secret-a2") and security.named["secret-a2"] == "alice"
     for bad in ("", "alice secret-a3 oops\n"):
         path.write_text(bad)
         security.tokens_checked_at = 0.0
@@ -318,7 +318,7 @@ def test_refresh_tokens_takes_a_changed_file_and_keeps_the_old_tokens_when_the_n
     path.write_text("secret-b\n")
     security.tokens_checked_at = 0.0
     security.refresh_tokens()
-    assert security.tokens == ("secret-b",) and security.names == {"secret-b": ""}
+    assert security.tokens == ("secret-b",) and security.named == {"secret-b": ""}
 
 
 def test_plaintext_and_untrusting_clients_cannot_talk_to_a_tls_coordinator(tls_stack, pki):
