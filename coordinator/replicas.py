@@ -306,12 +306,16 @@ class Replicas:
         replicas = list(self.replicas.values())
         if not (self.follow_rollout and self.adopted is not None and replicas and all(r.refused for r in replicas)):
             return
-        served = {self.identity(r.info) for r in replicas}
-        if len(served) != 1 or replicas[0].info.vocab_fingerprint != self.adopted.vocab_fingerprint:
+        if len({self.identity(r.info) for r in replicas}) != 1 or not self.is_rollout(replicas[0].info):
             return
         self.take_rollout(replicas[0].info, f"every {self.name} replica at {self.address}")
         for replica in replicas:
             replica.refused, replica.checked = "", True
+
+    def is_rollout(self, info: pb.ModelInfoResponse) -> bool:
+        """Whether `info` is a model a rollout may replace the adopted one with: another model
+        of the adopted vocabulary (the coordinator's tokenizer still holds)."""
+        return self.identity(info) != self.reference and info.vocab_fingerprint == self.adopted.vocab_fingerprint
 
     def take_rollout(self, info: pb.ModelInfoResponse, where: str) -> None:
         """Adopt the model a rollout put in place of the adopted one (follow, follow_single)."""
@@ -332,9 +336,7 @@ class Replicas:
             info = await replica.stub.ModelInfo(pb.ModelInfoRequest(), timeout=CHECK_TIMEOUT_S)
         except grpc.aio.AioRpcError:
             return
-        if loaded(info) and self.identity(info) != self.reference and (
-            info.vocab_fingerprint == self.adopted.vocab_fingerprint
-        ):
+        if loaded(info) and self.is_rollout(info):
             self.take_rollout(info, f"the {self.name} at {self.address}")
 
     async def recheck(self, replica: Replica) -> bool:
