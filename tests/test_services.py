@@ -471,7 +471,11 @@ def test_a_session_gone_from_redis_while_a_service_holds_it_is_not_found_there_a
     foreign call"), and the target drops the session's cache."""
     from specdec.session import tokens_key
 
+    before = sessions_held(tiny_stack, "target")
     client.generate(PROMPT, max_new_tokens=2, session_id="gone-while-held")
+    # The coordinator releases a finished session on the services after its stream ends; wait for
+    # that, or the release could drop the cache the Verify below builds.
+    assert wait_until(lambda: sessions_held(tiny_stack, "target") == before)
     stub = internal_stub(tiny_stack, "target")
     sampling = pb.SamplingParams(temperature=0.0, seed=1)
     prompt = tiny_models.tokenizer.encode(PROMPT)
