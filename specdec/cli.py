@@ -326,7 +326,8 @@ def add_coordinator_flags(p: argparse.ArgumentParser) -> None:
              help="PEM client certificate to present to the draft and target (mutual TLS)")  # fmt: skip
     env_flag(p, "--internal-tls-key", "SPECDEC_INTERNAL_TLS_KEY", default="", help="PEM key of --internal-tls-cert")
     env_flag(p, "--internal-token-file", "SPECDEC_INTERNAL_TOKEN_FILE", default="",
-             help="file with the internal token to send to the draft and target (or set SPECDEC_INTERNAL_TOKEN)")  # fmt: skip
+             help="file with the internal token to send to the draft and target, its first line if it lists "
+                  "several; re-read when it changes, so a rotation needs no restart (or set SPECDEC_INTERNAL_TOKEN)")  # fmt: skip
     env_flag(p, "--ngram-via-draft-service", "SPECDEC_NGRAM_VIA_DRAFT_SERVICE", action="store_true",
              help="with an n-gram draft, ask the draft service for each cycle's drafts; by default the "
                   "coordinator runs the same lookup itself (the same tokens, without a network hop)")  # fmt: skip
@@ -436,14 +437,6 @@ def server_security(args, token_file: str, token_env: str):
     return ServerSecurity.from_token_file(args.tls_cert, args.tls_key, args.tls_client_ca, token_file, token_env)
 
 
-def internal_token(args) -> str:
-    """The one internal token the coordinator sends (the first, if the file lists several)."""
-    from specdec.security import INTERNAL_TOKEN_ENV, load_tokens
-
-    tokens = load_tokens(args.internal_token_file, INTERNAL_TOKEN_ENV)
-    return tokens[0] if tokens else ""
-
-
 def refuse_missing_model(service: str, model: str) -> None:
     """Exit at once with the line a failed load would print seconds later (after importing
     torch and transformers) when --model names no file, folder or catalog model."""
@@ -477,8 +470,8 @@ def run_serve(args) -> NoReturn:
             max_prompt_tokens=args.max_prompt_tokens, max_concurrent_requests=args.max_concurrent_requests,
             max_requests_per_caller=args.max_requests_per_caller,
             security=server_security(args, args.auth_token_file, AUTH_TOKEN_ENV),
-            internal=ChannelSecurity(args.internal_tls_ca, args.internal_tls_cert, args.internal_tls_key,
-                                     internal_token(args)),
+            internal=ChannelSecurity.from_token_file(args.internal_tls_ca, args.internal_tls_cert, args.internal_tls_key,
+                                                     args.internal_token_file, INTERNAL_TOKEN_ENV),
         )  # fmt: skip
     else:  # draft or target: --model, credentials and TLS files checked before torch is imported
         refuse_missing_model(args.service, args.model)

@@ -93,7 +93,7 @@ def channel(address: str, security: ChannelSecurity | None = None, server_name: 
     else:
         named = [("grpc.ssl_target_name_override", server_name)] if server_name else []
         opened = grpc.aio.secure_channel(address, credentials, options=CLIENT_OPTIONS + named)
-    return TokenChannel(opened, security.metadata()) if security.token else opened
+    return TokenChannel(opened, security) if security.sends_token else opened
 
 
 def parse_request(message_class):

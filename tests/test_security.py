@@ -204,14 +204,14 @@ def test_one_caller_runs_at_most_its_limit_of_requests_at_once_and_others_are_no
 
 
 def test_token_entries_are_a_token_or_a_name_and_a_token_and_a_bad_one_is_refused_without_showing_it(tmp_path, monkeypatch):
-    from specdec.security import ServerSecurity, caller_id, is_caller, load_named_tokens, token_digest
+    from specdec.security import ServerSecurity, TokenSource, caller_id, is_caller, load_named_tokens, token_digest
 
     path = tmp_path / "tokens"
     path.write_text("# comment\n\nplain-token\n  bob   bob-token-1  \nbob bob-token-2\n")
     monkeypatch.setenv("SPECDEC_AUTH_TOKEN", "env-token, carol carol-token")
     named = load_named_tokens(str(path), "SPECDEC_AUTH_TOKEN")
     assert named == {"plain-token": "", "bob-token-1": "bob", "bob-token-2": "bob", "env-token": "", "carol-token": "carol"}
-    security = ServerSecurity(named=named)
+    security = ServerSecurity(source=TokenSource(named))
     call = lambda token: (("authorization", f"Bearer {token}"),)  # noqa: E731
     assert caller_id(call("bob-token-2"), security) == "name:bob"
     assert caller_id(call("plain-token"), security) == token_digest("plain-token")
@@ -301,24 +301,50 @@ def test_refresh_tokens_takes_a_changed_file_and_keeps_the_old_tokens_when_the_n
     path.write_text("alice secret-a1\nalice secret-a2\n")
     security.refresh_tokens()  # looked at less than TOKEN_RECHECK_S ago: not yet
     assert security.tokens == ("secret-a1",)
-    security.tokens_checked_at = 0.0
+    security.source.checked_at = 0.0
     security.refresh_tokens()
     assert security.tokens == ("secret-a1", "secret-a2") and security.named["secret-a2"] == "alice"
     for bad in ("", "alice secret-a3 oops\n"):
         path.write_text(bad)
-        security.tokens_checked_at = 0.0
+        security.source.checked_at = 0.0
         with caplog.at_level("ERROR", logger="specdec"):
             security.refresh_tokens()
         assert security.tokens == ("secret-a1", "secret-a2")
-        assert "the 2 tokens read before stay accepted" in caplog.text and "secret-a3" not in caplog.text
+        assert "the 2 tokens read before stay in use" in caplog.text and "secret-a3" not in caplog.text
     path.unlink()  # a Secret's file swapped out for a moment
-    security.tokens_checked_at = 0.0
+    security.source.checked_at = 0.0
     security.refresh_tokens()
     assert security.tokens == ("secret-a1", "secret-a2")
     path.write_text("secret-b\n")
-    security.tokens_checked_at = 0.0
+    security.source.checked_at = 0.0
     security.refresh_tokens()
     assert security.tokens == ("secret-b",) and security.named == {"secret-b": ""}
+
+
+def test_a_client_sends_the_first_token_of_its_file_as_the_file_is_now(tmp_path, monkeypatch):
+    """ChannelSecurity.from_token_file (the coordinator's internal hops): the first token of
+    the file, then of the environment variable; a changed file's first token from the next
+    look on; an emptied file keeps the token it had; neither file nor variable = no token."""
+    from specdec.security import ChannelSecurity
+
+    path = tmp_path / "internal-token"
+    path.write_text("first-token\nsecond-token\n")
+    monkeypatch.setenv("SPECDEC_INTERNAL_TOKEN", "env-token")
+    security = ChannelSecurity.from_token_file("", "", "", str(path), "SPECDEC_INTERNAL_TOKEN")
+    assert security.sends_token and security.metadata() == (("authorization", "Bearer first-token"),)
+    path.write_text("second-token\nfirst-token\n\n")  # one byte more: a file stamp's mtime may not have moved
+    assert security.metadata() == (("authorization", "Bearer first-token"),)  # looked at < TOKEN_RECHECK_S ago
+    security.source.checked_at = 0.0
+    assert security.metadata() == (("authorization", "Bearer second-token"),)
+    path.write_text("")
+    security.source.checked_at = 0.0
+    assert security.metadata() == (("authorization", "Bearer second-token"),)
+    assert ChannelSecurity.from_token_file("", "", "", "", "SPECDEC_INTERNAL_TOKEN").metadata() == (
+        ("authorization", "Bearer env-token"),
+    )
+    monkeypatch.delenv("SPECDEC_INTERNAL_TOKEN")
+    none = ChannelSecurity.from_token_file("", "", "", "", "SPECDEC_INTERNAL_TOKEN")
+    assert not none.sends_token and none.metadata() == ()
 
 
 def test_plaintext_and_untrusting_clients_cannot_talk_to_a_tls_coordinator(tls_stack, pki):
@@ -365,34 +391,50 @@ def test_internal_services_refuse_calls_without_the_internal_token(tiny_stack, s
     assert is_serving(address, {"draft": "specdec.v1.Draft", "target": TARGET_SERVICE}[service])
 
 
-def test_a_model_service_rereads_its_internal_token_file_so_the_token_rotates_without_a_restart(
-    redis_url, tiny_models, tmp_path
-):
-    """A target started with --internal-token-file: its token is accepted; the file then holds
-    the new token first and the old second (a rotation's middle step): both are; then only the
-    new one: the old is refused. No restart."""
+def test_the_internal_token_rotates_in_three_steps_on_a_running_stack_with_no_restart(redis_url, tiny_models, tmp_path):
+    """The model services read --internal-token-file and accept every token in it; the
+    coordinator reads its own and sends the first. Each file is swapped (a new inode, as a
+    Kubernetes Secret volume does) through a rotation's three steps, the two files changing at
+    different times as pods pick a Secret up: services `OLD NEW`; coordinator `NEW OLD`;
+    services `NEW`. Requests succeed throughout, and at the end the services refuse OLD, so
+    the coordinator sends NEW without having restarted. (The stack also gives each process
+    the stack's token through SPECDEC_INTERNAL_TOKEN, which the services keep accepting and the
+    coordinator, whose file's entries come first, never sends.)"""
     import time
 
-    from specdec.redis_server import free_port
+    def swap(path, text: str) -> None:
+        staged = path.with_suffix(".new")
+        staged.write_text(text)
+        os.replace(staged, path)
 
-    path = tmp_path / "internal-token"
-    path.write_text("old-internal-token\n")
-    port = free_port()
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SPECDEC_INTERNAL")}
-    target = subprocess.Popen(
-        [sys.executable, "-m", "specdec.cli", "serve", "target", "--model", tiny_models.target, "--redis-url", redis_url,
-         "--port", str(port), "--threads", "1", "--internal-token-file", str(path)],
-        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )  # fmt: skip
-    try:
-        deadline = time.monotonic() + 120
-        while not is_serving(f"127.0.0.1:{port}", TARGET_SERVICE):
-            assert target.poll() is None and time.monotonic() < deadline, "the target did not start"
+    def eventually(check, within_s: float = 10.0) -> bool:
+        deadline = time.monotonic() + within_s
+        while not check():
+            if time.monotonic() > deadline:
+                return False
             time.sleep(0.2)
-        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
-            stub = pb_grpc.TargetStub(channel)
+        return True
 
-            def accepted(token: str) -> bool:
+    services, coordinator = tmp_path / "services-token", tmp_path / "coordinator-token"
+    swap(services, "old-internal-token\n")
+    swap(coordinator, "old-internal-token\n")
+    flags = ["--internal-token-file", str(services)]
+    stack = start_stack(redis_url, tiny_models.target, tiny_models.draft, draft_args=flags, target_args=flags,
+                        coordinator_args=["--internal-token-file", str(coordinator)])  # fmt: skip
+    try:
+        expected = None
+
+        def serves() -> bool:
+            """A request through the coordinator gives the stack's tokens."""
+            nonlocal expected
+            with specdec.Client(stack.address) as client:
+                got = client.generate(PROMPT, max_new_tokens=8, ignore_eos=True, temperature=0.0).token_ids
+            expected = expected or got
+            return got == expected
+
+        def accepted(name: str, token: str) -> bool:
+            with grpc.insecure_channel(f"127.0.0.1:{stack.ports[name]}") as channel:
+                stub = {"draft": pb_grpc.DraftStub, "target": pb_grpc.TargetStub}[name](channel)
                 try:
                     stub.ModelInfo(pb.ModelInfoRequest(), timeout=10, metadata=(("authorization", f"Bearer {token}"),))
                     return True
@@ -400,22 +442,21 @@ def test_a_model_service_rereads_its_internal_token_file_so_the_token_rotates_wi
                     assert exc.code() == grpc.StatusCode.UNAUTHENTICATED, exc
                     return False
 
-            def eventually(check) -> bool:
-                deadline = time.monotonic() + 10
-                while not check():
-                    if time.monotonic() > deadline:
-                        return False
-                    time.sleep(0.2)
-                return True
-
-            assert accepted("old-internal-token") and not accepted("new-internal-token")
-            path.write_text("new-internal-token\nold-internal-token\n")
-            assert eventually(lambda: accepted("new-internal-token")) and accepted("old-internal-token")
-            path.write_text("new-internal-token\n")
-            assert eventually(lambda: not accepted("old-internal-token")) and accepted("new-internal-token")
+        both = ("draft", "target")
+        assert serves() and not any(accepted(name, "new-internal-token") for name in both)
+        swap(services, "old-internal-token\nnew-internal-token\n")  # 1: the services accept NEW too
+        assert all(eventually(lambda n=name: accepted(n, "new-internal-token")) for name in both) and serves()
+        swap(coordinator, "new-internal-token\nold-internal-token\n")  # 2: the coordinator sends NEW
+        time.sleep(1.5)  # TOKEN_RECHECK_S, and the coordinator's next call re-reads
+        assert serves()
+        swap(services, "new-internal-token\n")  # 3: OLD is refused
+        assert all(eventually(lambda n=name: not accepted(n, "old-internal-token")) for name in both)
+        assert serves() and serves()
+        swap(coordinator, "")  # emptied by mistake: logged, and it keeps sending NEW
+        time.sleep(1.5)
+        assert serves()
     finally:
-        target.terminate()
-        target.wait(timeout=30)
+        stack.stop()
 
 
 REFUSAL_CHECK = """
