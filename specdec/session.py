@@ -46,7 +46,9 @@ from specdec.security import redact_url
 REDIS_URL_ENV = "SPECDEC_REDIS_URL"
 # The URL schemes of a Redis Cluster, and the scheme redis-py takes for each.
 CLUSTER_SCHEMES = {"redis+cluster": "redis", "rediss+cluster": "rediss"}
-# A cluster client follows MOVED / ASK redirects (a failover, a slot moving) within its retries.
+# A cluster client follows MOVED / ASK redirects (a failover, a slot moving) within a command;
+# a command that cannot reach its node, or meets CLUSTERDOWN, is resent this many times after a
+# topology refresh (a master killed: its replica takes over after the cluster's node timeout).
 CLUSTER_RETRIES = 2
 DEFAULT_TTL_S = 3600
 MAX_SESSION_ID_LEN = 128
@@ -156,9 +158,10 @@ def connect(url: str, socket_timeout_s: float, connect_timeout_s: float) -> aior
     """A client of the Redis that `url` names. `redis://` / `rediss://`: one server, every
     command sent once (SessionStore). `redis+cluster://` / `rediss+cluster://`: a Redis
     Cluster reached through the node the URL names; a session's keys share a hash tag, so
-    each script runs on the one node holding its slot, and a command that meets a failover or a
-    moving slot follows the redirect (at most CLUSTER_RETRIES times; a commit resent after a lost
-    reply is refused by its cycle fence, never applied twice)."""
+    each script runs on the one node holding its slot; a command redirected by a failover or a
+    moving slot follows the redirect, and one that cannot reach its node is resent at most
+    CLUSTER_RETRIES times (a commit resent after a lost reply is refused by its cycle fence,
+    never applied twice)."""
     options = dict(socket_timeout=socket_timeout_s, socket_connect_timeout=connect_timeout_s, decode_responses=True,
                    **NO_MAINT_NOTIFICATIONS)  # fmt: skip
     scheme, _, rest = url.partition("://")

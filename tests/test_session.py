@@ -1,6 +1,7 @@
 """The Redis session store against a real redis-server: layout, fencing, TTL."""
 
 import asyncio
+import contextlib
 from types import SimpleNamespace
 
 import pytest
@@ -168,6 +169,15 @@ def test_bad_session_ids_are_refused(redis_url, bad):
 def redis_cluster(tmp_path_factory):
     """Three real redis-server processes made one Redis Cluster (slots split in three, no
     replicas), as `redis-cli --cluster create` would: the address of its first node."""
+    with running_cluster(tmp_path_factory.mktemp("redis-cluster")) as cluster:
+        yield cluster
+
+
+@contextlib.contextmanager
+def running_cluster(folder, replicas: bool = False):
+    """A Redis Cluster of three masters (slots split in three), each with a replica when
+    `replicas`: .address (the first master's), .nodes (the masters, then the replicas, as
+    clients) and .processes, in the same order. Nodes give up on a silent peer after 1 s."""
     import subprocess
     import time
 
@@ -175,34 +185,44 @@ def redis_cluster(tmp_path_factory):
 
     from specdec.redis_server import redis_server_binary
 
-    folder = tmp_path_factory.mktemp("redis-cluster")
-    ports = [cluster_port() for _ in range(3)]
+    ports = [cluster_port() for _ in range(6 if replicas else 3)]
     processes = [
         subprocess.Popen([redis_server_binary(), "--port", str(port), "--bind", "127.0.0.1", "--cluster-enabled", "yes",
-                          "--cluster-config-file", f"nodes-{port}.conf", "--save", "", "--appendonly", "no",
-                          "--dir", str(folder)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+                          "--cluster-config-file", f"nodes-{port}.conf", "--cluster-node-timeout", "1000",
+                          "--save", "", "--appendonly", "no", "--dir", str(folder)],
+                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
         for port in ports
     ]
     nodes = [redis.Redis(host="127.0.0.1", port=port) for port in ports]
+
+    def wait(condition, what: str, within_s: float = 30.0) -> None:
+        deadline = time.monotonic() + within_s
+        while not condition():
+            assert time.monotonic() < deadline, what
+            time.sleep(0.05)
+
+    def answers(node) -> bool:
+        try:
+            return node.ping()
+        except redis.exceptions.ConnectionError:
+            return False
+
     try:
         for node in nodes:
-            deadline = time.monotonic() + 10
-            while True:
-                try:
-                    node.ping()
-                    break
-                except redis.exceptions.ConnectionError:
-                    assert time.monotonic() < deadline, "a cluster node did not start"
-                    time.sleep(0.05)
-        for i, node in enumerate(nodes):
+            wait(lambda: answers(node), "a cluster node did not start", 10)
+        for i, node in enumerate(nodes[:3]):
             node.execute_command("CLUSTER", "ADDSLOTS", *range(i * 16384 // 3, (i + 1) * 16384 // 3))
         for port in ports[1:]:
             nodes[0].execute_command("CLUSTER", "MEET", "127.0.0.1", port)
-        deadline = time.monotonic() + 30
-        while not all(b"cluster_state:ok" in node.execute_command("CLUSTER", "INFO") for node in nodes):
-            assert time.monotonic() < deadline, "the cluster did not come up"
-            time.sleep(0.1)
-        yield SimpleNamespace(address=f"127.0.0.1:{ports[0]}", nodes=nodes)
+        for master, replica in zip(nodes[:3], nodes[3:]):
+            master_id = master.execute_command("CLUSTER", "MYID").decode()
+            wait(lambda: master_id.encode() in replica.execute_command("CLUSTER", "NODES"), "a replica never met its master")
+            replica.execute_command("CLUSTER", "REPLICATE", master_id)
+        for node in nodes:
+            wait(lambda: b"cluster_state:ok" in node.execute_command("CLUSTER", "INFO"), "the cluster did not come up")
+        for replica in nodes[3:]:
+            wait(lambda: replica.info("replication").get("master_link_status") == "up", "a replica did not sync")
+        yield SimpleNamespace(address=f"127.0.0.1:{ports[0]}", nodes=nodes, processes=processes)
     finally:
         for node in nodes:
             node.close()
@@ -272,6 +292,86 @@ def test_a_stack_keeps_its_sessions_in_a_redis_cluster_named_by_a_cluster_url(re
         assert run(plain_reads()) > 0
     finally:
         stack.stop()
+
+
+def test_sessions_outlive_failovers_of_their_redis_cluster_nodes(tmp_path, tiny_models):
+    """Three masters, each with a replica. (1) A graceful failover of every master (`CLUSTER
+    FAILOVER` on each replica) while a stream waits on the frozen target: the stream goes on
+    when the target does, its commits following the MOVED redirects to the new masters, and
+    ends with the tokens of an undisturbed run; a session finished before resumes. (2) The
+    master of that session's slot is killed: until its replica takes over (node timeout 1 s,
+    then an election) requests fail UNAVAILABLE, never otherwise; then requests succeed again
+    and the session, replicated before the kill, still resumes."""
+    import signal
+    import threading
+    import time
+
+    import grpc
+
+    import specdec
+    from conftest import start_stack
+
+    def roles(nodes) -> list[str]:
+        return [node.execute_command("ROLE")[0].decode() for node in nodes]
+
+    def wait(condition, what: str, within_s: float = 60.0) -> None:
+        deadline = time.monotonic() + within_s
+        while not condition():
+            assert time.monotonic() < deadline, what
+            time.sleep(0.1)
+
+    with running_cluster(tmp_path, replicas=True) as cluster:
+        stack = start_stack(f"redis+cluster://{cluster.address}/0", tiny_models.target, tiny_models.draft)
+        try:
+            options = dict(max_new_tokens=24, ignore_eos=True, num_speculative_tokens=3)
+            with specdec.Client(stack.address) as client:
+                expected = client.generate("hello world", **options).token_ids
+                assert client.generate("hello world", session_id="before", **options).token_ids == expected
+                chunks, streamed = [], threading.Event()
+
+                def stream():
+                    try:
+                        for chunk in client.generate_stream("hello world", session_id="across", **options):
+                            chunks.append(chunk)
+                            streamed.set()
+                    finally:
+                        streamed.set()
+
+                target = stack.processes["target"]
+                thread = threading.Thread(target=stream)
+                thread.start()
+                wait(streamed.is_set, "the stream's first chunk")
+                target.send_signal(signal.SIGSTOP)
+                try:
+                    for replica in cluster.nodes[3:]:
+                        replica.execute_command("CLUSTER", "FAILOVER")
+                    swapped = ["slave"] * 3 + ["master"] * 3
+                    wait(lambda: roles(cluster.nodes) == swapped, "the graceful failovers")
+                finally:
+                    target.send_signal(signal.SIGCONT)
+                thread.join(timeout=60)
+                assert not thread.is_alive() and [t for c in chunks for t in c.token_ids] == expected
+                assert client.resume("before", received_tokens=5).token_ids == expected[5:]
+
+                slot = cluster.nodes[3].execute_command("CLUSTER", "KEYSLOT", meta_key("before"))
+                holder = next(i for i in (3, 4, 5) if cluster.nodes[i].execute_command("CLUSTER", "COUNTKEYSINSLOT", slot))
+                cluster.processes[holder].kill()
+                cluster.processes[holder].wait(timeout=10)
+                failures = []
+
+                def resumes() -> bool:
+                    try:
+                        return client.resume("before", received_tokens=5).token_ids == expected[5:]
+                    except specdec.SpecdecClientError as exc:
+                        failures.append(exc)
+                        return False
+
+                wait(resumes, "the replica of the killed master never took over")
+                assert all(exc.code == grpc.StatusCode.UNAVAILABLE for exc in failures), failures
+                assert roles([cluster.nodes[holder - 3]]) == ["master"]
+                assert client.generate("hello world", session_id="after", **options).token_ids == expected
+        finally:
+            stack.stop()
 
 
 def test_a_redis_cluster_between_states_is_unavailable_to_callers_and_a_cross_slot_command_is_a_bug():
