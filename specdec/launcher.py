@@ -158,12 +158,14 @@ class Stack:
             read_pem(tls.ca, "CA certificate"), read_pem(tls.key, "TLS key"), read_pem(tls.cert, "TLS certificate")
         )
 
-    def tls_args(self, name: str) -> list[str]:
+    def tls_args(self, service: str) -> list[str]:
+        """The TLS flags of a process of `service`: a coordinator, added ones too, talks mutual TLS
+        to the model services."""
         tls = self.config.tls
         if tls is None:
             return []
         args = ["--tls-cert", tls.cert, "--tls-key", tls.key]
-        if name == "coordinator":
+        if service == "coordinator":
             return args + ["--internal-tls-ca", tls.ca, "--internal-tls-cert", tls.cert, "--internal-tls-key", tls.key]
         return args + ["--tls-client-ca", tls.ca]
 
@@ -259,7 +261,7 @@ class Stack:
         host = self.config.host if service == "coordinator" else "127.0.0.1"
         command = [
             sys.executable, "-m", "specdec.cli", "serve", service,
-            "--host", host, "--port", str(self.ports[name]), *self.tls_args(name), *args,
+            "--host", host, "--port", str(self.ports[name]), *self.tls_args(service), *args,
         ]  # fmt: skip
         if self.metrics_ports:
             command += ["--metrics-port", str(self.metrics_ports.get(name, 0))]  # an added process: none
