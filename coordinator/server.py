@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import secrets
@@ -34,7 +35,7 @@ from specdec.metrics import CoordinatorMetrics
 from specdec.ngram import DEFAULT_K, DEFAULT_MAX_NGRAM, DEFAULT_MIN_NGRAM, NGRAM_DRAFT
 from specdec.ranges import DEFAULT_DRAIN_S
 from specdec.security import ChannelSecurity, ServerSecurity, caller_id, is_caller
-from specdec.session import SessionStore, check_session_id, new_session_id
+from specdec.session import CALLER_LEASE_S, SessionStore, check_session_id, new_session_id
 from specdec.vocab import chat_ids, describe_model, has_chat_template
 from specdec.v1 import specdec_pb2 as pb
 from specdec.v1 import specdec_pb2_grpc as pb_grpc
@@ -82,9 +83,10 @@ class CoordinatorConfig:
     # Generate calls running at once; more are refused with RESOURCE_EXHAUSTED at once
     # (a client retries with back-off) instead of queueing without bound.
     max_concurrent_requests: int = 64
-    # ... and of those, at most this many of one caller (specdec.security: an API token, or a
-    # caller name shared by several), so one client cannot take every slot; 0 = no such limit.
-    # Without API tokens every caller is one and only the limit above applies.
+    # At most this many requests of one caller (specdec.security: an API token, or a caller
+    # name shared by several) at once, over all the coordinators of this Redis (each request
+    # holds a place: SessionStore.admit), so one client cannot take every slot; 0 = no such
+    # limit. Without API tokens every caller is one and only the limit above applies.
     max_requests_per_caller: int = 0
     # How long to wait for the model services at start-up.
     startup_timeout_s: float = STARTUP_TIMEOUT_S
@@ -143,7 +145,9 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         # What adaptive K has learnt about this draft/target pair, shared by all sessions.
         self.shared_k = AdaptiveK(config.max_k)
         self.running = 0  # Generate and Resume calls in progress
-        self.running_by_caller: dict[str, int] = {}  # ... of each caller (caller_id) with any
+        # The places (SessionStore.admit) this coordinator's requests hold, by caller; renewed.
+        self.places: dict[str, set[str]] = {}
+        self.renewer: asyncio.Task | None = None
 
     @property
     def target_info(self) -> pb.ModelInfoResponse | None:
@@ -179,6 +183,8 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
                  self.draft_info.model, self.target_info.model, self.default_k(), source)  # fmt: skip
 
     async def close(self) -> None:
+        if self.renewer is not None:
+            self.renewer.cancel()
         await self.drafts.close()
         await self.targets.close()
         await self.store.close()
@@ -202,39 +208,74 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             yield chunk
 
     async def admitted(self, chunks, caller: str):
-        """`chunks` if this coordinator is ready and below its limits of requests at once:
-        in all, and of `caller` (caller_id; "" = no API tokens, no limit of its own)."""
-        if (refused := self.refusal(caller)) is not None:
+        """`chunks` if this coordinator is ready and below its limit of requests at once, and
+        `caller` (caller_id; "" = no API tokens, no limit of its own) below its limit over all
+        the coordinators of this Redis (take_place)."""
+        if (refused := self.refusal()) is not None:
             reason, error = refused
             self.metrics.requests_refused.labels(reason=reason).inc()
             raise error
         self.running += 1
-        self.running_by_caller[caller] = self.running_by_caller.get(caller, 0) + 1
+        place = new_session_id() if caller and self.config.max_requests_per_caller else ""
         try:
+            await self.take_place(caller, place)
             async for chunk in chunks:
                 yield chunk
         finally:
             self.running -= 1
-            self.running_by_caller[caller] -= 1
-            if not self.running_by_caller[caller]:
-                del self.running_by_caller[caller]
+            if place:  # given back before the stream's end reaches the client, even when cancelled
+                with contextlib.suppress(asyncio.CancelledError):
+                    await asyncio.shield(self.spawn(self.give_back_place(caller, place)))
 
-    def refusal(self, caller: str) -> tuple[str, Exception] | None:
-        """Why a call of `caller` cannot start now (a reason for the metric and the error to
-        raise: starting, limit, caller_limit), or None."""
-        mine, limit = self.running_by_caller.get(caller, 0), self.config.max_requests_per_caller
+    def refusal(self) -> tuple[str, Exception] | None:
+        """Why a call cannot start on this coordinator now (a reason for the metric and the
+        error to raise: starting, limit), or None."""
         if self.tokenizer is None:
             return "starting", Unavailable("the coordinator is still starting; retry shortly")
         if self.running >= self.config.max_concurrent_requests:
             return "limit", ResourceExhausted(
                 f"{self.running} requests are running, the limit of this coordinator; retry with back-off"
             )
-        if caller and limit and mine >= limit:
-            return "caller_limit", ResourceExhausted(
-                f"{mine} requests of this API token's caller are running, the limit of one caller on this "
-                "coordinator; retry with back-off once one ends"
-            )
         return None
+
+    async def take_place(self, caller: str, place: str) -> None:
+        """Hold `place` (a request's id; "" = no per-caller limit applies) among `caller`'s
+        --max-requests-per-caller places in Redis, renewed while the request runs
+        (renew_places), or ResourceExhausted, counted as reason caller_limit."""
+        if not place:
+            return
+        running = await self.store.admit(caller, place, self.config.max_requests_per_caller)
+        if running is not None:
+            self.metrics.requests_refused.labels(reason="caller_limit").inc()
+            raise ResourceExhausted(
+                f"{running} requests of this API token's caller are running on the coordinators sharing this "
+                "Redis, the limit of one caller; retry with back-off once one ends"
+            )
+        self.places.setdefault(caller, set()).add(place)
+        if self.renewer is None:
+            self.renewer = asyncio.get_running_loop().create_task(self.renew_places())
+
+    async def give_back_place(self, caller: str, place: str) -> None:
+        """Stop renewing a request's place and give it back (one never taken: harmless)."""
+        held = self.places.get(caller, set())
+        held.discard(place)
+        if not held:
+            self.places.pop(caller, None)
+        try:
+            await self.store.leave(caller, place)
+        except Exception as exc:  # Redis away: the lease ends by itself within CALLER_LEASE_S
+            log.warning("could not give back a place of a caller (%s); its lease ends within %.0f s",
+                        type(exc).__name__, CALLER_LEASE_S)  # fmt: skip
+
+    async def renew_places(self) -> None:
+        """Every third of CALLER_LEASE_S, extend the leases of the places held here."""
+        while True:
+            await asyncio.sleep(CALLER_LEASE_S / 3)
+            for caller, held in list(self.places.items()):
+                try:
+                    await self.store.renew(caller, sorted(held))
+                except Exception as exc:  # tried again next round, before the lease ends
+                    log.warning("could not renew %d places of a caller (%s)", len(held), type(exc).__name__)
 
     async def generate(self, request: pb.GenerateRequest, context, caller: str):
         plan = self.plan(request)
@@ -571,10 +612,12 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             elif isinstance(result, Exception):
                 log.warning("releasing session %s: %s", session_id, result)
 
-    def spawn(self, coro) -> None:
+    def spawn(self, coro) -> asyncio.Task:
+        """Run `coro` as a task that outlives the caller's (kept until it ends)."""
         task = asyncio.get_running_loop().create_task(coro)
         self.background.add(task)
         task.add_done_callback(self.background.discard)
+        return task
 
     @grpc_handler
     async def Info(self, request, context):

@@ -312,9 +312,10 @@ def add_coordinator_flags(p: argparse.ArgumentParser) -> None:
     env_flag(p, "--max-concurrent-requests", "SPECDEC_MAX_CONCURRENT_REQUESTS", default=64, type=AT_LEAST_ONE,
              help="Generate calls served at once; more are refused with RESOURCE_EXHAUSTED")  # fmt: skip
     env_flag(p, "--max-requests-per-caller", "SPECDEC_MAX_REQUESTS_PER_CALLER", default=0, type=PER_CALLER,
-             help="of those, at most this many of one caller (an API token, or one caller NAME of the "
-                  "token file), so one client cannot take every slot; 0 = no such limit (without API tokens "
-                  "every client is one caller: only --max-concurrent-requests applies)")  # fmt: skip
+             help="at most this many requests of one caller (an API token, or one caller NAME of the "
+                  "token file) at once, counted over every coordinator of this Redis, so one client cannot "
+                  "take every slot; 0 = no such limit (without API tokens every client is one caller: only "
+                  "--max-concurrent-requests applies)")  # fmt: skip
     env_flag(p, "--auth-token-file", "SPECDEC_AUTH_TOKEN_FILE", default="",
              help="file of API tokens clients must send as `authorization: Bearer TOKEN`, a line each: TOKEN, or "
                   "NAME TOKEN, whose sessions belong to the caller NAME (any token of it resumes them: rotate "

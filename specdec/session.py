@@ -10,6 +10,11 @@ Layout (the `{session_id}` hash tag keeps one session in one Redis Cluster slot)
                            prompt_tokens, statistics, status, owner, plan (what
                            Resume needs besides), timestamps
     specdec:{<id>}:tokens  list of committed token ids (decimal strings)
+    specdec:caller:{<caller>}:running
+                           sorted set: the requests of one caller (security.caller_id) in
+                           progress on any coordinator, each scored with the end of its
+                           lease (Redis time, s), which its coordinator renews while it runs
+                           (admit, renew, leave); a lease a dead coordinator left ends alone
 
 Every write that advances a session runs as one Lua script that first checks the
 cycle number it expects, so a retried or duplicated cycle never commits twice, and
@@ -131,6 +136,38 @@ return 1
 """
 
 
+# A caller's request holds a lease on its place under --max-requests-per-caller this long,
+# renewed every third of it while the request runs: a coordinator that dies leaves places
+# that free themselves within this time.
+CALLER_LEASE_S = 30.0
+
+# KEYS: running. ARGV: limit, request id, lease s. Drops ended leases; admits the request if
+# fewer than `limit` are left. Returns -1 when admitted, else the count running.
+_ADMIT = """
+local now = redis.call('TIME')
+local t = tonumber(now[1]) + tonumber(now[2]) / 1e6
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', t)
+local running = redis.call('ZCARD', KEYS[1])
+if running >= tonumber(ARGV[1]) then return running end
+redis.call('ZADD', KEYS[1], t + tonumber(ARGV[3]), ARGV[2])
+redis.call('EXPIRE', KEYS[1], math.ceil(tonumber(ARGV[3])) + 1)
+return -1
+"""
+
+# KEYS: running. ARGV: lease s, request id, ... Extends the leases of those still held.
+_RENEW = """
+local now = redis.call('TIME')
+local t = tonumber(now[1]) + tonumber(now[2]) / 1e6 + tonumber(ARGV[1])
+for i = 2, #ARGV do redis.call('ZADD', KEYS[1], 'XX', t, ARGV[i]) end
+redis.call('EXPIRE', KEYS[1], math.ceil(tonumber(ARGV[1])) + 1)
+return 1
+"""
+
+
+def running_key(caller: str) -> str:
+    return f"specdec:caller:{{{caller}}}:running"
+
+
 def meta_key(session_id: str) -> str:
     return f"specdec:{{{session_id}}}:meta"
 
@@ -201,6 +238,8 @@ class SessionStore:
         self._commit = self.redis.register_script(_COMMIT)
         self._take_over = self.redis.register_script(_TAKE_OVER)
         self._set_if_owner = self.redis.register_script(_SET_IF_OWNER)
+        self._admit = self.redis.register_script(_ADMIT)
+        self._renew = self.redis.register_script(_RENEW)
 
     async def close(self) -> None:
         await self.redis.aclose()
@@ -297,3 +336,19 @@ class SessionStore:
 
     async def delete(self, session_id: str) -> None:
         await self.redis.delete(meta_key(session_id), tokens_key(session_id))
+
+    async def admit(self, caller: str, request_id: str, limit: int, lease_s: float = CALLER_LEASE_S) -> int | None:
+        """Give `request_id` one of `caller`'s `limit` places, counted over every coordinator
+        of this Redis, for `lease_s` (renew extends it, leave gives it back). None when
+        admitted; else how many of the caller's requests hold a place."""
+        running = await self._admit(keys=[running_key(caller)], args=[limit, request_id, lease_s])
+        return None if running == -1 else int(running)
+
+    async def renew(self, caller: str, request_ids: Sequence[str], lease_s: float = CALLER_LEASE_S) -> None:
+        """Extend the leases of `caller`'s requests that still hold their place."""
+        if request_ids:
+            await self._renew(keys=[running_key(caller)], args=[lease_s, *request_ids])
+
+    async def leave(self, caller: str, request_id: str) -> None:
+        """Give a request's place back."""
+        await self.redis.zrem(running_key(caller), request_id)

@@ -142,35 +142,37 @@ def test_a_named_tokens_sessions_belong_to_its_caller_name_so_rotating_the_token
         store.close()
 
 
-def test_one_caller_runs_at_most_its_limit_of_requests_at_once_and_others_are_not_held_up(
+def test_one_caller_runs_at_most_its_limit_of_requests_at_once_over_all_coordinators_and_others_are_not_held_up(
     tls_stack, pki, redis_url, tls_metrics_port
 ):
-    """--max-requests-per-caller 2: with the target frozen, alice's two requests (one per token
-    of her name) are in flight; her third, by either token, is refused RESOURCE_EXHAUSTED at
-    once, and counted in specdec:requests_refused_total{reason="caller_limit"}; another caller's
-    request is admitted; thawed, all three finish."""
+    """--max-requests-per-caller 2 on two coordinators of one Redis: with the target frozen,
+    alice's two requests (one per token of her name) run, one on each coordinator; her third,
+    by either token on either coordinator, is refused RESOURCE_EXHAUSTED at once, and counted in
+    specdec:requests_refused_total{reason="caller_limit"} of the one that refused; another
+    caller's request is admitted; thawed, all three finish and her places are free again."""
     import signal
     import time
 
     import redis
 
     from conftest import scrape
+    from specdec.session import running_key
 
     def refused() -> float:
         return scrape(tls_metrics_port).get(("specdec:requests_refused_total", (("reason", "caller_limit"),)), 0.0)
 
     refused_before = refused()
-
+    second = tls_stack.add_coordinator("per-caller-2", "--metrics-port", "0")
     results = {}
 
-    def run(name: str, token: str):
-        with specdec.Client(tls_stack.address, tls_ca=pki["ca"], token=token) as c:
+    def run(name: str, token: str, address: str):
+        with specdec.Client(address, tls_ca=pki["ca"], token=token) as c:
             results[name] = c.generate(PROMPT, max_new_tokens=6, ignore_eos=True, session_id=f"limit-{name}").token_ids
 
     store = redis.Redis.from_url(redis_url, decode_responses=True)
 
     def wait_admitted(*names: str) -> None:
-        """Until the coordinator has created the requests' sessions (it counts a request first)."""
+        """Until a coordinator has created the requests' sessions (it takes a place first)."""
         deadline = time.monotonic() + 60
         while not all(store.exists(meta_key(f"limit-{n}")) for n in names):
             assert time.monotonic() < deadline, f"{names} not admitted in 60 s"
@@ -179,28 +181,36 @@ def test_one_caller_runs_at_most_its_limit_of_requests_at_once_and_others_are_no
     target = tls_stack.processes["target"]
     target.send_signal(signal.SIGSTOP)
     try:
-        threads = [threading.Thread(target=run, args=(f"alice-{i}", f"alice-token-{i}")) for i in (1, 2)]
+        threads = [threading.Thread(target=run, args=("alice-1", "alice-token-1", tls_stack.address)),
+                   threading.Thread(target=run, args=("alice-2", "alice-token-2", second))]  # fmt: skip
         for t in threads:
             t.start()
         wait_admitted("alice-1", "alice-2")  # both wait on the frozen target
-        for token in ("alice-token-1", "alice-token-2"):
-            with specdec.Client(tls_stack.address, tls_ca=pki["ca"], token=token) as c:
-                started = time.monotonic()
-                code, message = code_of(lambda: c.generate(PROMPT, max_new_tokens=2, timeout=10))  # admitted: waits, then DEADLINE_EXCEEDED
-                assert time.monotonic() - started < 5.0
-            assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "2 requests of this API token's caller" in message
-        threads.append(threading.Thread(target=run, args=("other", API_TOKEN)))
+        for address in (tls_stack.address, second):
+            for token in ("alice-token-1", "alice-token-2"):
+                with specdec.Client(address, tls_ca=pki["ca"], token=token) as c:
+                    started = time.monotonic()
+                    code, message = code_of(lambda: c.generate(PROMPT, max_new_tokens=2, timeout=10))  # admitted: waits, then DEADLINE_EXCEEDED
+                    assert time.monotonic() - started < 5.0
+                assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "2 requests of this API token's caller" in message
+        threads.append(threading.Thread(target=run, args=("other", API_TOKEN, second)))
         threads[-1].start()
         wait_admitted("other")
     finally:
         target.send_signal(signal.SIGCONT)
         for t in threads:
             t.join(timeout=60)
+        extra = tls_stack.processes.pop("per-caller-2")
+        extra.terminate()
+        extra.wait(timeout=30)
+    try:
+        assert sorted(results) == ["alice-1", "alice-2", "other"] and all(len(ids) == 6 for ids in results.values())
+        assert refused() - refused_before == 2  # the two refusals of this coordinator
+        assert store.zcard(running_key("name:alice")) == 0  # given back as each request ended
+        with specdec.Client(tls_stack.address, tls_ca=pki["ca"], token="alice-token-1") as c:  # her places are free again
+            assert len(c.generate(PROMPT, max_new_tokens=2, ignore_eos=True).token_ids) == 2
+    finally:
         store.close()
-    assert sorted(results) == ["alice-1", "alice-2", "other"] and all(len(ids) == 6 for ids in results.values())
-    assert refused() - refused_before == 2
-    with specdec.Client(tls_stack.address, tls_ca=pki["ca"], token="alice-token-1") as c:  # her slots are free again
-        assert len(c.generate(PROMPT, max_new_tokens=2, ignore_eos=True).token_ids) == 2
 
 
 def test_token_entries_are_a_token_or_a_name_and_a_token_and_a_bad_one_is_refused_without_showing_it(tmp_path, monkeypatch):

@@ -162,6 +162,47 @@ def test_bad_session_ids_are_refused(redis_url, bad):
     run(go())
 
 
+# ---------------------------------------------------------------- places of a caller
+
+
+def test_a_callers_places_are_limited_leased_renewed_and_given_back(redis_url):
+    """admit gives at most `limit` places of one caller, others' apart; leave gives one back; a
+    lease not renewed ends by itself (a dead coordinator's places free themselves), a renewed
+    one holds past its first end; the set goes when its last lease ends."""
+    import time
+
+    from specdec.session import running_key
+
+    async def go():
+        store = SessionStore(redis_url)
+        try:
+            assert await store.admit("name:alice", "a1", 2) is None
+            assert await store.admit("name:alice", "a2", 2, lease_s=0.6) is None
+            assert await store.admit("name:alice", "a3", 2) == 2
+            assert await store.admit("name:bob", "b1", 2) is None  # another caller: its own places
+            await store.leave("name:alice", "a1")
+            assert await store.admit("name:alice", "a3", 2, lease_s=0.6) is None
+            assert await store.admit("name:alice", "a4", 2) == 2
+            await asyncio.sleep(0.4)
+            await store.renew("name:alice", ["a3"], lease_s=0.6)  # a3 renewed, a2 not
+            await asyncio.sleep(0.4)  # a2's lease has ended, a3's not
+            assert await store.admit("name:alice", "a4", 2) is None
+            assert await store.admit("name:alice", "a5", 2) == 2
+            await store.renew("name:alice", ["gone"], lease_s=0.6)  # a place not held is not taken
+            assert set(await store.redis.zrange(running_key("name:alice"), 0, -1)) == {"a3", "a4"}
+            await store.leave("name:bob", "b1")
+            assert not await store.redis.exists(running_key("name:bob"))
+            await store.renew("name:alice", ["a3", "a4"], lease_s=0.3)
+            started = time.monotonic()
+            while await store.redis.exists(running_key("name:alice")):
+                assert time.monotonic() - started < 5, "the set outlived its leases"
+                await asyncio.sleep(0.1)
+        finally:
+            await store.close()
+
+    run(go())
+
+
 # ---------------------------------------------------------------- Redis Cluster
 
 
