@@ -12,19 +12,42 @@ n-gram drafter matched, 0 for a model.
 After each token the drafter leaves `state` as: held = what its model has seen,
 pending = [that token]; so the next proposal (or the next cycle's `sync`) knows
 what the cache covers.
+
+A model drafter also drafts one token for each of several sessions in one forward pass
+(`draft_batch` over Steps, which the draft service batches as specdec.batching says): the
+rows of all of them go through each linear layer together; each token is then drawn with
+its own session's sampling and generator, from a q that is its own up to float rounding
+(and that q is what travels, so the output stays the target's whatever the rounding).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import logging
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 
 import torch
 
-from specdec.kvcache import SessionState, forward
+from specdec.kvcache import SessionState, crop_cache, forward_batch
 from specdec.ngram import DEFAULT_MAX_NGRAM, DEFAULT_MIN_NGRAM, NGRAM_DRAFT, find_continuation, lookup_token, mix_lookup
 from specdec.sampling import greedy_token
 from specdec.draft_wire import WireQ, wire_q
 from specdec.wire import Sampling
+
+
+log = logging.getLogger("specdec")
+
+Proposal = tuple[int, "WireQ | None", int]  # (token, q as it travels or None for one-hot, match_length)
+
+
+@dataclass
+class Step:
+    """One token to draft for one session (a job of specdec.batching)."""
+
+    state: SessionState
+    sampling: Sampling
+    generator: torch.Generator
+    batchable: bool = True
 
 
 class ModelDrafter:
@@ -50,24 +73,54 @@ class ModelDrafter:
 
     def propose(
         self, state: SessionState, k: int, sampling: Sampling, generator: torch.Generator
-    ) -> Iterator[tuple[int, WireQ | None, int]]:
+    ) -> Iterator[Proposal]:
         for _ in range(k):
-            logits = forward(self.model, state.cache, state.pending)  # [1, V]: the last position
-            state.feed(state.pending)  # held is now the whole context (pending is reset below)
-            looked_up, weight = lookup_token(state.held, self.lookup_weights) if self.lookup_weights else (-1, 0.0)
-            if sampling.greedy:
-                # Temperature 0: q is the one-hot of the argmax, which is the token; sent as
-                # one-hot, it needs no [V] tensor here, on the wire or at the target.
-                token, draft_probs = greedy_token(logits[-1]), None
-                if weight > 0 and token != looked_up:
-                    q = torch.softmax(logits[-1].float(), -1)  # [V]
-                    if weight + (1 - weight) * float(q[looked_up]) >= (1 - weight) * float(q[token]):
-                        token = looked_up
-            else:
-                draft_probs = self.draw_q(logits[-1], sampling, looked_up, weight)
-                token = draft_probs.sample(generator)
-            state.pending = [token]
-            yield token, draft_probs, 0
+            [proposal] = self.draft_batch([Step(state, sampling, generator)])
+            if isinstance(proposal, Exception):
+                raise proposal
+            yield proposal
+
+    def draft_batch(self, steps: Sequence[Step]) -> list[Proposal | Exception]:
+        """One token for each step's session, all in one forward pass over their pending
+        tokens (module doc); when that pass fails, each session's cache is cropped back to what
+        it held and each drafts in a pass of its own, so only one that fails alone fails."""
+        try:
+            logits = forward_batch(self.model, [step.state.cache for step in steps],
+                                   [step.state.pending for step in steps], [1] * len(steps))  # each [1, V]  # fmt: skip
+        except Exception as exc:  # noqa: BLE001 - the session's error, for it alone where it can be
+            if len(steps) == 1:
+                return [exc]
+            log.warning("a draft pass over %d sessions failed (%s): drafting them one at a time", len(steps), exc)
+            for step in steps:
+                crop_cache(step.state.cache, len(step.state.held))  # what the failed pass appended to some layers
+            return [self.draft_batch([step])[0] for step in steps]
+        results: list[Proposal | Exception] = []
+        for step, rows in zip(steps, logits):
+            try:
+                results.append(self.choose(step, rows[-1]))
+            except Exception as exc:  # noqa: BLE001 - this session's own error
+                results.append(exc)
+        return results
+
+    def choose(self, step: Step, logits: torch.Tensor) -> Proposal:
+        """Draw the step's token from the model's logits [V] after its pending tokens, and
+        leave its state at held = the context, pending = [that token]."""
+        state, sampling = step.state, step.sampling
+        state.feed(state.pending)  # held is now the whole context (pending is reset below)
+        looked_up, weight = lookup_token(state.held, self.lookup_weights) if self.lookup_weights else (-1, 0.0)
+        if sampling.greedy:
+            # Temperature 0: q is the one-hot of the argmax, which is the token; sent as
+            # one-hot, it needs no [V] tensor here, on the wire or at the target.
+            token, draft_probs = greedy_token(logits), None
+            if weight > 0 and token != looked_up:
+                q = torch.softmax(logits.float(), -1)  # [V]
+                if weight + (1 - weight) * float(q[looked_up]) >= (1 - weight) * float(q[token]):
+                    token = looked_up
+        else:
+            draft_probs = self.draw_q(logits, sampling, looked_up, weight)
+            token = draft_probs.sample(step.generator)
+        state.pending = [token]
+        return token, draft_probs, 0
 
     def draw_q(self, logits: torch.Tensor, sampling: Sampling, looked_up: int, weight: float) -> WireQ:
         """The q a token is drawn from, as it travels: logits [V] warped over the head's ids,

@@ -6,8 +6,9 @@ import logging
 import time
 from dataclasses import dataclass
 
-from draft_service.drafters import ModelDrafter, NgramDrafter
+from draft_service.drafters import ModelDrafter, NgramDrafter, Step
 from specdec import model_service, serving
+from specdec.batching import Batcher
 from specdec.errors import InvalidArgument, grpc_handler
 from specdec.model_service import ModelService, ModelServiceConfig
 from specdec.catalog import draft_default_k
@@ -38,6 +39,7 @@ class DraftServicer(ModelService, pb_grpc.DraftServicer):
     def __init__(self, config: DraftConfig, store: SessionStore):
         super().__init__(config, store, pb.ModelInfoResponse(model=config.model, max_k=config.max_k))
         self.drafter = None
+        self.batcher: Batcher | None = None  # a model draft's steps
 
     def load(self) -> None:
         """Load the drafter (blocking; run off the event loop)."""
@@ -53,6 +55,7 @@ class DraftServicer(ModelService, pb_grpc.DraftServicer):
             logging.getLogger("specdec").info("the draft mixes in the prompt lookup's token, weights %s",
                                               format_lookup_weights(weights))
         self.drafter = ModelDrafter(loaded, weights)
+        self.batcher = Batcher(self.worker, self.drafter.draft_batch, self.config.max_batch, self.metrics.batch_size.observe)
         self.info.kind = "model"
         self.info.default_k = draft_default_k(self.config.model) or 0  # the coordinator's K for requests without one
 
@@ -64,15 +67,24 @@ class DraftServicer(ModelService, pb_grpc.DraftServicer):
         sampling = self.internal_sampling(request.sampling)
         async with self.session(request) as state:
             generator = cycle_generator(sampling.seed, request.cycle, DRAFT)
-            drafts = self.drafter.propose(state, request.k, sampling, generator)
+            next_proposal = self.proposals(state, request.k, sampling, generator)
             for index in range(request.k):
                 started = time.perf_counter()
-                item = await self.worker.run(next, drafts, None)
+                item = await next_proposal()
                 if item is None:
                     break
                 self.metrics.forward_latency.observe(time.perf_counter() - started)
                 token, q, match_length = item
                 yield draft_token_to_pb(index, token, q, match_length)
+
+    def proposals(self, state, k: int, sampling, generator):
+        """A coroutine function giving the session's next proposal (None: no more): a model
+        draft's step shares a pass with other sessions' (self.batcher); an n-gram draft's
+        lookup runs on the worker."""
+        if self.batcher is not None:
+            return lambda: self.batcher.run(Step(state, sampling, generator))
+        drafts = self.drafter.propose(state, k, sampling, generator)
+        return lambda: self.worker.run(next, drafts, None)
 
 
 async def serve(config: DraftConfig) -> None:

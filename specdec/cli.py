@@ -255,6 +255,10 @@ def add_model_flags(p: argparse.ArgumentParser, prefix: str, model: str) -> None
     env_flag(p, "--internal-token-file", "SPECDEC_INTERNAL_TOKEN_FILE", default="",
              help="file with the internal token(s) the coordinator must send, re-read when it changes "
                   "(or set SPECDEC_INTERNAL_TOKEN)")  # fmt: skip
+    env_flag(p, "--max-batch", f"{prefix}_MAX_BATCH", default=DEFAULT_MAX_BATCH, type=AT_LEAST_ONE,
+             help="sessions one forward pass takes at most: the target's Verify calls, or a model draft's "
+                  "drafting steps, that wait while a pass runs share the next one, which reads the weights "
+                  "once for all of them (1 = one session a pass)")  # fmt: skip
     env_flag(p, "--allow-unauthenticated", "SPECDEC_ALLOW_UNAUTHENTICATED", action="store_true",
              help="serve without mutual TLS and without an internal token (development only)")  # fmt: skip
 
@@ -277,9 +281,6 @@ def add_target_flags(p: argparse.ArgumentParser) -> None:
     env_flag(p, "--solo-threads", "SPECDEC_TARGET_SOLO_THREADS", default=0, type=Range(int, 0),
              help="torch threads for a Verify while the draft is idle (drafts in hand, or none), when a "
                   "draft shares the machine; --threads is for one while it drafts beside it (0 = --threads)")  # fmt: skip
-    env_flag(p, "--max-batch", "SPECDEC_TARGET_MAX_BATCH", default=DEFAULT_MAX_BATCH, type=AT_LEAST_ONE,
-             help="sessions one verify pass takes at most: Verify calls that wait while a pass runs share the "
-                  "next one, which reads the weights once for all of them (1 = one session a pass)")  # fmt: skip
 
 
 def add_coordinator_flags(p: argparse.ArgumentParser) -> None:
@@ -484,6 +485,7 @@ def run_serve(args) -> NoReturn:
             model=args.model, redis_url=args.redis_url, host=args.host, port=args.port, max_k=args.max_k,
             max_sessions=args.max_sessions, dtype=args.dtype, device=args.device, metrics_port=args.metrics_port,
             max_cache_mb=args.max_cache_mb, allow_unauthenticated=args.allow_unauthenticated, security=security,
+            max_batch=args.max_batch,
         )  # fmt: skip
         if args.service == "draft":
             from draft_service.server import DraftConfig, serve
@@ -492,8 +494,7 @@ def run_serve(args) -> NoReturn:
         else:
             from target_service.server import TargetConfig, serve
 
-            config = TargetConfig(**shared, threads=args.threads, solo_threads=args.solo_threads,
-                                  max_batch=args.max_batch)  # fmt: skip
+            config = TargetConfig(**shared, threads=args.threads, solo_threads=args.solo_threads)
     asyncio.run(serve(config))
     exit_without_teardown(0)
 

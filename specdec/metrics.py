@@ -128,7 +128,7 @@ class ModelServiceMetrics:
             "specdec:kv_cache_bytes", "Memory held by the sessions' KV caches.", ["service"], registry=r
         ).labels(service=service)
         self.batch_size = Histogram(
-            "specdec:batch_size", "Sessions one forward pass served (the target batches Verify calls).",
+            "specdec:batch_size", "Sessions one forward pass served (the target batches Verify calls, a model draft its drafting steps).",
             ["service"], buckets=BATCH_BUCKETS, registry=r,
         ).labels(service=service)  # fmt: skip
         self._evictions_seen = 0

@@ -11,6 +11,7 @@ from specdec import serving, telemetry
 from specdec.errors import FailedPrecondition, InvalidArgument, NotFound, OutOfRange, Unavailable, grpc_handler
 from specdec.kvcache import SessionPool
 from specdec.metrics import ModelServiceMetrics
+from specdec.ranges import DEFAULT_MAX_BATCH
 from specdec.security import ServerSecurity, require_caller_credential
 from specdec.session import SessionStore, check_session_id
 from specdec.v1 import specdec_pb2 as pb
@@ -36,6 +37,10 @@ class ModelServiceConfig:
     device: str = "cpu"
     # Port of the Prometheus /metrics endpoint; 0 = off.
     metrics_port: int = 0
+    # Sessions one forward pass takes at most (specdec.batching): the target's Verify calls, or
+    # a model draft's drafting steps, that wait while a pass runs share the next one; 1 = one
+    # session a pass.
+    max_batch: int = DEFAULT_MAX_BATCH
     # TLS / mutual TLS, and the internal token(s) the coordinator must send.
     security: ServerSecurity = field(default_factory=ServerSecurity)
     # Serve without mTLS and without an internal token (development only).

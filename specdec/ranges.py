@@ -92,7 +92,7 @@ DRAIN_S = Range(float, 0)
 DEFAULT_DRAIN_S = 5.0
 # Seconds between two resolutions of a dns:/// replica address (coordinator.replicas).
 REPLICA_REFRESH_S = 10.0
-# Sessions one target verify pass takes at most (target_service.batcher; `--max-batch`).
+# Sessions one forward pass of the target or the draft takes at most (specdec.batching; `--max-batch`).
 DEFAULT_MAX_BATCH = 8
 SHARE = Range(float, 0, 1, below=True)  # a fraction that must leave something over
 

@@ -16,8 +16,7 @@ from specdec.v1 import specdec_pb2 as pb
 from specdec.v1 import specdec_pb2_grpc as pb_grpc
 from specdec.draft_wire import draft_from_pb
 from specdec.wire import target_key
-from specdec.ranges import DEFAULT_MAX_BATCH
-from target_service.batcher import VerifyBatcher
+from specdec.batching import Batcher
 from target_service.verifier import Job, Verifier
 
 
@@ -40,8 +39,6 @@ class TargetConfig(ModelServiceConfig):
     # 0 = leave torch's setting.
     threads: int = 0
     solo_threads: int = 0
-    # Sessions one verify pass takes at most (target_service.batcher); 1 = one at a time.
-    max_batch: int = DEFAULT_MAX_BATCH
 
 
 class TargetServicer(ModelService, pb_grpc.TargetServicer):
@@ -51,12 +48,12 @@ class TargetServicer(ModelService, pb_grpc.TargetServicer):
     def __init__(self, config: TargetConfig, store: SessionStore):
         super().__init__(config, store, pb.ModelInfoResponse(model=config.model, kind="model", max_k=config.max_k))
         self.verifier: Verifier | None = None
-        self.batcher: VerifyBatcher | None = None
+        self.batcher: Batcher | None = None
 
     def load(self) -> None:
         """Load the target model (blocking; run off the event loop)."""
         self.verifier = Verifier(self.load_model(), self.config.threads, self.config.solo_threads)
-        self.batcher = VerifyBatcher(self.worker, self.verifier.verify_batch, self.config.max_batch,
+        self.batcher = Batcher(self.worker, self.verifier.verify_batch, self.config.max_batch,
                                      self.metrics.batch_size.observe)  # fmt: skip
 
     @grpc_handler
@@ -74,7 +71,7 @@ class TargetServicer(ModelService, pb_grpc.TargetServicer):
         async with self.session(request, COMMIT_WAIT_S if request.awaits_commit else 0.0) as state:
             generator = cycle_generator(sampling.seed, request.cycle, TARGET)
             job = Job(state, drafts, sampling, generator, request.steps, request.draft_busy, stop_at_ngram)
-            verdict = await self.batcher.verify(job)
+            verdict = await self.batcher.run(job)
         self.metrics.forward_latency.observe(verdict.forward_ms / 1000)
         span = trace.get_current_span()  # the gRPC server span, when tracing is on
         span.set_attribute("specdec.forward_ms", verdict.forward_ms)

@@ -1,7 +1,8 @@
-"""The target verifies the cycles of several sessions in one forward pass (target_service.batcher,
-Verifier.verify_batch): Verify calls that wait while a pass runs share the next one, each
-session gets the verdict it would have had alone, and through the services the tokens are
-those of one request at a time."""
+"""The target verifies the cycles of several sessions in one forward pass (specdec.batching,
+Verifier.verify_batch), and a model draft drafts a token of each of several sessions in one
+(ModelDrafter.draft_batch): calls that wait while a pass runs share the next one, each
+session gets the verdict or the draft it would have had alone, and through the services the
+tokens are those of one request at a time."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import torch
 
 import specdec
 from conftest import scrape, start_stack
+from draft_service.drafters import ModelDrafter, Step
 from specdec.draft_wire import Draft
 from specdec.errors import OutOfRange
 from specdec.kvcache import SessionState, new_cache
@@ -23,7 +25,7 @@ from specdec.plain_forward import enable_plain_forward
 from specdec.redis_server import free_port
 from specdec.serving import ModelWorker
 from specdec.wire import Sampling
-from target_service.batcher import VerifyBatcher
+from specdec.batching import Batcher
 from target_service.verifier import Job, Verifier
 
 
@@ -57,11 +59,11 @@ def test_calls_that_wait_while_a_pass_runs_share_the_next_one_in_order_up_to_max
     async def run():
         worker = ModelWorker("test-target")
         sizes = []
-        batcher = VerifyBatcher(worker, passes, max_batch=3, observe=sizes.append)
-        first = asyncio.create_task(batcher.verify(job("a")))
+        batcher = Batcher(worker, passes, max_batch=3, observe=sizes.append)
+        first = asyncio.create_task(batcher.run(job("a")))
         await asyncio.sleep(0.05)  # the first pass has started, and waits on the gate
         names = ["b", "c", "steps", "bad-d", "e", "f"]
-        rest = [asyncio.create_task(batcher.verify(job(n, batchable=n != "steps"))) for n in names]
+        rest = [asyncio.create_task(batcher.run(job(n, batchable=n != "steps"))) for n in names]
         await asyncio.sleep(0.05)
         for _ in range(5):
             passes.gate.release()
@@ -84,11 +86,11 @@ def test_a_call_cancelled_while_queued_leaves_the_queue_and_one_cancelled_in_its
 
     async def run():
         worker = ModelWorker("test-target")
-        batcher = VerifyBatcher(worker, passes, max_batch=8)
-        running = asyncio.create_task(batcher.verify(job("running")))
+        batcher = Batcher(worker, passes, max_batch=8)
+        running = asyncio.create_task(batcher.run(job("running")))
         await asyncio.sleep(0.05)
-        queued = asyncio.create_task(batcher.verify(job("queued")))
-        kept = asyncio.create_task(batcher.verify(job("kept")))
+        queued = asyncio.create_task(batcher.run(job("queued")))
+        kept = asyncio.create_task(batcher.run(job("kept")))
         await asyncio.sleep(0.05)
         queued.cancel()
         running.cancel()
@@ -187,18 +189,10 @@ def test_a_session_past_the_context_gets_its_error_and_the_others_in_its_pass_th
     assert jobs[1].state.held == [] and jobs[1].state.cache.get_seq_length() == 0, "the refused session is untouched"
 
 
-def test_a_pass_that_fails_over_several_sessions_is_rerun_one_session_at_a_time_and_only_a_failing_one_fails(
-    verifier, monkeypatch
-):
-    """The batched forward runs out of memory after it has appended to two sessions' caches
-    (simulated); each session is then verified alone, from the cache it had: the verdicts and
-    states of one pass each, except the session whose own pass fails too, which gets that error."""
-    from target_service import verifier as verifier_module
-
-    real = verifier_module.forward_batch
-    jobs, reference = sessions_and_jobs(verifier, 1.0), sessions_and_jobs(verifier, 1.0)
-    doomed = jobs[3].state.cache
-    solo_starts = []  # the cached length each pass of one session starts from
+def failing_forward_batch(real, doomed, solo_starts: list[int]):
+    """A kvcache.forward_batch that, over several sessions, appends to the first two sessions'
+    caches and then fails (out of memory, simulated); over one, records the cache length it
+    starts from in `solo_starts` and fails again for the cache `doomed` alone."""
 
     def out_of_memory(model, caches, token_lists, keeps):
         if len(caches) > 1:
@@ -209,6 +203,20 @@ def test_a_pass_that_fails_over_several_sessions_is_rerun_one_session_at_a_time_
             raise RuntimeError("this session fails on its own too")
         return real(model, caches, token_lists, keeps)
 
+    return out_of_memory
+
+
+def test_a_pass_that_fails_over_several_sessions_is_rerun_one_session_at_a_time_and_only_a_failing_one_fails(
+    verifier, monkeypatch
+):
+    """The batched forward runs out of memory after it has appended to two sessions' caches
+    (simulated); each session is then verified alone, from the cache it had: the verdicts and
+    states of one pass each, except the session whose own pass fails too, which gets that error."""
+    from target_service import verifier as verifier_module
+
+    jobs, reference = sessions_and_jobs(verifier, 1.0), sessions_and_jobs(verifier, 1.0)
+    solo_starts = []  # the cached length each pass of one session starts from
+    out_of_memory = failing_forward_batch(verifier_module.forward_batch, jobs[3].state.cache, solo_starts)
     with torch.inference_mode():
         expected = [verifier.verify(j.state, j.drafts, j.sampling, j.generator) for j in reference[:3]]
         monkeypatch.setattr(verifier_module, "forward_batch", out_of_memory)
@@ -224,22 +232,84 @@ def test_a_pass_that_fails_over_several_sessions_is_rerun_one_session_at_a_time_
     assert jobs[3].state.held == [] and jobs[3].state.cache.get_seq_length() == 0
 
 
+# ---------------------------------------------------------------- real drafting
+
+
+def drafting_sessions(drafter: ModelDrafter, temperature: float) -> list[Step]:
+    """Four sessions (contexts of 5 to 40 tokens, not yet fed) each with its own sampling and
+    generator."""
+    vocab = drafter.model.config.vocab_size
+    generator = torch.Generator().manual_seed(5)
+    steps = []
+    for i, context in enumerate((5, 40, 17, 9)):
+        tokens = torch.randint(4, vocab, (context,), generator=generator).tolist()
+        state = SessionState(f"d{i}", held=[], pending=tokens, cache=new_cache(drafter.model.config))
+        steps.append(Step(state, Sampling(temperature, 0, 1.0, seed=i), torch.Generator().manual_seed(200 + i)))
+    return steps
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0], ids=["greedy", "sampled"])
+def test_one_drafting_pass_over_several_sessions_gives_each_the_tokens_and_q_of_its_own_passes(verifier, temperature):
+    """Four sessions drafting six tokens each, one session a pass (propose, as before) and all
+    four in each pass (draft_batch): the same tokens, the same q up to float rounding, the
+    same session states and cache lengths."""
+    drafter = ModelDrafter(verifier.loaded)
+    alone, together = drafting_sessions(drafter, temperature), drafting_sessions(drafter, temperature)
+    with torch.inference_mode():
+        separate = [list(drafter.propose(s.state, 6, s.sampling, s.generator)) for s in alone]
+        batched = [drafter.draft_batch(together) for _ in range(6)]  # [step][session]
+    for i, (a, b) in enumerate(zip(alone, together)):
+        assert [p[0] for p in separate[i]] == [step[i][0] for step in batched], f"session {i}"
+        for (_, q_alone, _), (_, q_batched, _) in ((separate[i][n], batched[n][i]) for n in range(6)):
+            if temperature == 0:
+                assert q_alone is None and q_batched is None
+            else:
+                assert torch.allclose(q_alone.probs(), q_batched.probs(), atol=1e-4)
+        assert (a.state.held, a.state.pending) == (b.state.held, b.state.pending)
+        assert a.state.cache.get_seq_length() == b.state.cache.get_seq_length() == len(a.state.held)
+    assert len({tuple(p[0] for p in tokens) for tokens in separate}) == 4, "four different drafts"
+
+
+def test_a_drafting_pass_that_fails_over_several_sessions_is_rerun_one_session_at_a_time(verifier, monkeypatch):
+    """The batched forward fails after appending to two sessions' caches (simulated): each
+    session then drafts alone from the cache it had, and gets the token of a pass of its own,
+    but the one whose own pass fails too, which gets that error and nothing else."""
+    from draft_service import drafters as drafters_module
+
+    drafter = ModelDrafter(verifier.loaded)
+    steps, reference = drafting_sessions(drafter, 1.0), drafting_sessions(drafter, 1.0)
+    solo_starts = []
+    out_of_memory = failing_forward_batch(drafters_module.forward_batch, steps[3].state.cache, solo_starts)
+    with torch.inference_mode():
+        expected = [drafter.draft_batch([step])[0] for step in reference[:3]]
+        monkeypatch.setattr(drafters_module, "forward_batch", out_of_memory)
+        results = drafter.draft_batch(steps)
+    assert solo_starts == [0, 0, 0, 0], "a session's own pass must start from the cache it had"
+    assert isinstance(results[3], RuntimeError) and "on its own" in str(results[3])
+    assert [r[0] for r in results[:3]] == [e[0] for e in expected]
+    for a, b in zip(steps[:3], reference[:3]):
+        assert (a.state.held, a.state.pending) == (b.state.held, b.state.pending)
+    assert steps[3].state.held == [] and steps[3].state.cache.get_seq_length() == 0
+
+
 # ---------------------------------------------------------------- through the services
 
 
-def test_concurrent_requests_share_verify_passes_and_get_the_tokens_of_one_request_at_a_time(redis_url, tiny_models):
-    """Eight greedy requests on different prompts at once through a stack whose target serves
-    /metrics: every one gets the tokens it gets alone, and the target's passes served more
-    sessions than there were passes."""
+def test_concurrent_requests_share_verify_and_drafting_passes_and_get_the_tokens_of_one_request_at_a_time(redis_url, tiny_models):
+    """Eight greedy requests on different prompts at once through a stack whose target and
+    draft serve /metrics: every one gets the tokens it gets alone, and both the target's and
+    the draft's passes served more sessions than there were passes."""
     port = free_port()
-    stack = start_stack(redis_url, tiny_models.target, tiny_models.draft, target_args=["--metrics-port", str(port)])
+    draft_port = free_port()
+    stack = start_stack(redis_url, tiny_models.target, tiny_models.draft, target_args=["--metrics-port", str(port)],
+                        draft_args=["--metrics-port", str(draft_port)])  # fmt: skip
     try:
         prompts = [tiny_models.tokenizer.encode(f"{word} world, {word}!") for word in
                    ("hello", "small", "brave", "quiet", "green", "round", "plain", "swift")]  # fmt: skip
         options = dict(max_new_tokens=40, ignore_eos=True, num_speculative_tokens=3)
         with specdec.Client(stack.address) as client:
             alone = [client.generate(prompt_token_ids=p, **options).token_ids for p in prompts]
-        before = batch_metrics(port)
+        before, draft_before = batch_metrics(port), batch_metrics(draft_port, "draft")
 
         async def at_once():
             async with specdec.AsyncClient(stack.address) as aclient:
@@ -249,17 +319,20 @@ def test_concurrent_requests_share_verify_passes_and_get_the_tokens_of_one_reque
         started = time.perf_counter()
         together = asyncio.run(at_once())
         elapsed = time.perf_counter() - started
-        after = batch_metrics(port)
+        after, draft_after = batch_metrics(port), batch_metrics(draft_port, "draft")
     finally:
         stack.stop()
     assert together == alone
     passes, sessions = after[0] - before[0], after[1] - before[1]
     print(f"\n8 requests at once: {passes:.0f} verify passes for {sessions:.0f} session cycles, {elapsed:.2f} s")
     assert sessions > passes, "some passes should have served several sessions"
+    draft_passes, drafted = draft_after[0] - draft_before[0], draft_after[1] - draft_before[1]
+    print(f"the draft: {draft_passes:.0f} passes for {drafted:.0f} drafted tokens")
+    assert drafted > draft_passes, "some drafting passes should have served several sessions"
 
 
-def batch_metrics(port: int) -> tuple[float, float]:
-    """(passes, sessions served) so far, from the target's specdec:batch_size histogram."""
+def batch_metrics(port: int, service: str = "target") -> tuple[float, float]:
+    """(passes, sessions served) so far, from a service's specdec:batch_size histogram."""
     samples = scrape(port)
-    return (samples[("specdec:batch_size_count", (("service", "target"),))],
-            samples[("specdec:batch_size_sum", (("service", "target"),))])  # fmt: skip
+    return (samples.get(("specdec:batch_size_count", (("service", service),)), 0.0),
+            samples.get(("specdec:batch_size_sum", (("service", service),)), 0.0))  # fmt: skip

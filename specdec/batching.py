@@ -1,14 +1,16 @@
-"""Verify calls of several sessions batched into one forward pass.
+"""Calls of several sessions batched into one forward pass: the target's Verify calls
+(target_service.verifier.Job) and the draft's drafting steps (draft_service.drafters.Step).
 
-The target's model runs on one worker thread (serving.ModelWorker), one call at a time. A
-Verify that finds the worker idle starts at once, alone: batching adds no wait. Verify calls
-that arrive while a pass runs queue up, and the next pass takes the first of them and every
-other one waiting that can share it (Job.batchable), up to max_batch: one forward over all
-their rows (Verifier.verify_batch), which reads the weights once where separate passes read
-them once each. A call that decodes plain steps after its pass runs alone, so that its steps
-do not hold up the others.
+A model runs on one worker thread (serving.ModelWorker), one pass at a time. A job that finds
+the worker idle starts at once, alone: batching adds no wait. Jobs that arrive while a pass
+runs queue up, and the next pass takes the first of them and every other one waiting that can
+share it (its `batchable`), up to max_batch: one forward over all their rows
+(kvcache.forward_batch), which reads the weights once where separate passes read them once
+each. A job that is not batchable (a Verify that decodes plain steps after its pass) runs
+alone, so that its steps do not hold up the others.
 
 Terms:
+    job     what one call asks of one pass: a `batchable` attribute, the rest is run_batch's.
     batch   the jobs of one pass: at most max_batch sessions, in their order of arrival.
 """
 
@@ -16,16 +18,19 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable, Sequence
+from typing import Any
 
 from specdec.ranges import DEFAULT_MAX_BATCH
 from specdec.serving import ModelWorker
-from target_service.verifier import Job, Verdict
 
-Waiting = tuple[Job, asyncio.Future]
+Waiting = tuple[Any, asyncio.Future]  # (job, its result to come)
 
 
-class VerifyBatcher:
-    def __init__(self, worker: ModelWorker, run_batch: Callable[[Sequence[Job]], list[Verdict | Exception]],
+class Batcher:
+    """Runs jobs through `run_batch` (jobs -> a result or an exception for each, in order) on
+    `worker`, several at a time (module doc)."""
+
+    def __init__(self, worker: ModelWorker, run_batch: Callable[[Sequence[Any]], list[Any]],
                  max_batch: int = DEFAULT_MAX_BATCH, observe: Callable[[int], None] = lambda size: None):  # fmt: skip
         self.worker = worker
         self.run_batch = run_batch
@@ -34,8 +39,8 @@ class VerifyBatcher:
         self.queue: list[Waiting] = []
         self.draining: asyncio.Task | None = None
 
-    async def verify(self, job: Job) -> Verdict:
-        """The job's verdict, from the next pass that takes it. Cancelled while queued, the job
+    async def run(self, job) -> Any:
+        """The job's result, from the next pass that takes it (its exception raised). Cancelled while queued, the job
         leaves the queue untouched; cancelled while its pass runs, it waits for the pass (which
         changes its session) before the cancellation goes on, as ModelWorker.run does."""
         waiting = (job, asyncio.get_running_loop().create_future())
