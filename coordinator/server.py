@@ -216,7 +216,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             self.metrics.requests_refused.labels(reason=reason).inc()
             raise error
         self.running += 1
-        place = new_session_id() if caller and self.config.max_requests_per_caller else ""
+        place = secrets.token_hex(16) if caller and self.config.max_requests_per_caller else ""
         try:
             await self.take_place(caller, place)
             async for chunk in chunks:

@@ -37,7 +37,7 @@ from specdec.wire import Sampling
 
 log = logging.getLogger("specdec")
 
-Proposal = tuple[int, "WireQ | None", int]  # (token, q as it travels or None for one-hot, match_length)
+Proposal = tuple[int, WireQ | None, int]  # (token, q as it travels or None for one-hot, match_length)
 
 
 @dataclass

@@ -236,10 +236,8 @@ class ChannelSecurity:
     # PEM certificate and key this client presents (mutual TLS).
     tls_cert: str = ""
     tls_key: str = ""
-    # Bearer token sent with every call; empty = none.
-    token: str = ""
-    # Where the token comes from when it rotates: the first of the file's tokens, as the file
-    # is now (TokenSource.refresh); replaces `token`.
+    # The bearer token sent with every call is the first of these, as they are at the call
+    # (TokenSource.refresh: a rotated file's new first token from the next call on); None = none.
     source: TokenSource | None = None
 
     @classmethod
@@ -265,14 +263,14 @@ class ChannelSecurity:
 
     @property
     def sends_token(self) -> bool:
-        return bool(self.token or self.source)
+        return self.source is not None
 
     def metadata(self) -> tuple[tuple[str, str], ...]:
         """The call metadata that carries the token now."""
-        token = self.token
-        if self.source is not None:
-            self.source.refresh()
-            token = next(iter(self.source.named), "")
+        if self.source is None:
+            return ()
+        self.source.refresh()
+        token = next(iter(self.source.named), "")
         return ((AUTH_METADATA, BEARER + token),) if token else ()
 
 

@@ -333,7 +333,7 @@ def test_a_dns_replica_is_reached_by_its_ip_and_its_tls_certificate_checked_agai
     from cryptography import x509
 
     from conftest import make_ca, make_leaf, save_pair
-    from specdec.security import ChannelSecurity
+    from specdec.security import ChannelSecurity, TokenSource
 
     ca_key, ca_cert = make_ca("replica test CA")
     ca, _ = save_pair(tmp_path, "ca", ca_key, ca_cert)
@@ -342,7 +342,7 @@ def test_a_dns_replica_is_reached_by_its_ip_and_its_tls_certificate_checked_agai
     command = [sys.executable, "-m", "specdec.cli", "serve", "target", "--model", tiny_models.target, "--threads", "1",
                "--host", "127.0.0.1", "--port", str(port), "--tls-cert", cert, "--tls-key", key]  # fmt: skip
     env = {**os.environ, "SPECDEC_REDIS_URL": redis_url, "SPECDEC_INTERNAL_TOKEN": token}
-    security = ChannelSecurity(tls_ca=ca, token=token)
+    security = ChannelSecurity(tls_ca=ca, source=TokenSource({token: ""}))
 
     async def model_info(address: str, wait_s: float):
         replicas = Replicas(parse_replica_address(address), pb_grpc.TargetStub, security)
