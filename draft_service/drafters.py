@@ -40,6 +40,15 @@ log = logging.getLogger("specdec")
 Proposal = tuple[int, WireQ | None, int]  # (token, q as it travels or None for one-hot, match_length)
 
 
+# A step that feeds more tokens than this (a prefill: the prompt, or a long stretch committed
+# since the session last drafted) drafts in a pass of its own. oneDNN builds and keeps a kernel
+# for each row count a packed linear layer meets (specdec.packed), and passes that mixed
+# prefills of every length with other sessions' steps met ever new counts: over a 5-minute soak
+# the draft's RSS grew 555 -> 675 MiB, where one session a pass stayed at 557. A shared pass now
+# has at most max_batch * MAX_BATCHED_ROWS rows, so few distinct counts.
+MAX_BATCHED_ROWS = 4
+
+
 @dataclass
 class Step:
     """One token to draft for one session (a job of specdec.batching)."""
@@ -47,7 +56,10 @@ class Step:
     state: SessionState
     sampling: Sampling
     generator: torch.Generator
-    batchable: bool = True
+
+    @property
+    def batchable(self) -> bool:
+        return len(self.state.pending) <= MAX_BATCHED_ROWS
 
 
 class ModelDrafter:

@@ -6,8 +6,8 @@ target processes of a running stack each keep busy during a `specdec soak` again
 
 Prints, per service, CPU seconds (user + system, its threads included) over the soak's
 measured part divided by its wall time, then the soak's own report line. Used for README
-"Architecture": at 8 clients the draft kept 0.29-0.30 of a core busy drafting one session a
-step (SPECDEC_DRAFT_MAX_BATCH=1) and 0.20 with its steps batched; the target 1.40-1.51.
+"Architecture": at 8 clients the draft kept 0.29 of a core busy drafting one session a step
+(SPECDEC_DRAFT_MAX_BATCH=1) and 0.21 with its steps batched; the target 1.42 and 1.50.
 """
 
 from __future__ import annotations
