@@ -40,9 +40,10 @@ class Batcher:
         self.draining: asyncio.Task | None = None
 
     async def run(self, job) -> Any:
-        """The job's result, from the next pass that takes it (its exception raised). Cancelled while queued, the job
-        leaves the queue untouched; cancelled while its pass runs, it waits for the pass (which
-        changes its session) before the cancellation goes on, as ModelWorker.run does."""
+        """The job's result, from the next pass that takes it (its exception raised). Cancelled
+        while queued, the job leaves the queue untouched; cancelled while its pass runs, it waits
+        for the pass (which changes its session) before the cancellation goes on, as
+        ModelWorker.run does."""
         waiting = (job, asyncio.get_running_loop().create_future())
         self.queue.append(waiting)
         if self.draining is None:
