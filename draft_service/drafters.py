@@ -28,7 +28,8 @@ from dataclasses import dataclass
 
 import torch
 
-from specdec.kvcache import SessionState, crop_cache, forward_batch
+from specdec.batching import rerun_alone
+from specdec.kvcache import SessionState, forward_batch
 from specdec.ngram import DEFAULT_MAX_NGRAM, DEFAULT_MIN_NGRAM, NGRAM_DRAFT, find_continuation, lookup_token, mix_lookup
 from specdec.sampling import greedy_token
 from specdec.draft_wire import WireQ, wire_q
@@ -103,9 +104,7 @@ class ModelDrafter:
             if len(steps) == 1:
                 return [exc]
             log.warning("a draft pass over %d sessions failed (%s): drafting them one at a time", len(steps), exc)
-            for step in steps:
-                crop_cache(step.state.cache, len(step.state.held))  # what the failed pass appended to some layers
-            return [self.draft_batch([step])[0] for step in steps]
+            return rerun_alone(steps, [None] * len(steps), self.draft_batch)
         results: list[Proposal | Exception] = []
         for step, rows in zip(steps, logits):
             try:

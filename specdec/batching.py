@@ -20,6 +20,7 @@ import asyncio
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from specdec.kvcache import crop_cache
 from specdec.ranges import DEFAULT_MAX_BATCH
 from specdec.serving import ModelWorker
 
@@ -88,3 +89,19 @@ class Batcher:
         batch = [first] + [waiting for waiting in self.queue if waiting[0].batchable][: self.max_batch - 1]
         self.queue = [waiting for waiting in self.queue if waiting not in batch]
         return batch
+
+
+def rerun_alone(jobs: Sequence[Any], results: list, run_batch: Callable[[Sequence[Any]], list[Any]]) -> list:
+    """After a pass over several sessions failed (out of memory, say, where one session's rows
+    fit): each job still without a result (None in `results`) gets its session's KV cache cropped
+    back to what it held before the pass (the failed pass may have appended to some of its
+    layers: job.state is a kvcache.SessionState), then runs in a pass of its own through
+    `run_batch`, so only a job that fails alone fails. Returns `results`, filled in."""
+    for i, job in enumerate(jobs):
+        if results[i] is None:
+            crop_cache(job.state.cache, len(job.state.held))
+            try:
+                results[i] = run_batch([job])[0]
+            except Exception as exc:  # noqa: BLE001 - this job's own error, for it alone
+                results[i] = exc
+    return results

@@ -54,7 +54,7 @@ class TargetServicer(ModelService, pb_grpc.TargetServicer):
         """Load the target model (blocking; run off the event loop)."""
         self.verifier = Verifier(self.load_model(), self.config.threads, self.config.solo_threads)
         self.batcher = Batcher(self.worker, self.verifier.verify_batch, self.config.max_batch,
-                                     self.metrics.batch_size.observe)  # fmt: skip
+                               self.metrics.batch_size.observe)  # fmt: skip
 
     @grpc_handler
     async def Verify(self, request: pb.VerifyRequest, context):

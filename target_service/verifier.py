@@ -20,8 +20,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from specdec.batching import rerun_alone
 from specdec.errors import OutOfRange
-from specdec.kvcache import SessionState, crop_cache, forward, forward_batch
+from specdec.kvcache import SessionState, forward, forward_batch
 from specdec.ngram import find_continuation
 from specdec.sampling import greedy_token, greedy_verdict, rejection_sample, sample
 from specdec.draft_wire import Draft, stack_draft_probs
@@ -121,14 +122,7 @@ class Verifier:
         session's), each session's cache brought back to what it held before the pass, then
         each job verified in a pass of its own: only a job that fails alone fails."""
         log.warning("a verify pass over %d sessions failed (%s): verifying them one at a time", len(jobs), error)
-        for i, job in enumerate(jobs):
-            if results[i] is None:
-                crop_cache(job.state.cache, len(job.state.held))  # what the failed pass appended to some layers
-                try:
-                    results[i] = self.verify_batch([job])[0]
-                except Exception as exc:  # noqa: BLE001 - judging failed: this job's own error, for it alone
-                    results[i] = exc
-        return results
+        return rerun_alone(jobs, results, self.verify_batch)
 
     def fed(self, job: Job) -> list[int]:
         """What the job's forward feeds: the session's pending tokens, then its drafts;
