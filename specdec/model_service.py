@@ -8,12 +8,12 @@ import logging
 from dataclasses import dataclass, field
 
 from specdec import serving, telemetry
-from specdec.errors import FailedPrecondition, InvalidArgument, NotFound, OutOfRange, Unavailable, grpc_handler
+from specdec.errors import FailedPrecondition, InvalidArgument, OutOfRange, Unavailable, grpc_handler
 from specdec.kvcache import SessionPool
 from specdec.metrics import ModelServiceMetrics
 from specdec.ranges import DEFAULT_MAX_BATCH
 from specdec.security import ServerSecurity, require_caller_credential
-from specdec.session import SessionStore, check_session_id
+from specdec.session import SessionStore, check_session_id, session_gone
 from specdec.v1 import specdec_pb2 as pb
 from specdec.wire import Sampling, model_info_to_pb, sampling_from_pb
 
@@ -118,7 +118,7 @@ class ModelService:
                 # while we held it: say so, rather than call the request stale.
                 if not await self.store.exists(session_id):
                     pool.release(session_id)
-                    raise NotFound(f"session {session_id!r} does not exist (expired, deleted or never created)") from None
+                    raise session_gone(session_id) from None
                 raise
 
     @grpc_handler

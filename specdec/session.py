@@ -176,6 +176,11 @@ def tokens_key(session_id: str) -> str:
     return f"specdec:{{{session_id}}}:tokens"
 
 
+def session_gone(session_id: str) -> NotFound:
+    """The error for a session whose keys are not in Redis."""
+    return NotFound(f"session {session_id!r} does not exist (expired, deleted or never created)")
+
+
 def new_session_id() -> str:
     return uuid.uuid4().hex
 
@@ -281,7 +286,7 @@ class SessionStore:
         args = [expected_cycle, self.ttl_s, time.time(), owner, len(pairs) // 2, *pairs, *[int(t) for t in tokens]]
         status, cycle, length = await self._commit(keys=[meta_key(session_id), tokens_key(session_id)], args=args)
         if status == -1:
-            raise NotFound(f"session {session_id!r} does not exist (expired, deleted or never created)")
+            raise session_gone(session_id)
         if status == -2:
             raise Aborted(f"session {session_id!r} was resumed by another request, which goes on with it; "
                           "this one stops")  # fmt: skip
@@ -299,7 +304,7 @@ class SessionStore:
         check_session_id(session_id)
         found = await self._take_over(keys=[meta_key(session_id), tokens_key(session_id)], args=[owner, self.ttl_s])
         if not found:
-            raise NotFound(f"session {session_id!r} does not exist (expired, deleted or never created)")
+            raise session_gone(session_id)
         flat, tokens = found
         return dict(zip(flat[::2], flat[1::2])), [int(t) for t in tokens]
 
@@ -314,7 +319,7 @@ class SessionStore:
     async def meta(self, session_id: str) -> dict[str, str]:
         meta = await self.redis.hgetall(meta_key(session_id))
         if not meta:
-            raise NotFound(f"session {session_id!r} does not exist (expired, deleted or never created)")
+            raise session_gone(session_id)
         return meta
 
     async def tokens(self, session_id: str, start: int = 0, end: int | None = None) -> list[int]:
