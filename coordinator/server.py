@@ -33,7 +33,7 @@ from specdec.errors import (
 )
 from specdec.metrics import CoordinatorMetrics
 from specdec.ngram import DEFAULT_K, DEFAULT_MAX_NGRAM, DEFAULT_MIN_NGRAM, NGRAM_DRAFT
-from specdec.ranges import DEFAULT_DRAIN_S
+from specdec.ranges import DEFAULT_DRAIN_S, DEFAULT_WAIT_MS
 from specdec.security import ChannelSecurity, ServerSecurity, caller_id, is_caller
 from specdec.session import CALLER_LEASE_S, SessionStore, check_session_id, new_session_id
 from specdec.vocab import chat_ids, describe_model, has_chat_template
@@ -88,6 +88,12 @@ class CoordinatorConfig:
     # holds a place: SessionStore.admit), so one client cannot take every slot; 0 = no such
     # limit. Without API tokens every caller is one and only the limit above applies.
     max_requests_per_caller: int = 0
+    # Each write a client relies on (a session's creation, each cycle's commit, a Resume's
+    # take-over) waits until this many replicas of its Redis node hold it, for at most
+    # redis_wait_ms, else the request ends UNAVAILABLE without the write's tokens, which a
+    # Resume then sends (specdec.session.SessionStore); 0 = do not wait.
+    redis_wait_replicas: int = 0
+    redis_wait_ms: int = DEFAULT_WAIT_MS
     # How long to wait for the model services at start-up.
     startup_timeout_s: float = STARTUP_TIMEOUT_S
     # Port of the Prometheus /metrics endpoint; 0 = off.
@@ -773,7 +779,7 @@ async def wait_for_model_info(replicas: Replicas, name: str, timeout_s: float) -
 
 async def serve(config: CoordinatorConfig) -> None:
     telemetry.setup_tracing("specdec-coordinator")
-    store = SessionStore(config.redis_url)
+    store = SessionStore(config.redis_url, wait_replicas=config.redis_wait_replicas, wait_ms=config.redis_wait_ms)
     servicer = CoordinatorServicer(config, store)
     await serving.run(
         name="coordinator",

@@ -14,9 +14,9 @@ from typing import NoReturn
 
 from specdec.ngram import DEFAULT_K, DEFAULT_MAX_NGRAM, DEFAULT_MIN_NGRAM, NGRAM_DRAFT
 from specdec.ranges import (
-    AT_LEAST_ONE, DEFAULT_DRAIN_S, DEFAULT_MAX_BATCH, DEFAULT_RETRIES, DRAIN_S, MAX_NEW_TOKENS, METRICS_PORT, PER_CALLER, PORT,
-    RETRIES, SECONDS, SEED,
-    REPLICA_REFRESH_S, SERVICE_PORT, TEMPERATURE, THREADS, TOP_K, TOP_P, UINT32, Range,
+    AT_LEAST_ONE, DEFAULT_DRAIN_S, DEFAULT_MAX_BATCH, DEFAULT_RETRIES, DEFAULT_WAIT_MS, DRAIN_S, MAX_NEW_TOKENS,
+    METRICS_PORT, PER_CALLER, PORT, RETRIES, SECONDS, SEED, REPLICA_REFRESH_S, SERVICE_PORT, TEMPERATURE, THREADS,
+    TOP_K, TOP_P, UINT32, WAIT_MS, WAIT_REPLICAS, Range,
 )
 
 DEFAULT_ADDRESS = "127.0.0.1:50051"
@@ -317,6 +317,13 @@ def add_coordinator_flags(p: argparse.ArgumentParser) -> None:
                   "token file) at once, counted over every coordinator of this Redis, so one client cannot "
                   "take every slot; 0 = no such limit (without API tokens every client is one caller: only "
                   "--max-concurrent-requests applies)")  # fmt: skip
+    env_flag(p, "--redis-wait-replicas", "SPECDEC_REDIS_WAIT_REPLICAS", default=0, type=WAIT_REPLICAS, metavar="N",
+             help="hold each write a client relies on (a session's creation, each cycle's tokens, a resume) until N "
+                  "replicas of its Redis node have it (Redis WAIT), so a failover cannot lose tokens a client was "
+                  "sent; a write not held by N within --redis-wait-ms ends its request UNAVAILABLE before its "
+                  "tokens go out (the SDK resumes it); 0 = do not wait (Redis replicates asynchronously)")  # fmt: skip
+    env_flag(p, "--redis-wait-ms", "SPECDEC_REDIS_WAIT_MS", default=DEFAULT_WAIT_MS, type=WAIT_MS,
+             metavar="MS", help="how long a write waits for its --redis-wait-replicas replicas")  # fmt: skip
     env_flag(p, "--auth-token-file", "SPECDEC_AUTH_TOKEN_FILE", default="",
              help="file of API tokens clients must send as `authorization: Bearer TOKEN`, a line each: TOKEN, or "
                   "NAME TOKEN, whose sessions belong to the caller NAME (any token of it resumes them: rotate "
@@ -470,8 +477,8 @@ def run_serve(args) -> NoReturn:
             pipeline_min_keep=args.pipeline_min_keep, draft_timeout_s=args.draft_timeout, drain_s=args.drain_s,
             ngram_via_draft_service=args.ngram_via_draft_service, ngram_first=args.ngram_first,
             max_prompt_tokens=args.max_prompt_tokens, max_concurrent_requests=args.max_concurrent_requests,
-            max_requests_per_caller=args.max_requests_per_caller,
-            security=server_security(args, args.auth_token_file, AUTH_TOKEN_ENV),
+            max_requests_per_caller=args.max_requests_per_caller, redis_wait_replicas=args.redis_wait_replicas,
+            redis_wait_ms=args.redis_wait_ms, security=server_security(args, args.auth_token_file, AUTH_TOKEN_ENV),
             internal=ChannelSecurity.from_token_file(args.internal_tls_ca, args.internal_tls_cert, args.internal_tls_key,
                                                      args.internal_token_file, INTERNAL_TOKEN_ENV),
         )  # fmt: skip

@@ -87,6 +87,12 @@ SERVICE_PORT = Range(int, 0, 65535, note="0 = a free port, printed once serving"
 METRICS_PORT = Range(int, 0, 65535, note="0 = off")
 THREADS = Range(int, 0, note="0 = torch's choice")
 PER_CALLER = Range(int, 0, note="0 = no limit")  # requests one caller may run at once
+# --redis-wait-replicas / --redis-wait-ms (specdec.session: a write waits for its replicas).
+WAIT_REPLICAS = Range(int, 0, note="0 = do not wait")
+# The wait's bound stays below the 2 s Redis socket timeout (session.REDIS_SOCKET_TIMEOUT_S), so a
+# missing replica is reported as such, not as a stuck Redis.
+WAIT_MS = Range(int, 1, 1500)
+DEFAULT_WAIT_MS = 500
 # Seconds a stopping service lets running calls go on (serving.run's grace; `--drain-s`).
 DRAIN_S = Range(float, 0)
 DEFAULT_DRAIN_S = 5.0

@@ -45,11 +45,13 @@ class EmbeddedRedis:
     """A redis-server child process on 127.0.0.1:<port>; `url` is what clients use.
 
     `stop()` then `start()` (or `restart()`) brings it back on the same port and URL,
-    empty: nothing is persisted."""
+    empty: nothing is persisted. `replica_of`: the port of another one on 127.0.0.1 that
+    this one replicates (read-only; tests of --redis-wait-replicas)."""
 
-    def __init__(self, port: int | None = None, password: str | None = None):
+    def __init__(self, port: int | None = None, password: str | None = None, replica_of: int | None = None):
         self.port = port or free_port()
         self.password = password
+        self.replica_of = replica_of
         self.workdir: str | None = None
         self.process: subprocess.Popen | None = None
 
@@ -71,7 +73,9 @@ class EmbeddedRedis:
             "--loglevel", "warning",
         ]
         if self.password:
-            args += ["--requirepass", self.password]
+            args += ["--requirepass", self.password, "--masterauth", self.password]
+        if self.replica_of:
+            args += ["--replicaof", "127.0.0.1", str(self.replica_of)]
         self.process = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         self._wait_ready()
         return self

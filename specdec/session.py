@@ -45,7 +45,8 @@ import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 
-from specdec.errors import Aborted, AlreadyExists, InvalidArgument, NotFound
+from specdec.errors import Aborted, AlreadyExists, InvalidArgument, NotFound, Unavailable
+from specdec.ranges import DEFAULT_WAIT_MS
 from specdec.security import redact_url
 
 REDIS_URL_ENV = "SPECDEC_REDIS_URL"
@@ -225,7 +226,13 @@ class SessionStore:
     would replay a commit whose reply was lost, which the fence then refuses. Callers see
     the error at once; a pooled connection that Redis closed is replaced before use, so
     nothing needs restarting when Redis comes back. (redis-py skips that check while its
-    maintenance notifications, a Redis Enterprise feature, are on; so they are off.)"""
+    maintenance notifications, a Redis Enterprise feature, are on; so they are off.)
+
+    `wait_replicas` (--redis-wait-replicas): a write that a client relies on (create, commit,
+    take_over) returns only once that many replicas of its Redis node hold it (`WAIT`, on the
+    write's own connection, for at most `wait_ms`), else raises Unavailable; the write itself
+    stays on the node. Replication is asynchronous: without it, a write acknowledged in the
+    moment before its node dies can be lost with it, and its client already holds its tokens."""
 
     def __init__(
         self,
@@ -234,10 +241,16 @@ class SessionStore:
         ttl_s: int = DEFAULT_TTL_S,
         socket_timeout_s: float = REDIS_SOCKET_TIMEOUT_S,
         connect_timeout_s: float = REDIS_CONNECT_TIMEOUT_S,
+        wait_replicas: int = 0,
+        wait_ms: int = DEFAULT_WAIT_MS,
     ):
         self.url = url
-        logging.getLogger("specdec").info("sessions in Redis at %s", redact_url(url))
+        logging.getLogger("specdec").info("sessions in Redis at %s%s", redact_url(url),
+                                          f", each write held until {wait_replicas} replica(s) have it"
+                                          if wait_replicas else "")  # fmt: skip
         self.ttl_s = ttl_s
+        self.wait_replicas = wait_replicas
+        self.wait_ms = wait_ms
         self.redis = connect(url, socket_timeout_s, connect_timeout_s)
         self._create = self.redis.register_script(_CREATE)
         self._commit = self.redis.register_script(_COMMIT)
@@ -261,9 +274,10 @@ class SessionStore:
         for name, value in meta.items():
             fields += [name, value if isinstance(value, (str, int, float)) else json.dumps(value)]
         args = [self.ttl_s, time.time(), len(fields) // 2, *fields, *[int(t) for t in prompt_tokens]]
-        created = await self._create(keys=[meta_key(session_id), tokens_key(session_id)], args=args)
+        created, replicas = await self._write(self._create, [meta_key(session_id), tokens_key(session_id)], args)
         if not created:
             raise AlreadyExists(f"session {session_id!r} already exists; pick another id or omit it")
+        self._check_replicas(replicas, f"the creation of session {session_id!r}")
 
     async def commit(
         self,
@@ -284,7 +298,8 @@ class SessionStore:
         for name, value in (increments or {}).items():
             pairs += [name, int(value)]
         args = [expected_cycle, self.ttl_s, time.time(), owner, len(pairs) // 2, *pairs, *[int(t) for t in tokens]]
-        status, cycle, length = await self._commit(keys=[meta_key(session_id), tokens_key(session_id)], args=args)
+        (status, cycle, length), replicas = await self._write(self._commit, [meta_key(session_id),
+                                                                            tokens_key(session_id)], args)  # fmt: skip
         if status == -1:
             raise session_gone(session_id)
         if status == -2:
@@ -295,6 +310,7 @@ class SessionStore:
                 f"session {session_id!r} is at cycle {cycle}, not {expected_cycle}: "
                 "this cycle was already committed or the session moved on"
             )
+        self._check_replicas(replicas, f"cycle {expected_cycle} of session {session_id!r}")
         return int(cycle), int(length)
 
     async def take_over(self, session_id: str, owner: str) -> tuple[dict[str, str], list[int]]:
@@ -302,11 +318,43 @@ class SessionStore:
         commits land. Returns the session's meta and committed tokens as of that moment.
         Raises NotFound when it does not exist."""
         check_session_id(session_id)
-        found = await self._take_over(keys=[meta_key(session_id), tokens_key(session_id)], args=[owner, self.ttl_s])
+        found, replicas = await self._write(self._take_over, [meta_key(session_id), tokens_key(session_id)],
+                                            [owner, self.ttl_s])  # fmt: skip
         if not found:
             raise session_gone(session_id)
+        self._check_replicas(replicas, f"the resumption of session {session_id!r}")
         flat, tokens = found
         return dict(zip(flat[::2], flat[1::2])), [int(t) for t in tokens]
+
+    async def _write(self, script, keys: list[str], args: list) -> tuple[object, int | Exception | None]:
+        """Run a writing script: (its result, how many replicas hold the write: None when not
+        asked, an exception when they could not be asked). With wait_replicas the script and
+        `WAIT` go down one connection, one after the other, since WAIT counts the replicas
+        that hold that connection's writes; in a cluster both go to the node of `keys`."""
+        if not self.wait_replicas:
+            return await script(keys=keys, args=args), None
+        node = {}
+        if isinstance(self.redis, aioredis.RedisCluster):
+            await self.redis.initialize()  # at once once the client knows the slots
+            node = {"target_nodes": self.redis.get_node_from_key(keys[0])}
+        async with self.redis.pipeline(transaction=False) as pipe:
+            pipe.eval(script.script, len(keys), *keys, *args)
+            pipe.execute_command("WAIT", self.wait_replicas, self.wait_ms, **node)
+            result, replicas = await pipe.execute(raise_on_error=False)
+        if isinstance(result, Exception):
+            raise result
+        return result, replicas
+
+    def _check_replicas(self, replicas: int | Exception | None, what: str) -> None:
+        """Raise Unavailable when a write was not acknowledged by wait_replicas replicas."""
+        if replicas is None or (not isinstance(replicas, Exception) and int(replicas) >= self.wait_replicas):
+            return
+        held = f"could not be checked ({replicas})" if isinstance(replicas, Exception) else (
+            f"reached {int(replicas)} of the {self.wait_replicas} replica(s) --redis-wait-replicas asks for "
+            f"within {self.wait_ms} ms")  # fmt: skip
+        raise Unavailable(f"Redis: {what} {held}: it stands on its Redis node but could be lost with it, so the "
+                          "request stops before sending anything of it; resume the session (the SDK does) once the "
+                          "node's replicas are back")  # fmt: skip
 
     async def set_if_owner(self, session_id: str, owner: str, fields: Mapping[str, object]) -> bool:
         """Set bookkeeping fields only while `owner` owns the session; whether it did."""

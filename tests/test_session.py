@@ -6,7 +6,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from specdec.errors import Aborted, AlreadyExists, InvalidArgument, NotFound
+from specdec.errors import Aborted, AlreadyExists, InvalidArgument, NotFound, Unavailable
 from specdec.session import SessionStore, meta_key, tokens_key
 
 
@@ -288,6 +288,159 @@ def cluster_port() -> int:
             except OSError:
                 continue
         return port
+
+
+# ---------------------------------------------------------------- writes held until replicas have them
+
+
+@contextlib.contextmanager
+def master_and_replica():
+    """A redis-server and a second one replicating it, synced: (master, replica)."""
+    import time
+
+    import redis
+
+    from specdec.redis_server import EmbeddedRedis
+
+    with EmbeddedRedis() as master, EmbeddedRedis(replica_of=master.port) as replica:
+        client = redis.Redis(port=replica.port, decode_responses=True)
+        deadline = time.monotonic() + 30
+        while client.info("replication").get("master_link_status") != "up":
+            assert time.monotonic() < deadline, "the replica did not sync"
+            time.sleep(0.05)
+        client.close()
+        yield master, replica
+
+
+@contextlib.contextmanager
+def frozen(process):
+    """The process stopped (SIGSTOP) for the block: a replica that takes nothing in."""
+    import signal
+
+    process.send_signal(signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        process.send_signal(signal.SIGCONT)
+
+
+def test_with_wait_replicas_a_write_returns_once_its_replica_holds_it_and_is_unavailable_while_it_lags():
+    import time
+
+    import redis
+
+    with master_and_replica() as (master, replica):
+        on_replica = redis.Redis(port=replica.port, decode_responses=True)
+
+        async def go():
+            store = SessionStore(master.url, wait_replicas=1, wait_ms=200)
+            hasty = SessionStore(master.url)  # waits for no replica
+            await store.create("w", [1], {})
+            assert await store.commit("w", 0, [2, 3]) == (1, 3)
+            assert on_replica.lrange(tokens_key("w"), 0, -1) == ["1", "2", "3"]  # held there on return
+            with frozen(replica.process):
+                started = time.monotonic()
+                with pytest.raises(Unavailable, match=r"cycle 1 of session 'w' reached 0 of the 1 replica"):
+                    await store.commit("w", 1, [4])
+                assert time.monotonic() - started >= 0.2
+                assert await store.tokens("w") == [1, 2, 3, 4]  # on the master, and the cycle moved on
+                with pytest.raises(Aborted):  # a fenced write is refused as before, not blamed on the replica
+                    await store.commit("w", 1, [5])
+                assert await hasty.commit("w", 2, [5]) == (3, 5)  # without the flag, no wait
+                with pytest.raises(Unavailable, match="resumption of session 'w'"):
+                    await store.take_over("w", "next")
+                with pytest.raises(Unavailable, match="creation of session 'v'"):
+                    await store.create("v", [1], {})
+            meta, tokens = await store.take_over("w", "last")
+            assert (meta["cycle"], tokens) == ("3", [1, 2, 3, 4, 5])
+            assert await store.commit("w", 3, [6], owner="last") == (4, 6)
+            with pytest.raises(Unavailable, match="reached 1 of the 2 replica"):
+                await SessionStore(master.url, wait_replicas=2, wait_ms=50).commit("w", 4, [7])
+            await store.close()
+            await hasty.close()
+
+        run(go())
+        on_replica.close()
+
+
+def test_a_stream_whose_redis_replica_stops_ends_unavailable_before_the_unheld_tokens_and_resumes_after(tiny_models):
+    """A coordinator with --redis-wait-replicas 1: requests run while the replica follows; once it
+    stops, the running stream ends UNAVAILABLE, naming the flag, without the tokens no replica
+    holds; once it is back, a resume sends the rest, and the whole is an undisturbed run's."""
+    import signal
+    import threading
+    import time
+
+    import grpc
+
+    import specdec
+    from conftest import start_stack
+
+    with master_and_replica() as (master, replica):
+        stack = start_stack(master.url, tiny_models.target, tiny_models.draft,
+                            coordinator_args=["--redis-wait-replicas", "1", "--redis-wait-ms", "200"])  # fmt: skip
+        try:
+            options = dict(max_new_tokens=24, ignore_eos=True, num_speculative_tokens=3)
+            with specdec.Client(stack.address, retries=0) as client:
+                expected = client.generate("hello world", **options).token_ids
+                chunks, errors, streamed = [], [], threading.Event()
+
+                def stream():
+                    try:
+                        for chunk in client.generate_stream("hello world", session_id="lagging", **options):
+                            chunks.append(chunk)
+                            streamed.set()
+                    except specdec.SpecdecClientError as exc:
+                        errors.append(exc)
+                    finally:
+                        streamed.set()
+
+                target = stack.processes["target"]
+                thread = threading.Thread(target=stream)
+                thread.start()
+                deadline = time.monotonic() + 60
+                while not streamed.is_set():
+                    assert time.monotonic() < deadline, "the stream's first chunk"
+                    time.sleep(0.05)
+                target.send_signal(signal.SIGSTOP)  # the stream waits on a Verify
+                with frozen(replica.process):  # and the replica stops before its commit
+                    target.send_signal(signal.SIGCONT)
+                    thread.join(timeout=60)
+                assert not thread.is_alive() and len(errors) == 1, errors
+                assert errors[0].code == grpc.StatusCode.UNAVAILABLE and "--redis-wait-replicas" in errors[0].message
+                received = [t for c in chunks for t in c.token_ids]
+                assert 0 < len(received) < len(expected) and received == expected[: len(received)]
+                rest = client.resume("lagging", received_tokens=len(received))
+                assert received + rest.token_ids == expected
+        finally:
+            stack.stop()
+
+
+def test_in_a_redis_cluster_a_write_waits_for_the_replica_of_its_own_node(tmp_path):
+    """WAIT goes down the write's own connection to the node of its slot: with one master's
+    replica stopped, exactly the sessions of that master's slots fail."""
+    with running_cluster(tmp_path, replicas=True) as cluster:
+
+        async def go():
+            store = SessionStore(f"redis+cluster://{cluster.address}/0", wait_replicas=1, wait_ms=200)
+            ids = [f"c{i}" for i in range(12)]
+            for session_id in ids:
+                await store.create(session_id, [1], {})
+                await store.commit(session_id, 0, [2])
+            ports = [node.connection_pool.connection_kwargs["port"] for node in cluster.nodes]
+            port_of = {i: store.redis.get_node_from_key(meta_key(i)).port for i in ids}
+            lagging = port_of["c0"]
+            with frozen(cluster.processes[ports.index(lagging) + 3]):
+                failed = []
+                for session_id in ids:
+                    try:
+                        await store.commit(session_id, 1, [3])
+                    except Unavailable:
+                        failed.append(session_id)
+            assert failed == [i for i in ids if port_of[i] == lagging] and len(set(port_of.values())) == 3
+            await store.close()
+
+        run(go())
 
 
 def test_a_stack_keeps_its_sessions_in_a_redis_cluster_named_by_a_cluster_url(redis_cluster, tiny_models):
