@@ -63,6 +63,27 @@ TIMING_ROUNDS = 4  # per kernel, taking turns, after one warm-up round; the medi
 # costs more than a few percent left on the table.
 SWITCH_BELOW = 0.9
 REMEMBERED_FILE = "kernels.json"  # in the cache folder: timing key -> the choice it made
+# oneDNN builds and keeps a kernel for every (weight shape, row count) a packed product meets,
+# and its memory stays with the process, more the more rows: prefills of every prompt length (and
+# shared passes of every mix) meet ever new counts, and SmolLM2's five weight shapes over the row
+# counts 2..601 took 1.1 GB more (`scripts/packed_rows.py`). So a product over more than
+# EXACT_ROWS rows (decode steps and verify passes stay exact) pads its rows up to the next of
+# ROW_BUCKETS_PER_DOUBLING evenly spaced counts per doubling (`padded_rows`), and one over more
+# than MAX_PASS_ROWS runs in passes of that many (the last padded): 64 row counts in all.
+EXACT_ROWS = 16
+ROW_BUCKETS_PER_DOUBLING = 8
+MAX_PASS_ROWS = 1024
+
+
+def padded_rows(rows: int) -> int:
+    """The row count a packed product over `rows` (<= MAX_PASS_ROWS) rows runs at: `rows` up to
+    EXACT_ROWS, else the next multiple of an eighth of the power of two below it (17-32 -> 18,
+    20, ..., 32; 33-64 -> 36, 40, ..., 64; ...): at most 12.5% more rows."""
+    if rows <= EXACT_ROWS:
+        return rows
+    doubling = (rows - 1).bit_length() - 1  # 2**doubling < rows <= 2**(doubling + 1)
+    step = (1 << doubling) // ROW_BUCKETS_PER_DOUBLING
+    return -(-rows // step) * step
 
 
 def fixed_rule(rows: int, threads: int) -> bool:
@@ -121,12 +142,24 @@ class PackedLinear(torch.nn.Module):
         return self.packed_forward(x)
 
     def packed_forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out]
-        """The product from the prepacked copy, whatever the choice (float32 input)."""
+        """The product from the prepacked copy, whatever the choice (float32 input), in
+        passes of at most MAX_PASS_ROWS rows, each padded to padded_rows (module constants)."""
         rows = x.numel() // self.in_features
         flat = x.reshape(rows, self.in_features)  # [rows, in]
         bias = None if self.bias is None else self.bias.detach()
-        out = torch.ops.mkldnn._linear_pointwise(flat, self.packed_weight, bias, "none", [], "")  # [rows, out]
+        if rows <= MAX_PASS_ROWS:
+            out = self.padded_product(flat, bias)  # [rows, out]
+        else:
+            out = torch.cat([self.padded_product(flat[start : start + MAX_PASS_ROWS], bias)
+                             for start in range(0, rows, MAX_PASS_ROWS)])  # fmt: skip
         return out.reshape(*x.shape[:-1], self.out_features)
+
+    def padded_product(self, flat: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:  # [n, in] -> [n, out]
+        n = flat.shape[0]
+        padded = padded_rows(n)
+        if padded > n:
+            flat = torch.cat([flat, flat.new_zeros(padded - n, self.in_features)])  # [padded, in]
+        return torch.ops.mkldnn._linear_pointwise(flat, self.packed_weight, bias, "none", [], "")[:n]
 
 
 def should_pack(model: torch.nn.Module) -> bool:

@@ -13,7 +13,8 @@ from specdec.kvcache import GrowingLayer, cache_bytes, crop_cache, forward, new_
 from specdec.models import build_tiny_model, build_tiny_tokenizer, load_model, save_model
 from specdec import packed as packed_module
 from specdec.packed import (
-    ENV_SWITCH, ONE_ROW, SEVERAL_ROWS, PackedLinear, choose_kernels, kernel_choice, pack_linears, packing_available,
+    ENV_SWITCH, EXACT_ROWS, MAX_PASS_ROWS, ONE_ROW, SEVERAL_ROWS, PackedLinear, choose_kernels, kernel_choice,
+    pack_linears, packing_available, padded_rows,
 )  # fmt: skip
 
 needs_onednn = pytest.mark.skipif(not packing_available(), reason="this torch build has no oneDNN")
@@ -86,6 +87,29 @@ def test_a_packed_linear_matches_nn_linear_for_one_and_several_rows():
         for shape in [(1, 5, 48), (3, 7, 48), (9, 48)]:
             x = torch.randn(shape)
             torch.testing.assert_close(packed(x), linear(x), rtol=1e-5, atol=1e-5)
+
+
+@needs_onednn
+def test_a_packed_linear_over_many_rows_pads_and_splits_them_and_still_gives_each_rows_product():
+    """Rows past EXACT_ROWS run padded to padded_rows, past MAX_PASS_ROWS in several passes:
+    every row's product is still its own, whatever row count or shape it arrives in."""
+    linear = torch.nn.Linear(48, 80)
+    packed = PackedLinear(linear)
+    with torch.inference_mode():
+        for shape in [(16, 48), (17, 48), (2, 33, 48), (300, 48), (MAX_PASS_ROWS, 48), (MAX_PASS_ROWS + 1, 48),
+                      (3, 700, 48)]:  # fmt: skip
+            x = torch.randn(shape)
+            out = packed.packed_forward(x)
+            assert out.shape == (*shape[:-1], 80)
+            torch.testing.assert_close(out, linear(x), rtol=1e-5, atol=1e-5)
+
+
+def test_packed_row_counts_are_few_and_pad_by_at_most_an_eighth():
+    counts = [padded_rows(rows) for rows in range(1, MAX_PASS_ROWS + 1)]
+    assert counts[:EXACT_ROWS] == list(range(1, EXACT_ROWS + 1))  # decode steps and verify passes: exact
+    assert all(rows <= padded <= 1.125 * rows for rows, padded in enumerate(counts, start=1))
+    assert counts == sorted(counts) and len(set(counts)) == 64 and counts[-1] == MAX_PASS_ROWS
+    assert [padded_rows(rows) for rows in (17, 19, 33, 100, 513)] == [18, 20, 36, 104, 576]
 
 
 @needs_onednn
