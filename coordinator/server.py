@@ -187,6 +187,19 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         source = "--default-k" if self.config.default_k else "the draft's own" if self.draft_info.default_k else "default"
         log.info("draft %s, target %s; requests that set no K get K = %d (%s)",
                  self.draft_info.model, self.target_info.model, self.default_k(), source)  # fmt: skip
+        await self.check_replicas()
+
+    async def check_replicas(self) -> None:
+        """Warn when a Redis master has fewer replicas than --redis-wait-replicas asks for (its
+        sessions' requests would all end UNAVAILABLE); Redis down at start is no reason to stop."""
+        try:
+            short = await self.store.replicas_short()
+        except Exception as exc:  # noqa: BLE001 - a warning either way
+            log.warning("could not ask Redis how many replicas it has (--redis-wait-replicas): %s", exc)
+            return
+        if short:
+            log.warning("--redis-wait-replicas %d, but %s: until it has them, the requests whose sessions it holds "
+                        "end UNAVAILABLE", self.config.redis_wait_replicas, "; ".join(short))  # fmt: skip
 
     async def close(self) -> None:
         if self.renewer is not None:

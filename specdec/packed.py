@@ -64,21 +64,22 @@ TIMING_ROUNDS = 4  # per kernel, taking turns, after one warm-up round; the medi
 SWITCH_BELOW = 0.9
 REMEMBERED_FILE = "kernels.json"  # in the cache folder: timing key -> the choice it made
 # oneDNN builds and keeps a kernel for every (weight shape, row count) a packed product meets,
-# and its memory stays with the process, more the more rows: prefills of every prompt length (and
-# shared passes of every mix) meet ever new counts, and SmolLM2's five weight shapes over the row
-# counts 2..601 took 1.1 GB more (`scripts/packed_rows.py`). So a product over more than
-# EXACT_ROWS rows (decode steps and verify passes stay exact) pads its rows up to the next of
-# ROW_BUCKETS_PER_DOUBLING evenly spaced counts per doubling (`padded_rows`), and one over more
-# than MAX_PASS_ROWS runs in passes of that many (the last padded): 64 row counts in all.
-EXACT_ROWS = 16
+# and its memory stays with the process, the more the more rows: prefills of every prompt length
+# (and shared passes of every mix) meet ever new counts, and SmolLM2's five weight shapes over the
+# row counts 2..601 took 1.1 GB more, 10 MB of it for the counts up to 101 (`scripts/packed_rows.py`).
+# So a product over more than EXACT_ROWS rows (decode steps, verify passes, most shared passes
+# stay exact) pads its rows up to the next of ROW_BUCKETS_PER_DOUBLING evenly spaced counts per
+# doubling (`padded_rows`), and one over more than MAX_PASS_ROWS runs in passes of that many (the
+# last padded): 96 row counts in all.
+EXACT_ROWS = 64
 ROW_BUCKETS_PER_DOUBLING = 8
 MAX_PASS_ROWS = 1024
 
 
 def padded_rows(rows: int) -> int:
     """The row count a packed product over `rows` (<= MAX_PASS_ROWS) rows runs at: `rows` up to
-    EXACT_ROWS, else the next multiple of an eighth of the power of two below it (17-32 -> 18,
-    20, ..., 32; 33-64 -> 36, 40, ..., 64; ...): at most 12.5% more rows."""
+    EXACT_ROWS, else the next multiple of an eighth of the power of two below it (65-128 -> 72,
+    80, ..., 128; 129-256 -> 144, 160, ..., 256; ...): at most 12.5% more rows."""
     if rows <= EXACT_ROWS:
         return rows
     doubling = (rows - 1).bit_length() - 1  # 2**doubling < rows <= 2**(doubling + 1)

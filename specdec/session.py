@@ -356,6 +356,18 @@ class SessionStore:
                           "request stops before sending anything of it; resume the session (the SDK does) once the "
                           "node's replicas are back")  # fmt: skip
 
+    async def replicas_short(self) -> list[str]:
+        """The Redis masters with fewer connected replicas than wait_replicas, each as 'NODE has
+        N': with one, every write there would end its request UNAVAILABLE. [] when not waiting."""
+        if not self.wait_replicas:
+            return []
+        if isinstance(self.redis, aioredis.RedisCluster):
+            infos = await self.redis.info("replication", target_nodes=aioredis.RedisCluster.PRIMARIES)
+        else:
+            infos = {redact_url(self.url): await self.redis.info("replication")}
+        have = {name: int(info.get("connected_slaves", 0)) for name, info in infos.items()}
+        return [f"{name} has {count}" for name, count in sorted(have.items()) if count < self.wait_replicas]
+
     async def set_if_owner(self, session_id: str, owner: str, fields: Mapping[str, object]) -> bool:
         """Set bookkeeping fields only while `owner` owns the session; whether it did."""
         args = [owner, *[str(v) for pair in fields.items() for v in pair]]

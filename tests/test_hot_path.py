@@ -96,7 +96,7 @@ def test_a_packed_linear_over_many_rows_pads_and_splits_them_and_still_gives_eac
     linear = torch.nn.Linear(48, 80)
     packed = PackedLinear(linear)
     with torch.inference_mode():
-        for shape in [(16, 48), (17, 48), (2, 33, 48), (300, 48), (MAX_PASS_ROWS, 48), (MAX_PASS_ROWS + 1, 48),
+        for shape in [(64, 48), (65, 48), (2, 33, 48), (300, 48), (MAX_PASS_ROWS, 48), (MAX_PASS_ROWS + 1, 48),
                       (3, 700, 48)]:  # fmt: skip
             x = torch.randn(shape)
             out = packed.packed_forward(x)
@@ -108,8 +108,8 @@ def test_packed_row_counts_are_few_and_pad_by_at_most_an_eighth():
     counts = [padded_rows(rows) for rows in range(1, MAX_PASS_ROWS + 1)]
     assert counts[:EXACT_ROWS] == list(range(1, EXACT_ROWS + 1))  # decode steps and verify passes: exact
     assert all(rows <= padded <= 1.125 * rows for rows, padded in enumerate(counts, start=1))
-    assert counts == sorted(counts) and len(set(counts)) == 64 and counts[-1] == MAX_PASS_ROWS
-    assert [padded_rows(rows) for rows in (17, 19, 33, 100, 513)] == [18, 20, 36, 104, 576]
+    assert counts == sorted(counts) and len(set(counts)) == 96 and counts[-1] == MAX_PASS_ROWS
+    assert [padded_rows(rows) for rows in (65, 72, 73, 100, 129, 513)] == [72, 72, 80, 104, 144, 576]
 
 
 @needs_onednn

@@ -351,22 +351,27 @@ def test_with_wait_replicas_a_write_returns_once_its_replica_holds_it_and_is_una
                     await store.take_over("w", "next")
                 with pytest.raises(Unavailable, match="creation of session 'v'"):
                     await store.create("v", [1], {})
+            greedy = SessionStore(master.url, wait_replicas=2, wait_ms=50)  # more replicas than there are
+            assert await store.replicas_short() == [] and await hasty.replicas_short() == []
+            assert await greedy.replicas_short() == [f"{master.url} has 1"]
             meta, tokens = await store.take_over("w", "last")
             assert (meta["cycle"], tokens) == ("3", [1, 2, 3, 4, 5])
             assert await store.commit("w", 3, [6], owner="last") == (4, 6)
             with pytest.raises(Unavailable, match="reached 1 of the 2 replica"):
-                await SessionStore(master.url, wait_replicas=2, wait_ms=50).commit("w", 4, [7])
-            await store.close()
-            await hasty.close()
+                await greedy.commit("w", 4, [7])
+            for each in (store, hasty, greedy):
+                await each.close()
 
         run(go())
         on_replica.close()
 
 
-def test_a_stream_whose_redis_replica_stops_ends_unavailable_before_the_unheld_tokens_and_resumes_after(tiny_models):
+def test_a_stream_whose_redis_replica_stops_ends_unavailable_before_the_unheld_tokens_and_resumes_after(
+        tiny_models, capfd):
     """A coordinator with --redis-wait-replicas 1: requests run while the replica follows; once it
     stops, the running stream ends UNAVAILABLE, naming the flag, without the tokens no replica
-    holds; once it is back, a resume sends the rest, and the whole is an undisturbed run's."""
+    holds; once it is back, a resume sends the rest, and the whole is an undisturbed run's. A
+    coordinator asking for more replicas than the master has says so when it starts."""
     import signal
     import threading
     import time
@@ -412,6 +417,9 @@ def test_a_stream_whose_redis_replica_stops_ends_unavailable_before_the_unheld_t
                 assert 0 < len(received) < len(expected) and received == expected[: len(received)]
                 rest = client.resume("lagging", received_tokens=len(received))
                 assert received + rest.token_ids == expected
+            assert "--redis-wait-replicas 1, but" not in capfd.readouterr().err  # its master has the 1
+            stack.add_coordinator("greedy", "--redis-wait-replicas", "2")
+            assert f"--redis-wait-replicas 2, but {master.url} has 1" in capfd.readouterr().err
         finally:
             stack.stop()
 
@@ -438,7 +446,11 @@ def test_in_a_redis_cluster_a_write_waits_for_the_replica_of_its_own_node(tmp_pa
                     except Unavailable:
                         failed.append(session_id)
             assert failed == [i for i in ids if port_of[i] == lagging] and len(set(port_of.values())) == 3
+            greedy = SessionStore(store.url, wait_replicas=2)
+            assert await store.replicas_short() == []
+            assert [entry.split(" has ")[1] for entry in await greedy.replicas_short()] == ["1", "1", "1"]
             await store.close()
+            await greedy.close()
 
         run(go())
 
