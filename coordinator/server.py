@@ -35,7 +35,7 @@ from specdec.metrics import CoordinatorMetrics
 from specdec.ngram import DEFAULT_K, DEFAULT_MAX_NGRAM, DEFAULT_MIN_NGRAM, NGRAM_DRAFT
 from specdec.ranges import DEFAULT_DRAIN_S, DEFAULT_WAIT_MS
 from specdec.security import ChannelSecurity, ServerSecurity, caller_id, is_caller
-from specdec.session import CALLER_LEASE_S, SessionStore, check_session_id, new_session_id
+from specdec.session import CALLER_LEASE_S, NotReplicated, SessionStore, check_session_id, new_session_id
 from specdec.vocab import chat_ids, describe_model, has_chat_template
 from specdec.v1 import specdec_pb2 as pb
 from specdec.v1 import specdec_pb2_grpc as pb_grpc
@@ -300,7 +300,11 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         plan = self.plan(request)
         # Refused here (e.g. the id is taken), the request never touches the session again:
         # only a session this request created is finished and released below.
-        await self.store.create(plan.session_id, plan.prompt, session_meta(plan, self, caller))
+        try:
+            await self.store.create(plan.session_id, plan.prompt, session_meta(plan, self, caller))
+        except NotReplicated:  # created on its Redis node, not yet on its replicas: resumable, not retried
+            await context.send_initial_metadata(((SESSION_HEADER, plan.session_id),))
+            raise
         # The response headers commit the call: a client's retry policy (the SDK retries
         # UNAVAILABLE) sends a call again only while no header came, that is only while no
         # session was created for it, so a retry never finds its session id taken. They name

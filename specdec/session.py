@@ -177,6 +177,11 @@ def tokens_key(session_id: str) -> str:
     return f"specdec:{{{session_id}}}:tokens"
 
 
+class NotReplicated(Unavailable):
+    """A write that stands on its Redis node but that --redis-wait-replicas replicas did not
+    acknowledge in time (SessionStore): the session is there, for a Resume once they are back."""
+
+
 def session_gone(session_id: str) -> NotFound:
     """The error for a session whose keys are not in Redis."""
     return NotFound(f"session {session_id!r} does not exist (expired, deleted or never created)")
@@ -230,7 +235,7 @@ class SessionStore:
 
     `wait_replicas` (--redis-wait-replicas): a write that a client relies on (create, commit,
     take_over) returns only once that many replicas of its Redis node hold it (`WAIT`, on the
-    write's own connection, for at most `wait_ms`), else raises Unavailable; the write itself
+    write's own connection, for at most `wait_ms`), else raises NotReplicated; the write itself
     stays on the node. Replication is asynchronous: without it, a write acknowledged in the
     moment before its node dies can be lost with it, and its client already holds its tokens."""
 
@@ -346,13 +351,13 @@ class SessionStore:
         return result, replicas
 
     def _check_replicas(self, replicas: int | Exception | None, what: str) -> None:
-        """Raise Unavailable when a write was not acknowledged by wait_replicas replicas."""
+        """Raise NotReplicated when a write was not acknowledged by wait_replicas replicas."""
         if replicas is None or (not isinstance(replicas, Exception) and int(replicas) >= self.wait_replicas):
             return
         held = f"could not be checked ({replicas})" if isinstance(replicas, Exception) else (
             f"reached {int(replicas)} of the {self.wait_replicas} replica(s) --redis-wait-replicas asks for "
             f"within {self.wait_ms} ms")  # fmt: skip
-        raise Unavailable(f"Redis: {what} {held}: it stands on its Redis node but could be lost with it, so the "
+        raise NotReplicated(f"Redis: {what} {held}: it stands on its Redis node but could be lost with it, so the "
                           "request stops before sending anything of it; resume the session (the SDK does) once the "
                           "node's replicas are back")  # fmt: skip
 

@@ -371,7 +371,9 @@ def test_a_stream_whose_redis_replica_stops_ends_unavailable_before_the_unheld_t
     """A coordinator with --redis-wait-replicas 1: requests run while the replica follows; once it
     stops, the running stream ends UNAVAILABLE, naming the flag, without the tokens no replica
     holds; once it is back, a resume sends the rest, and the whole is an undisturbed run's. A
-    coordinator asking for more replicas than the master has says so when it starts."""
+    session whose creation the replica missed is one the SDK resumes (not one it sends again,
+    which would find its id taken). A coordinator asking for more replicas than the master has
+    says so when it starts."""
     import signal
     import threading
     import time
@@ -417,6 +419,13 @@ def test_a_stream_whose_redis_replica_stops_ends_unavailable_before_the_unheld_t
                 assert 0 < len(received) < len(expected) and received == expected[: len(received)]
                 rest = client.resume("lagging", received_tokens=len(received))
                 assert received + rest.token_ids == expected
+            with specdec.Client(stack.address) as client:  # the SDK's retries and resumes
+                with frozen(replica.process):  # a session created on the master only: resumed, not sent again
+                    with pytest.raises(specdec.SpecdecClientError) as refused:
+                        client.generate("hello world", session_id="unheld", **options)
+                assert refused.value.code == grpc.StatusCode.UNAVAILABLE, refused.value  # not ALREADY_EXISTS
+                assert "session 'unheld'" in refused.value.message and "--redis-wait-replicas" in refused.value.message
+                assert client.resume("unheld", received_tokens=0).token_ids == expected
             assert "--redis-wait-replicas 1, but" not in capfd.readouterr().err  # its master has the 1
             stack.add_coordinator("greedy", "--redis-wait-replicas", "2")
             assert f"--redis-wait-replicas 2, but {master.url} has 1" in capfd.readouterr().err
