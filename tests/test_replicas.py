@@ -426,10 +426,16 @@ def test_each_session_keeps_to_the_one_target_replica_its_id_picks_and_sessions_
     options = dict(prompt_token_ids=prompt_ids, max_new_tokens=24, **OPTIONS)
     with specdec.Client(stack.address) as client:
         expected = client.generate(**options).token_ids
+    # Sessions spread: over 400 ids each replica gets 35-65% (6 standard deviations of a fair
+    # split). Ten ids alone all fall on one replica once in 512 runs (the ports are random), so the
+    # requests below take the first id of each replica and eight more.
+    spread = Counter(owner(f"spread-{i}", metrics_ports) for i in range(400))
+    assert len(spread) == 2 and all(140 <= n <= 260 for n in spread.values()), spread
+    session_ids = [picker(metrics_ports, target, "replica-test") for target in metrics_ports]
+    session_ids += [f"replica-test-{i}" for i in range(100) if f"replica-test-{i}" not in session_ids][:8]
     served = Counter()
     with specdec.Client(address) as client:
-        for i in range(10):
-            session_id = f"replica-test-{i}"
+        for session_id in session_ids:
             chosen = owner(session_id, metrics_ports)
             before = {t: forward_passes(p) for t, p in metrics_ports.items()}
             assert client.generate(session_id=session_id, **options).token_ids == expected
