@@ -376,7 +376,6 @@ def test_a_stream_whose_redis_replica_stops_ends_unavailable_before_the_unheld_t
     says so when it starts."""
     import signal
     import threading
-    import time
 
     import grpc
 
@@ -387,7 +386,8 @@ def test_a_stream_whose_redis_replica_stops_ends_unavailable_before_the_unheld_t
         stack = start_stack(master.url, tiny_models.target, tiny_models.draft,
                             coordinator_args=["--redis-wait-replicas", "1", "--redis-wait-ms", "200"])  # fmt: skip
         try:
-            options = dict(max_new_tokens=24, ignore_eos=True, num_speculative_tokens=3)
+            options = dict(max_new_tokens=120, ignore_eos=True, num_speculative_tokens=3)
+            target = stack.processes["target"]
             with specdec.Client(stack.address, retries=0) as client:
                 expected = client.generate("hello world", **options).token_ids
                 chunks, errors, streamed = [], [], threading.Event()
@@ -395,6 +395,8 @@ def test_a_stream_whose_redis_replica_stops_ends_unavailable_before_the_unheld_t
                 def stream():
                     try:
                         for chunk in client.generate_stream("hello world", session_id="lagging", **options):
+                            if not chunks:  # the stream waits on a Verify from its first chunk on
+                                target.send_signal(signal.SIGSTOP)
                             chunks.append(chunk)
                             streamed.set()
                     except specdec.SpecdecClientError as exc:
@@ -402,17 +404,15 @@ def test_a_stream_whose_redis_replica_stops_ends_unavailable_before_the_unheld_t
                     finally:
                         streamed.set()
 
-                target = stack.processes["target"]
                 thread = threading.Thread(target=stream)
                 thread.start()
-                deadline = time.monotonic() + 60
-                while not streamed.is_set():
-                    assert time.monotonic() < deadline, "the stream's first chunk"
-                    time.sleep(0.05)
-                target.send_signal(signal.SIGSTOP)  # the stream waits on a Verify
-                with frozen(replica.process):  # and the replica stops before its commit
+                try:
+                    assert streamed.wait(timeout=60), "the stream's first chunk"
+                    with frozen(replica.process):  # the replica stops before the stream's next commit
+                        target.send_signal(signal.SIGCONT)
+                        thread.join(timeout=60)
+                finally:
                     target.send_signal(signal.SIGCONT)
-                    thread.join(timeout=60)
                 assert not thread.is_alive() and len(errors) == 1, errors
                 assert errors[0].code == grpc.StatusCode.UNAVAILABLE and "--redis-wait-replicas" in errors[0].message
                 received = [t for c in chunks for t in c.token_ids]
@@ -422,7 +422,7 @@ def test_a_stream_whose_redis_replica_stops_ends_unavailable_before_the_unheld_t
             with specdec.Client(stack.address) as client:  # the SDK's retries and resumes
                 with frozen(replica.process):  # a session created on the master only: resumed, not sent again
                     with pytest.raises(specdec.SpecdecClientError) as refused:
-                        client.generate("hello world", session_id="unheld", **options)
+                        client.generate("hello world", session_id="unheld", **options)  # never gets past creation
                 assert refused.value.code == grpc.StatusCode.UNAVAILABLE, refused.value  # not ALREADY_EXISTS
                 assert "session 'unheld'" in refused.value.message and "--redis-wait-replicas" in refused.value.message
                 assert client.resume("unheld", received_tokens=0).token_ids == expected
