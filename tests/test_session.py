@@ -342,7 +342,7 @@ def test_with_wait_replicas_a_write_returns_once_its_replica_holds_it_and_is_una
                 started = time.monotonic()
                 with pytest.raises(Unavailable, match=r"cycle 1 of session 'w' reached 0 of the 1 replica"):
                     await store.commit("w", 1, [4])
-                assert time.monotonic() - started >= 0.2
+                assert time.monotonic() - started >= 0.15  # it waited (200 ms) before it said so
                 assert await store.tokens("w") == [1, 2, 3, 4]  # on the master, and the cycle moved on
                 with pytest.raises(Aborted):  # a fenced write is refused as before, not blamed on the replica
                     await store.commit("w", 1, [5])
