@@ -214,13 +214,22 @@ def redis_cluster(tmp_path_factory):
         yield cluster
 
 
+def wait(condition, what: str, within_s: float = 30.0, every_s: float = 0.05) -> None:
+    """Poll `condition` until it holds; fail with `what` after `within_s`."""
+    import time
+
+    deadline = time.monotonic() + within_s
+    while not condition():
+        assert time.monotonic() < deadline, what
+        time.sleep(every_s)
+
+
 @contextlib.contextmanager
 def running_cluster(folder, replicas: bool = False):
     """A Redis Cluster of three masters (slots split in three), each with a replica when
     `replicas`: .address (the first master's), .nodes (the masters, then the replicas, as
     clients) and .processes, in the same order. Nodes give up on a silent peer after 1 s."""
     import subprocess
-    import time
 
     import redis
 
@@ -235,12 +244,6 @@ def running_cluster(folder, replicas: bool = False):
         for port in ports
     ]
     nodes = [redis.Redis(host="127.0.0.1", port=port) for port in ports]
-
-    def wait(condition, what: str, within_s: float = 30.0) -> None:
-        deadline = time.monotonic() + within_s
-        while not condition():
-            assert time.monotonic() < deadline, what
-            time.sleep(0.05)
 
     def answers(node) -> bool:
         try:
@@ -296,18 +299,13 @@ def cluster_port() -> int:
 @contextlib.contextmanager
 def master_and_replica():
     """A redis-server and a second one replicating it, synced: (master, replica)."""
-    import time
-
     import redis
 
     from specdec.redis_server import EmbeddedRedis
 
     with EmbeddedRedis() as master, EmbeddedRedis(replica_of=master.port) as replica:
         client = redis.Redis(port=replica.port, decode_responses=True)
-        deadline = time.monotonic() + 30
-        while client.info("replication").get("master_link_status") != "up":
-            assert time.monotonic() < deadline, "the replica did not sync"
-            time.sleep(0.05)
+        wait(lambda: client.info("replication").get("master_link_status") == "up", "the replica did not sync")
         client.close()
         yield master, replica
 
@@ -519,7 +517,6 @@ def test_sessions_outlive_failovers_of_their_redis_cluster_nodes(tmp_path, tiny_
     and the session, replicated before the kill, still resumes."""
     import signal
     import threading
-    import time
 
     import grpc
 
@@ -528,12 +525,6 @@ def test_sessions_outlive_failovers_of_their_redis_cluster_nodes(tmp_path, tiny_
 
     def roles(nodes) -> list[str]:
         return [node.execute_command("ROLE")[0].decode() for node in nodes]
-
-    def wait(condition, what: str, within_s: float = 60.0) -> None:
-        deadline = time.monotonic() + within_s
-        while not condition():
-            assert time.monotonic() < deadline, what
-            time.sleep(0.1)
 
     with running_cluster(tmp_path, replicas=True) as cluster:
         stack = start_stack(f"redis+cluster://{cluster.address}/0", tiny_models.target, tiny_models.draft)
@@ -555,13 +546,13 @@ def test_sessions_outlive_failovers_of_their_redis_cluster_nodes(tmp_path, tiny_
                 target = stack.processes["target"]
                 thread = threading.Thread(target=stream)
                 thread.start()
-                wait(streamed.is_set, "the stream's first chunk")
+                wait(streamed.is_set, "the stream's first chunk", 60, 0.1)
                 target.send_signal(signal.SIGSTOP)
                 try:
                     for replica in cluster.nodes[3:]:
                         replica.execute_command("CLUSTER", "FAILOVER")
                     swapped = ["slave"] * 3 + ["master"] * 3
-                    wait(lambda: roles(cluster.nodes) == swapped, "the graceful failovers")
+                    wait(lambda: roles(cluster.nodes) == swapped, "the graceful failovers", 60, 0.1)
                 finally:
                     target.send_signal(signal.SIGCONT)
                 thread.join(timeout=60)
@@ -581,7 +572,7 @@ def test_sessions_outlive_failovers_of_their_redis_cluster_nodes(tmp_path, tiny_
                         failures.append(exc)
                         return False
 
-                wait(resumes, "the replica of the killed master never took over")
+                wait(resumes, "the replica of the killed master never took over", 60, 0.1)
                 assert all(exc.code == grpc.StatusCode.UNAVAILABLE for exc in failures), failures
                 assert roles([cluster.nodes[holder - 3]]) == ["master"]
                 assert client.generate("hello world", session_id="after", **options).token_ids == expected
