@@ -131,7 +131,9 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
         "for the command and asks the built-in instruct model (without --chat the text is continued as it is). "
         "Run `specdec COMMAND --help` for each command's flags.",
     )
-    parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
+    parser.add_argument("-v", "--verbose", action="store_true",
+                        help="log at INFO level, and show all the output of the services of a local stack "
+                        "that generate and trace bring up (else only their warnings and errors)")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
     up = commands.add_parser(
@@ -157,7 +159,8 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
         help="generate text from a prompt",
         description="Stream generated text to the terminal, then print the cycle statistics. "
         "Without --address and with nothing serving on the default address, a local stack is "
-        "brought up for the duration of the command.",
+        "brought up for the duration of the command (its services print only warnings and errors; "
+        "`specdec -v generate ...` shows their logs).",
     )
     add_generate_flags(gen)
 
@@ -548,7 +551,8 @@ def run_up(args) -> int:
 
 @contextlib.contextmanager
 def serving_address(args):
-    """The coordinator address to use; brings a local stack up when none was given and none serves."""
+    """The coordinator address to use; brings a local stack up when none was given and none
+    serves. Its services print only their warnings and errors, unless -v."""
     from specdec.launcher import Stack, StackConfig, is_serving
 
     address = args.address or DEFAULT_ADDRESS
@@ -559,7 +563,7 @@ def serving_address(args):
     config = StackConfig(port=int(port), host=host, target=args.target, draft=args.draft, ngram_first=args.ngram_first)
     print(f"nothing serves on {address}: starting a local stack (target {config.target}, draft {config.draft}) "
           "for this command", file=sys.stderr, flush=True)  # fmt: skip
-    with Stack(config):
+    with Stack(config, terse=not args.verbose):
         yield address
 
 

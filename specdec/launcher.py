@@ -45,6 +45,10 @@ STOP_TIMEOUT_S = 10.0
 # parallel regions of one pass: the target's in-service passes over the same passes timed
 # alone (bench forward_vs_alone) were 1.04 and 0.94 with it, 1.02 and 0.96 without.
 SHARED_MACHINE_ENV = {"GOMP_SPINCOUNT": "10000"}
+# A terse stack's services: warnings and errors only, and no progress bar of transformers' own
+# (loading weights); specdec's own bar of a first use's model preparation still shows.
+TERSE_LOG_LEVEL = "WARNING"
+TERSE_ENV = {"HF_HUB_DISABLE_PROGRESS_BARS": "1"}
 LOG_TAIL_LINES = 20  # of a quiet service's output, in the error when it dies while starting
 
 
@@ -116,11 +120,16 @@ def solo_threads() -> int:
 
 
 class Stack:
-    """Start with `start()`, stop with `stop()`; also a context manager."""
+    """Start with `start()`, stop with `stop()`; also a context manager.
 
-    def __init__(self, config: StackConfig, *, quiet: bool = False):
+    The services' output goes to our stderr; `terse`: only their warnings and errors (the
+    stack of a one-shot command such as `specdec generate`); `quiet`: none of it, but the
+    last lines of a service that dies while starting, in the error (bench, soak)."""
+
+    def __init__(self, config: StackConfig, *, quiet: bool = False, terse: bool = False):
         self.config = config
         self.quiet = quiet
+        self.terse = terse
         self.redis: EmbeddedRedis | None = None
         self.processes: dict[str, subprocess.Popen] = {}
         self.kinds: dict[str, str] = {}  # process name -> its service, where they differ (add_replica)
@@ -259,14 +268,15 @@ class Stack:
 
     def spawn(self, name: str, service: str, *args: str) -> None:
         host = self.config.host if service == "coordinator" else "127.0.0.1"
+        terse = ["--log-level", TERSE_LOG_LEVEL] if self.terse else []  # before `args`, which win
         command = [
             sys.executable, "-m", "specdec.cli", "serve", service,
-            "--host", host, "--port", str(self.ports[name]), *self.tls_args(service), *args,
+            "--host", host, "--port", str(self.ports[name]), *self.tls_args(service), *terse, *args,
         ]  # fmt: skip
         if self.metrics_ports:
             command += ["--metrics-port", str(self.metrics_ports.get(name, 0))]  # an added process: none
         secrets_env = {REDIS_URL_ENV: self.redis_url, INTERNAL_TOKEN_ENV: self.internal_token}
-        env = service_environment(os.environ, {**self.config.env, **secrets_env})
+        env = service_environment({**(TERSE_ENV if self.terse else {}), **os.environ}, {**self.config.env, **secrets_env})
         # Each process gets its own service name in traces: specdec-draft, or <yours>-draft.
         env["OTEL_SERVICE_NAME"] = f"{env.get('OTEL_SERVICE_NAME') or 'specdec'}-{name}"
         self.envs[name] = env
@@ -284,12 +294,13 @@ class Stack:
 
     def output(self, name: str) -> dict:
         """Children log to our stderr (stdout stays for `ready ADDRESS`), or, when quiet, to a
-        temporary file whose tail goes into the error if the service dies while starting."""
+        temporary file whose tail goes into the error if the service dies while starting. A
+        terse child's stdout, its `NAME serving on ADDRESS` line, goes nowhere."""
         if self.quiet:
             if name not in self.logs:  # a restarted service appends to the file it had
                 self.logs[name] = tempfile.TemporaryFile(prefix=f"specdec-{name}-")
             return {"stdout": self.logs[name], "stderr": self.logs[name]}
-        return {"stdout": 2, "stderr": 2}
+        return {"stdout": subprocess.DEVNULL if self.terse else 2, "stderr": 2}
 
     def log_tail(self, name: str) -> str:
         """The last lines a quiet service wrote ("" when it logs to our stderr)."""

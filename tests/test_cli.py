@@ -337,15 +337,19 @@ def test_up_refuses_half_a_tls_setup():
     assert out.returncode != 0 and "--tls-cert, --tls-key and --tls-ca" in out.stderr
 
 
-def test_generate_brings_a_local_stack_up_when_nothing_serves(tiny_models, tmp_path):
+def test_generate_brings_a_local_stack_up_when_nothing_serves_whose_logs_show_only_with_v(tiny_models, tmp_path):
     if is_serving("127.0.0.1:50051"):
         pytest.skip("something already serves on the default address")
     env = dict(os.environ, SPECDEC_TARGET=tiny_models.target, SPECDEC_DRAFT=tiny_models.draft)
     out = run_cli("generate", "hello world", "--json", "--max-new-tokens", "6", env=env)
     assert out.returncode == 0, out.stderr
     assert "starting a local stack" in out.stderr
+    assert " INFO " not in out.stderr and "serving on" not in out.stderr and "Loading weights" not in out.stderr
     assert len(json.loads(out.stdout)["token_ids"]) >= 1
     assert not is_serving("127.0.0.1:50051")
+    verbose = run_cli("-v", "generate", "hello world", "--max-new-tokens", "2", env=env)
+    assert verbose.returncode == 0, verbose.stderr
+    assert "coordinator serving on" in verbose.stderr and "target INFO" in verbose.stderr
 
 
 def test_ctrl_c_while_a_stack_starts_stops_every_process_and_says_interrupted(tiny_models):
