@@ -48,7 +48,8 @@ Proposal = tuple[int, WireQ | None, int]  # (token, q as it travels or None for 
 # the draft's RSS grew 555 -> 675 MiB, where one session a pass stayed at 557. A shared pass now
 # has at most max_batch * MAX_BATCHED_ROWS rows, so few distinct counts. specdec.packed has
 # since padded every packed product's rows to a few counts, which bounds them for any pass, so
-# this rule no longer has to: it stays until a soak without it shows the draft's RSS flat.
+# this rule no longer has to; a soak without it (2026-12-06, README) served as many requests and
+# grew the draft's RSS a little more (+50 against +38 MiB), so it stays.
 MAX_BATCHED_ROWS = 4
 
 
