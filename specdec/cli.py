@@ -574,6 +574,9 @@ def prompt_arguments(args) -> dict:
     if args.chat or args.system:
         system = [{"role": "system", "content": args.system}] if args.system else []
         return {"messages": [*system, {"role": "user", "content": args.prompt}]}
+    if not args.prompt:  # refused by every coordinator: say so before a local stack starts
+        raise SystemExit(f"specdec {args.command}: the prompt is empty: give the text to continue, or a question "
+                         "with --chat")  # fmt: skip
     return {"prompt": args.prompt}
 
 
@@ -682,11 +685,11 @@ def run_trace(args) -> int:
     from specdec import telemetry
     from specdec.client import Client, SpecdecClientError
 
-    options = client_options(args)
+    options, prompt = client_options(args), prompt_arguments(args)
     telemetry.setup_tracing("specdec-cli")
     try:
         with serving_address(args) as address, Client(address, retries=args.retries, **options) as client:
-            result = client.generate(**prompt_arguments(args), **generate_options(args))
+            result = client.generate(**prompt, **generate_options(args))
     except SpecdecClientError as exc:
         print(client_error(exc, args), file=sys.stderr)
         return 1

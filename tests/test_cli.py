@@ -156,6 +156,18 @@ def test_an_unreadable_token_or_ca_file_ends_generate_with_one_line_before_a_sta
     assert "starting a local stack" not in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("command", ["generate", "trace"])
+def test_an_empty_prompt_ends_the_command_with_one_line_before_a_stack_starts_but_a_chat_may_be_empty(capsys, command):
+    from specdec.cli import build_parser, main, prompt_arguments
+
+    with pytest.raises(SystemExit) as exited:
+        main([command, ""])
+    assert str(exited.value) == f"specdec {command}: the prompt is empty: give the text to continue, or a question with --chat"
+    assert "starting a local stack" not in capsys.readouterr().err
+    chat = prompt_arguments(build_parser().parse_args([command, "", "--chat"]))  # the template still renders a prompt
+    assert chat == {"messages": [{"role": "user", "content": ""}]}
+
+
 def test_generate_against_an_address_nothing_serves_says_unavailable_where_it_looked_and_how_to_start_a_stack():
     address = f"127.0.0.1:{free_port()}"
     out = run_cli("generate", "hi", "--address", address, "--timeout", "20")
