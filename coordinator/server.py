@@ -46,6 +46,11 @@ log = logging.getLogger("specdec.coordinator")
 FINISH = {"length": pb.FINISH_REASON_LENGTH, "stop": pb.FINISH_REASON_STOP, "eos": pb.FINISH_REASON_EOS}
 FINISH_NAMES = {code: name for name, code in FINISH.items()}
 RELEASE_TIMEOUT_S = 2.0
+# How long a stopping coordinator waits, after its drain, for the background work of its last
+# requests (recording how each ended: one Redis write; releasing its caches: one Release per model
+# service, in parallel, at most RELEASE_TIMEOUT_S) before it closes its channels and its Redis
+# connection under them. Milliseconds normally; the k8s manifests leave room for all of it.
+CLOSE_BACKGROUND_S = 3.0
 # No tokenizer makes tokens of fewer characters than this on average: a text prompt
 # longer than this times max_prompt_tokens is refused without tokenizing it.
 PROMPT_CHARS_PER_TOKEN = 16
@@ -202,8 +207,15 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
                         "end UNAVAILABLE", self.config.redis_wait_replicas, "; ".join(short))  # fmt: skip
 
     async def close(self) -> None:
+        """Stop renewing places, let the background work of the requests that ran finish
+        (CLOSE_BACKGROUND_S at most), then close the channels and the Redis connection."""
         if self.renewer is not None:
             self.renewer.cancel()
+        if self.background:
+            _, pending = await asyncio.wait(set(self.background), timeout=CLOSE_BACKGROUND_S)
+            if pending:
+                log.warning("stopping with %d request(s) still recording their end or releasing their caches",
+                            len(pending))  # fmt: skip
         await self.drafts.close()
         await self.targets.close()
         await self.store.close()

@@ -468,12 +468,15 @@ def test_services_match_the_cli(overlay, monkeypatch):
         assert ports.get(svc_port["targetPort"], svc_port["targetPort"]) == parsed[service].port
     # sampling limits agree: the coordinator never asks for more than the services accept
     coordinator = parsed["coordinator"]
-    # a stopping coordinator's preStop wait and drain end before the kubelet's SIGKILL: the calls it
-    # cancels then fail UNAVAILABLE, which the SDK resumes elsewhere, not with the pod's death
+    # a stopping coordinator's preStop wait, drain and close (its last requests' releases) end before
+    # the kubelet's SIGKILL: the calls it cancels then fail UNAVAILABLE, which the SDK resumes
+    # elsewhere, not with the pod's death
+    from coordinator.server import CLOSE_BACKGROUND_S
+
     pod = r.workload("coordinator")["spec"]["template"]["spec"]
     pre_stop = r.container("coordinator")["lifecycle"]["preStop"]["exec"]["command"]
     assert pre_stop[0] == "sleep", pre_stop
-    assert float(pre_stop[1]) + coordinator.drain_s + 2 <= pod["terminationGracePeriodSeconds"]
+    assert float(pre_stop[1]) + coordinator.drain_s + CLOSE_BACKGROUND_S + 1 <= pod["terminationGracePeriodSeconds"]
     assert 1 <= coordinator.max_k <= min(parsed["draft"].max_k, parsed["target"].max_k)
     assert coordinator.default_k is None or 1 <= coordinator.default_k <= coordinator.max_k
     assert 1 <= coordinator.default_max_new_tokens <= coordinator.max_new_tokens_limit

@@ -2,6 +2,7 @@
 
 import asyncio
 import contextlib
+import time
 import zlib
 
 import numpy as np
@@ -1124,3 +1125,37 @@ def test_a_conversation_for_a_tokenizer_without_a_chat_template_is_a_failed_prec
     server = SimpleNamespace(tokenizer=templateless, config=SimpleNamespace(tokenizer=""), target_info=SimpleNamespace(model="tiny"))
     with pytest.raises(FailedPrecondition, match="the tokenizer of tiny has no chat template: send the conversation as prompt text"):
         CoordinatorServicer.chat_ids(server, [SimpleNamespace(role="user", content="abc")])
+
+
+def test_a_stopping_coordinator_lets_its_requests_background_work_finish_then_closes_within_its_bound(
+    redis_url, monkeypatch, caplog
+):
+    """A request's end is recorded and its caches released in the background, after its last
+    chunk (CoordinatorServicer.finish): a coordinator stopped right then used to close its Redis
+    connection and channels under that work ("Connection closed by server", "Channel is closed")."""
+    from coordinator import server
+    from specdec.session import SessionStore
+
+    async def go():
+        servicer = server.CoordinatorServicer(server.CoordinatorConfig(redis_url=redis_url), SessionStore(redis_url))
+        recorded = []
+
+        async def finish():  # stands for finish(): a pause, then a Redis write
+            await asyncio.sleep(0.3)
+            await servicer.store.redis.set("test:finished", "1")
+            recorded.append(await servicer.store.redis.get("test:finished"))
+
+        servicer.spawn(finish())
+        await servicer.close()
+        assert recorded == ["1"]
+
+        monkeypatch.setattr(server, "CLOSE_BACKGROUND_S", 0.2)
+        stuck = server.CoordinatorServicer(server.CoordinatorConfig(redis_url=redis_url), SessionStore(redis_url))
+        task = stuck.spawn(asyncio.sleep(60))
+        started = time.monotonic()
+        await stuck.close()
+        assert time.monotonic() - started < 2 and not task.done()
+        task.cancel()
+
+    asyncio.run(go())
+    assert "stopping with 1 request(s) still recording their end or releasing their caches" in caplog.text
