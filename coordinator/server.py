@@ -363,10 +363,15 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         try:
             meta = await self.store.meta(session_id)
         except NotFound:
+            # With --redis-wait-replicas: not until the node's replicas lack it too (a Delete sent
+            # again after its deletion was not acknowledged in time).
+            await self.store.confirm_gone(session_id)
             return pb.DeleteResponse(deleted=False)
         self.check_caller(session_id, meta, context, "delete")
-        await self.store.delete(session_id)
-        self.spawn(self.release(session_id))
+        try:
+            await self.store.delete(session_id)
+        finally:  # gone from its Redis node even when its replicas did not acknowledge it in time
+            self.spawn(self.release(session_id))
         return pb.DeleteResponse(deleted=True)
 
     def check_caller(self, session_id: str, meta: dict, context, verb: str) -> None:

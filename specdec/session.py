@@ -10,6 +10,8 @@ Layout (the `{session_id}` hash tag keeps one session in one Redis Cluster slot)
                            prompt_tokens, statistics, status, owner, plan (what
                            Resume needs besides), timestamps
     specdec:{<id>}:tokens  list of committed token ids (decimal strings)
+    specdec:{<id>}:scratch written and removed in one script by a deletion under
+                           --redis-wait-replicas (never left behind; see _DELETE)
     specdec:caller:{<caller>}:running
                            sorted set: the requests of one caller (security.caller_id) in
                            progress on any coordinator, each scored with the end of its
@@ -137,6 +139,20 @@ return 1
 """
 
 
+# KEYS: meta, tokens, scratch. ARGV: 1 to delete the session, 0 to leave it. Returns how many of
+# its keys it deleted. It always writes (the scratch key, set and removed): a WAIT after it then
+# counts the replicas that hold every earlier write of the node, since replication keeps their
+# order, so also a deletion by an earlier call (a retried Delete) or by another coordinator.
+# (Redis 7's WAIT waits for the calling connection's own last write: after a script that wrote
+# nothing it would answer at once. Redis 6.2 waits for the node's offset after any command.)
+_DELETE = """
+local deleted = 0
+if ARGV[1] == '1' then deleted = redis.call('DEL', KEYS[1], KEYS[2]) end
+redis.call('SET', KEYS[3], '1')
+redis.call('DEL', KEYS[3])
+return deleted
+"""
+
 # A caller's request holds a lease on its place under --max-requests-per-caller this long,
 # renewed every third of it while the request runs: a coordinator that dies leaves places
 # that free themselves within this time.
@@ -175,6 +191,10 @@ def meta_key(session_id: str) -> str:
 
 def tokens_key(session_id: str) -> str:
     return f"specdec:{{{session_id}}}:tokens"
+
+
+def scratch_key(session_id: str) -> str:
+    return f"specdec:{{{session_id}}}:scratch"
 
 
 class NotReplicated(Unavailable):
@@ -234,7 +254,7 @@ class SessionStore:
     maintenance notifications, a Redis Enterprise feature, are on; so they are off.)
 
     `wait_replicas` (--redis-wait-replicas): a write that a client relies on (create, commit,
-    take_over) returns only once that many replicas of its Redis node hold it (`WAIT`, on the
+    take_over, delete) returns only once that many replicas of its Redis node hold it (`WAIT`, on the
     write's own connection, for at most `wait_ms`), else raises NotReplicated; the write itself
     stays on the node. Replication is asynchronous: without it, a write acknowledged in the
     moment before its node dies can be lost with it, and its client already holds its tokens."""
@@ -261,6 +281,7 @@ class SessionStore:
         self._commit = self.redis.register_script(_COMMIT)
         self._take_over = self.redis.register_script(_TAKE_OVER)
         self._set_if_owner = self.redis.register_script(_SET_IF_OWNER)
+        self._delete = self.redis.register_script(_DELETE)
         self._admit = self.redis.register_script(_ADMIT)
         self._renew = self.redis.register_script(_RENEW)
 
@@ -350,16 +371,17 @@ class SessionStore:
             raise result
         return result, replicas
 
-    def _check_replicas(self, replicas: int | Exception | None, what: str) -> None:
-        """Raise NotReplicated when a write was not acknowledged by wait_replicas replicas."""
+    def _check_replicas(self, replicas: int | Exception | None, what: str, then: str = "") -> None:
+        """Raise NotReplicated when a write was not acknowledged by wait_replicas replicas;
+        `then` says what the caller should do (default: a stream's write, to be resumed)."""
         if replicas is None or (not isinstance(replicas, Exception) and int(replicas) >= self.wait_replicas):
             return
         held = f"could not be checked ({replicas})" if isinstance(replicas, Exception) else (
             f"reached {int(replicas)} of the {self.wait_replicas} replica(s) --redis-wait-replicas asks for "
             f"within {self.wait_ms} ms")  # fmt: skip
-        raise NotReplicated(f"Redis: {what} {held}: it stands on its Redis node but could be lost with it, so the "
-                          "request stops before sending anything of it; resume the session (the SDK does) once the "
-                          "node's replicas are back")  # fmt: skip
+        then = then or ("it stands on its Redis node but could be lost with it, so the request stops before sending "
+                        "anything of it; resume the session (the SDK does) once the node's replicas are back")  # fmt: skip
+        raise NotReplicated(f"Redis: {what} {held}: {then}")
 
     async def replicas_short(self) -> list[str]:
         """The Redis masters with fewer connected replicas than wait_replicas, each as 'NODE has
@@ -405,7 +427,27 @@ class SessionStore:
             await pipe.execute()
 
     async def delete(self, session_id: str) -> None:
-        await self.redis.delete(meta_key(session_id), tokens_key(session_id))
+        """Delete a session's keys. With wait_replicas, return once that many replicas of its
+        node hold the deletion, else raise NotReplicated (it is gone from the node)."""
+        if not self.wait_replicas:
+            await self.redis.delete(meta_key(session_id), tokens_key(session_id))
+            return
+        await self._deletion(session_id, delete=True)
+
+    async def confirm_gone(self, session_id: str) -> None:
+        """For a session its node does not hold: with wait_replicas, return once that many
+        replicas hold every write the node has made, so none still holds it (its deletion by
+        an earlier call, say, that they had not acknowledged); else raise NotReplicated.
+        Without wait_replicas, nothing to confirm."""
+        if self.wait_replicas:
+            await self._deletion(session_id, delete=False)
+
+    async def _deletion(self, session_id: str, delete: bool) -> None:
+        keys = [meta_key(session_id), tokens_key(session_id), scratch_key(session_id)]
+        _, replicas = await self._write(self._delete, keys, [int(delete)])
+        self._check_replicas(replicas, f"the deletion of session {session_id!r}", (
+            "it is gone from its Redis node, but a failover to a replica that missed it could bring it back; "
+            "delete it again once the node's replicas are back (deleted=false then confirms it is gone)"))  # fmt: skip
 
     async def admit(self, caller: str, request_id: str, limit: int, lease_s: float = CALLER_LEASE_S) -> int | None:
         """Give `request_id` one of `caller`'s `limit` places, counted over every coordinator

@@ -364,6 +364,44 @@ def test_with_wait_replicas_a_write_returns_once_its_replica_holds_it_and_is_una
         on_replica.close()
 
 
+def test_with_wait_replicas_a_deletion_returns_once_its_replica_lacks_the_session_and_a_retry_waits_for_it_too():
+    """A Delete is a write a client relies on (the session must not come back with a failover).
+    A deletion the replica has not acknowledged is refused after the wait, the session gone from
+    the master; a Delete sent again (through any connection) finds it gone and still waits until
+    the replica lacks it, since its script always writes and WAIT then covers the deletion."""
+    import redis
+
+    with master_and_replica() as (master, replica):
+        on_master = redis.Redis(port=master.port, decode_responses=True)
+        on_replica = redis.Redis(port=replica.port, decode_responses=True)
+
+        async def go():
+            store = SessionStore(master.url, wait_replicas=1, wait_ms=200)
+            hasty = SessionStore(master.url)  # waits for no replica
+            for session_id in ("a", "b", "c"):
+                await store.create(session_id, [1, 2], {})
+            await store.delete("a")
+            assert on_replica.exists(meta_key("a"), tokens_key("a")) == 0  # gone there on return
+            with frozen(replica.process):
+                with pytest.raises(Unavailable, match=r"deletion of session 'b' reached 0 of the 1 replica.*delete it again"):
+                    await store.delete("b")
+                assert on_master.exists(meta_key("b"), tokens_key("b")) == 0  # gone from the master at once
+                elsewhere = SessionStore(master.url, wait_replicas=1, wait_ms=200)  # another coordinator's connection
+                with pytest.raises(Unavailable, match="deletion of session 'b'"):
+                    await elsewhere.confirm_gone("b")  # the retry cannot confirm what the replica lacks
+                await hasty.delete("c")  # without the flag: at once
+                await hasty.confirm_gone("c")
+            await elsewhere.confirm_gone("b")  # the replica is back and holds the deletion
+            assert on_replica.exists(meta_key("b"), tokens_key("b"), meta_key("c"), tokens_key("c")) == 0
+            assert on_master.keys("specdec:*") == [] and on_replica.keys("specdec:*") == []  # no scratch key stays
+            for each in (store, hasty, elsewhere):
+                await each.close()
+
+        run(go())
+        on_master.close()
+        on_replica.close()
+
+
 def test_a_stream_whose_redis_replica_stops_ends_unavailable_before_the_unheld_tokens_and_resumes_after(
         tiny_models, capfd):
     """A coordinator with --redis-wait-replicas 1: requests run while the replica follows; once it
@@ -424,6 +462,13 @@ def test_a_stream_whose_redis_replica_stops_ends_unavailable_before_the_unheld_t
                 assert refused.value.code == grpc.StatusCode.UNAVAILABLE, refused.value  # not ALREADY_EXISTS
                 assert "session 'unheld'" in refused.value.message and "--redis-wait-replicas" in refused.value.message
                 assert client.resume("unheld", received_tokens=0).token_ids == expected
+                with frozen(replica.process):  # a Delete the replica misses: refused, and so are the SDK's retries
+                    with pytest.raises(specdec.SpecdecClientError) as unconfirmed:
+                        client.delete("unheld")
+                assert unconfirmed.value.code == grpc.StatusCode.UNAVAILABLE, unconfirmed.value
+                assert "deletion of session 'unheld'" in unconfirmed.value.message
+                assert "delete it again" in unconfirmed.value.message
+                assert client.delete("unheld") is False  # gone, and now its replica confirms it
             assert "--redis-wait-replicas 1, but" not in capfd.readouterr().err  # its master has the 1
             stack.add_coordinator("greedy", "--redis-wait-replicas", "2")
             assert f"--redis-wait-replicas 2, but {master.url} has 1" in capfd.readouterr().err
