@@ -543,7 +543,10 @@ class Client:
         last use): its record, prompt and tokens leave Redis and the model services drop its
         caches; a stream of it still running ends NOT_FOUND. True if it existed; False if not
         (expired, deleted already, or never created). PERMISSION_DENIED where the session was
-        created with another API token, as for resume."""
+        created with another API token, as for resume. Behind a coordinator run with
+        --redis-wait-replicas it answers once Redis's replicas hold the deletion too, and
+        raises UNAVAILABLE when they do not in time (it is gone from the Redis master then:
+        delete again once the replicas are back; False then confirms it)."""
         try:
             reply = self._stub.Delete(pb.DeleteRequest(session_id=session_id), timeout=timeout, metadata=self._metadata)
         except grpc.RpcError as exc:
