@@ -391,10 +391,11 @@ def test_with_wait_replicas_a_deletion_returns_once_its_replica_lacks_the_sessio
                     await elsewhere.confirm_gone("b")  # the retry cannot confirm what the replica lacks
                 await hasty.delete("c")  # without the flag: at once
                 await hasty.confirm_gone("c")
-            await elsewhere.confirm_gone("b")  # the replica is back and holds the deletion
+            patient = SessionStore(master.url, wait_replicas=1, wait_ms=1500)  # for a replica just woken
+            await patient.confirm_gone("b")  # the replica is back and holds the deletion
             assert on_replica.exists(meta_key("b"), tokens_key("b"), meta_key("c"), tokens_key("c")) == 0
             assert on_master.keys("specdec:*") == [] and on_replica.keys("specdec:*") == []  # no scratch key stays
-            for each in (store, hasty, elsewhere):
+            for each in (store, hasty, elsewhere, patient):
                 await each.close()
 
         run(go())
