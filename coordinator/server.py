@@ -94,9 +94,10 @@ class CoordinatorConfig:
     # limit. Without API tokens every caller is one and only the limit above applies.
     max_requests_per_caller: int = 0
     # Each write a client relies on (a session's creation, each cycle's commit, a Resume's
-    # take-over) waits until this many replicas of its Redis node hold it, for at most
+    # take-over, a Delete) waits until this many replicas of its Redis node hold it, for at most
     # redis_wait_ms, else the request ends UNAVAILABLE without the write's tokens, which a
-    # Resume then sends (specdec.session.SessionStore); 0 = do not wait.
+    # Resume then sends, or the Delete does, to be sent again (specdec.session.SessionStore);
+    # 0 = do not wait.
     redis_wait_replicas: int = 0
     redis_wait_ms: int = DEFAULT_WAIT_MS
     # How long to wait for the model services at start-up.

@@ -321,10 +321,11 @@ def add_coordinator_flags(p: argparse.ArgumentParser) -> None:
                   "take every slot; 0 = no such limit (without API tokens every client is one caller: only "
                   "--max-concurrent-requests applies)")  # fmt: skip
     env_flag(p, "--redis-wait-replicas", "SPECDEC_REDIS_WAIT_REPLICAS", default=0, type=WAIT_REPLICAS, metavar="N",
-             help="hold each write a client relies on (a session's creation, each cycle's tokens, a resume) until N "
-                  "replicas of its Redis node have it (Redis WAIT), so a failover cannot lose tokens a client was "
-                  "sent; a write not held by N within --redis-wait-ms ends its request UNAVAILABLE before its "
-                  "tokens go out (the SDK resumes it); 0 = do not wait (Redis replicates asynchronously)")  # fmt: skip
+             help="hold each write a client relies on (a session's creation, each cycle's tokens, a resume, a delete) "
+                  "until N replicas of its Redis node have it (Redis WAIT), so a failover cannot lose tokens a client "
+                  "was sent or bring back a deleted session; a write not held by N within --redis-wait-ms ends its "
+                  "request UNAVAILABLE before its tokens go out (the SDK resumes it; a delete is to be sent again); "
+                  "0 = do not wait (Redis replicates asynchronously)")  # fmt: skip
     env_flag(p, "--redis-wait-ms", "SPECDEC_REDIS_WAIT_MS", default=DEFAULT_WAIT_MS, type=WAIT_MS,
              metavar="MS", help="how long a write waits for its --redis-wait-replicas replicas")  # fmt: skip
     env_flag(p, "--auth-token-file", "SPECDEC_AUTH_TOKEN_FILE", default="",

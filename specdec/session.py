@@ -429,9 +429,6 @@ class SessionStore:
     async def delete(self, session_id: str) -> None:
         """Delete a session's keys. With wait_replicas, return once that many replicas of its
         node hold the deletion, else raise NotReplicated (it is gone from the node)."""
-        if not self.wait_replicas:
-            await self.redis.delete(meta_key(session_id), tokens_key(session_id))
-            return
         await self._deletion(session_id, delete=True)
 
     async def confirm_gone(self, session_id: str) -> None:
