@@ -10,7 +10,7 @@ Layout (the `{session_id}` hash tag keeps one session in one Redis Cluster slot)
                            prompt_tokens, statistics, status, owner, plan (what
                            Resume needs besides), timestamps
     specdec:{<id>}:tokens  list of committed token ids (decimal strings)
-    specdec:{<id>}:scratch written and removed in one script by a deletion under
+    specdec:{<id>}:scratch written and removed in one script by a deletion, for
                            --redis-wait-replicas (never left behind; see _DELETE)
     specdec:caller:{<caller>}:running
                            sorted set: the requests of one caller (security.caller_id) in
