@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import difflib
 import json
 import logging
 import os
@@ -769,10 +770,34 @@ def run_distill(args) -> int:
     return distill(args)
 
 
+def command_parser(parser: argparse.ArgumentParser, args: argparse.Namespace) -> argparse.ArgumentParser:
+    """The parser of the (sub)command that `args` ran: `specdec serve draft`'s, say, not `specdec`'s."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction) and getattr(args, action.dest, None) in action.choices:
+            return command_parser(action.choices[getattr(args, action.dest)], args)
+    return parser
+
+
+def refuse_extra_arguments(parser: argparse.ArgumentParser, extra: list[str]) -> NoReturn:
+    """Exit with the command's own usage and a line naming the `extra` arguments it does not
+    take, with the nearest flag it has for a mistyped one, or a hint to quote a prompt of
+    several words (argparse alone would answer with `specdec`'s usage and nothing more)."""
+    message = f"unrecognized arguments: {' '.join(extra)}"
+    flags = [option for action in parser._actions for option in action.option_strings]
+    unknown = [arg.split("=", 1)[0] for arg in extra if arg.startswith("-")]
+    guesses = [(flag, difflib.get_close_matches(flag, flags, n=1, cutoff=0.6)) for flag in unknown]
+    hints = [f"{flag}: did you mean {match[0]}?" for flag, match in guesses if match]
+    if not unknown and any(action.dest == "prompt" for action in parser._actions):
+        hints.append("a prompt of several words goes in quotes")
+    parser.error("; ".join([message, *hints]))
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     parser = build_parser(argv)
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        refuse_extra_arguments(command_parser(parser, args), extra)
     if args.verbose:
         logging.basicConfig(level=logging.INFO)
     handlers = {

@@ -86,6 +86,27 @@ def test_a_flag_value_every_request_or_deployment_would_fail_with_is_refused_wit
     assert f"argument {flag}: expected {rule}, got '{value}'" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(("argv", "usage", "says"), [
+    (["generate", "--max-tokens", "40", "hi"], "specdec generate", "--max-tokens: did you mean --max-new-tokens?"),
+    (["generate", "Hello", "world"], "specdec generate", "unrecognized arguments: world; a prompt of several words goes in quotes"),
+    (["serve", "draft", "--prot", "5"], "specdec serve draft", "unrecognized arguments: --prot 5; --prot: did you mean --port?"),
+    (["up", "--redis-ulr=redis://x"], "specdec up", "--redis-ulr: did you mean --redis-url?"),
+    (["models", "pull", "a", "b"], "specdec models pull", "unrecognized arguments: b"),
+])  # fmt: skip
+def test_an_argument_a_command_does_not_take_is_refused_with_that_commands_usage_and_the_flag_meant(capsys, argv, usage, says):
+    """argparse alone answered `specdec generate --max-tokens 40 hi` with `specdec`'s usage and
+    `specdec: error: unrecognized arguments`, naming neither the command nor its flag."""
+    from specdec.cli import main
+
+    with pytest.raises(SystemExit) as exited:
+        main(argv)
+    err = capsys.readouterr().err
+    assert exited.value.code == 2
+    assert f"usage: {usage} " in err and f"{usage}: error: " in err and says in err, err
+    if "did you mean" not in says:
+        assert "did you mean" not in err
+
+
 @pytest.mark.parametrize(("flag", "field", "inside", "outside"), [
     ("--temperature", "temperature", "0", "-0.001"),
     ("--top-k", "top_k", "0", "-1"),
