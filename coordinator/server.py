@@ -36,7 +36,7 @@ from specdec.ngram import DEFAULT_K, DEFAULT_MAX_NGRAM, DEFAULT_MIN_NGRAM, NGRAM
 from specdec.ranges import DEFAULT_DRAIN_S, DEFAULT_WAIT_MS
 from specdec.security import ChannelSecurity, ServerSecurity, caller_id, is_caller
 from specdec.session import CALLER_LEASE_S, NotReplicated, SessionStore, check_session_id, new_session_id
-from specdec.vocab import chat_ids, describe_model, has_chat_template
+from specdec.vocab import chat_ids, describe_model, has_chat_template, text_ids
 from specdec.v1 import specdec_pb2 as pb
 from specdec.v1 import specdec_pb2_grpc as pb_grpc
 from specdec.wire import Sampling, check_token_ids, sampling_from_pb, target_key
@@ -607,7 +607,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         elif not request.prompt:
             raise InvalidArgument("the prompt is empty: set prompt (text), prompt_token_ids or messages")
         else:
-            ids = self.tokenizer.encode(request.prompt)
+            ids = text_ids(self.tokenizer, request.prompt)
             if not ids:
                 raise InvalidArgument("the prompt encodes to no tokens")
         if len(ids) > limit:

@@ -162,11 +162,11 @@ def load_prompts(path: str | None, kind: str | None = None) -> list[str]:
 
 
 def encode(tokenizer, prompt: str, chat: bool) -> list[int]:
-    from specdec.vocab import chat_ids, has_chat_template
+    from specdec.vocab import chat_ids, has_chat_template, text_ids
 
     if chat and has_chat_template(tokenizer):
         return chat_ids(tokenizer, [{"role": "user", "content": prompt}])
-    return tokenizer.encode(prompt)
+    return text_ids(tokenizer, prompt)
 
 
 def progress(message: str) -> None:

@@ -247,13 +247,13 @@ def load_prompts(path: str | os.PathLike, eval_path: str | os.PathLike | None = 
 
 def encode_prompt(tokenizer, prompt) -> list[int]:
     """Token ids of a prompt (str or chat messages), through the chat template when there is one."""
-    from specdec.vocab import chat_ids, has_chat_template
+    from specdec.vocab import chat_ids, has_chat_template, text_ids
 
     messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
     if has_chat_template(tokenizer):
         return chat_ids(tokenizer, messages)
     text = "\n".join(m["content"] for m in messages)
-    return list(tokenizer(text)["input_ids"])
+    return text_ids(tokenizer, text)
 
 
 # ---------------------------------------------------------------------------------------

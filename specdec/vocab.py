@@ -49,7 +49,16 @@ def chat_ids(tokenizer, messages: Sequence[Mapping[str, str]]) -> list[int]:
     if not has_chat_template(tokenizer):
         raise ValueError("the tokenizer has no chat template")
     text = tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=True)
-    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+    return text_ids(tokenizer, text, special_tokens=False)
+
+
+def text_ids(tokenizer, text: str, special_tokens: bool = True) -> list[int]:
+    """Token ids of `text` (with the tokenizer's own special tokens, e.g. BOS, unless
+    `special_tokens` is False), without transformers' warning that a text over the model's
+    length "will result in indexing errors": callers check the length themselves (the
+    coordinator refuses such a prompt RESOURCE_EXHAUSTED), and an operator reading the
+    warning in a service's log would look for a fault that is not there."""
+    return list(tokenizer(text, add_special_tokens=special_tokens, verbose=False)["input_ids"])
 
 
 def load_tokenizer(name_or_path: str):

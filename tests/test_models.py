@@ -117,6 +117,32 @@ def test_tiny_tokenizer_chat_template(tiny_tokenizer):
     assert tiny_tokenizer.decode(tiny_tokenizer.encode(text)) == text
 
 
+def test_text_over_the_models_length_is_tokenized_without_warning_of_indexing_errors(tiny_tokenizer):
+    """A prompt longer than the tokenizer's model_max_length made transformers log, once per
+    process, that running it "will result in indexing errors", though the coordinator refuses
+    such a prompt RESOURCE_EXHAUSTED before any model sees it."""
+    import logging
+
+    from specdec.vocab import chat_ids, text_ids
+
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    library = logging.getLogger("transformers")
+    library.addHandler(handler)
+    try:
+        tiny_tokenizer.model_max_length = 8
+        text = "hello world " * 10
+        assert text_ids(tiny_tokenizer, text) == tiny_tokenizer.encode(text, verbose=False)
+        assert text_ids(tiny_tokenizer, text, special_tokens=False) == tiny_tokenizer.encode(text, add_special_tokens=False, verbose=False)
+        assert len(chat_ids(tiny_tokenizer, [{"role": "user", "content": text}])) > 8
+        assert not [r for r in records if "indexing errors" in r.getMessage()]
+        tiny_tokenizer.encode(text)  # what the coordinator called before: the warning this test keeps out
+        assert [r for r in records if "indexing errors" in r.getMessage()]
+    finally:
+        library.removeHandler(handler)
+
+
 def test_tiny_model_is_deterministic_per_seed(tiny_tokenizer):
     rng_before = torch.random.get_rng_state()
     first = build_tiny_model(tiny_tokenizer, seed=7)
