@@ -54,6 +54,7 @@ from dataclasses import dataclass, field
 
 from specdec.ngram import DEFAULT_K, NGRAM_DRAFT
 from specdec.prompts import PromptFileError, read_json_lines
+from specdec.ranges import text_problem
 
 DEFAULT_PROMPTS = "bench_prompts.jsonl"
 # Timed rounds of each cost after each prompt (after one untimed round). With one, the costs
@@ -154,6 +155,8 @@ def load_prompts(path: str | None, kind: str | None = None) -> list[str]:
     for where, item in rows:
         if not isinstance(item, dict) or not isinstance(item.get("prompt"), str):
             raise SystemExit(f"{where}: expected an object with a string 'prompt'")
+        if problem := text_problem(f"{where}: the prompt", item["prompt"]):  # a "\udce9" escape
+            raise SystemExit(problem)
         if kinds is None or item.get("kind") in kinds:
             prompts.append(item["prompt"])
     if not prompts:

@@ -17,7 +17,7 @@ from specdec.ngram import DEFAULT_K, DEFAULT_MAX_NGRAM, DEFAULT_MIN_NGRAM, NGRAM
 from specdec.ranges import (
     AT_LEAST_ONE, DEFAULT_DRAIN_S, DEFAULT_MAX_BATCH, DEFAULT_RETRIES, DEFAULT_WAIT_MS, DRAIN_S, MAX_NEW_TOKENS,
     METRICS_PORT, PER_CALLER, PORT, RETRIES, SECONDS, SEED, REPLICA_REFRESH_S, SERVICE_PORT, TEMPERATURE, THREADS,
-    TOP_K, TOP_P, UINT32, WAIT_MS, WAIT_REPLICAS, Range,
+    TOP_K, TOP_P, UINT32, WAIT_MS, WAIT_REPLICAS, Range, utf8_text,
 )
 
 DEFAULT_ADDRESS = "127.0.0.1:50051"
@@ -99,6 +99,16 @@ def add_ngram_first_flag(p: argparse.ArgumentParser, scope: str = "") -> None:
              help=scope + NGRAM_FIRST_HELP)  # fmt: skip
 
 
+class AppendOverDefault(argparse.Action):
+    """A repeatable flag (--stop): each use adds its value, and the first replaces the default
+    (from the environment) instead of adding to it, as a flag given overrides its variable."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        given = getattr(namespace, self.dest)
+        earlier = [] if given is None or given is self.default else given
+        setattr(namespace, self.dest, [*earlier, values])
+
+
 def env_flag(
     parser: argparse.ArgumentParser, flag: str, env: str, *, default=None, type=str, help: str = "",
     secret: bool = False, **kw,
@@ -115,6 +125,9 @@ def env_flag(
             default = type(raw)
         except (ValueError, argparse.ArgumentTypeError) as exc:
             parser.error(f"{env}={raw!r} is not a valid value for {flag}: {exc}")
+    if kw.get("action") == "append":  # repeatable: the variable holds one value, which the flag replaces
+        kw["action"] = AppendOverDefault
+        default = [default] if default else None
     suffix = f" (default: {default})" if default not in (None, "") and not secret else ""
     parser.add_argument(flag, default=default, type=type, help=f"{help}{suffix} [env: {env}]", **kw)
 
@@ -378,12 +391,12 @@ def add_stack_flags(p: argparse.ArgumentParser) -> None:
 
 
 def add_generate_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("prompt", help="the text to continue (with --chat: the question to answer)")
+    p.add_argument("prompt", type=utf8_text, help="the text to continue (with --chat: the question to answer)")
     env_flag(p, "--chat", "SPECDEC_CHAT", action="store_true",
              help="send the prompt as a user message, which the server renders with the target's chat template "
                   "(what an instruct model such as SmolLM2-Instruct expects); without it the text is continued "
                   "as it is")  # fmt: skip
-    env_flag(p, "--system", "SPECDEC_SYSTEM", default="",
+    env_flag(p, "--system", "SPECDEC_SYSTEM", default="", type=utf8_text,
              help="a system message before the prompt (implies --chat); without it the template's own default, if any")  # fmt: skip
     env_flag(p, "--address", "SPECDEC_ADDRESS", default=None,
              help=f"coordinator address (default {DEFAULT_ADDRESS}; started locally when nothing serves there)"
@@ -395,7 +408,8 @@ def add_generate_flags(p: argparse.ArgumentParser) -> None:
     env_flag(p, "--seed", "SPECDEC_SEED", default=None, type=SEED, help="seed for reproducible sampling")
     env_flag(p, "--k", "SPECDEC_K", default=None, type=k_value,
              help="K, tokens drafted per cycle, or `adaptive` (server default when unset)")  # fmt: skip
-    env_flag(p, "--stop", "SPECDEC_STOP", default=None, action="append", help="stop string (repeatable)")
+    env_flag(p, "--stop", "SPECDEC_STOP", default=None, type=utf8_text, action="append",
+             help="stop string (repeatable; the variable holds one)")  # fmt: skip
     env_flag(p, "--no-speculate", "SPECDEC_NO_SPECULATE", action="store_true", help="plain target decoding")
     env_flag(p, "--pipeline", "SPECDEC_PIPELINE", default=None, choices=["on", "off"],
              help="draft the next cycle during verification (default: the server's setting)")  # fmt: skip
@@ -586,7 +600,7 @@ def add_session_parser(commands, name: str, session_help: str, **texts) -> argpa
     """A subcommand on one session (`texts`: its help and description): the session id, the
     coordinator's address and the client's TLS and token flags."""
     parser = commands.add_parser(name, **texts)
-    parser.add_argument("session_id", help=session_help)
+    parser.add_argument("session_id", type=utf8_text, help=session_help)
     env_flag(parser, "--address", "SPECDEC_ADDRESS", default=DEFAULT_ADDRESS,
              help="coordinator address" + SEVERAL_COORDINATORS)  # fmt: skip
     add_client_security_flags(parser)

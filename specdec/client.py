@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from specdec.ranges import DEFAULT_RETRIES, RETRIES, SEED
+from specdec.ranges import DEFAULT_RETRIES, RETRIES, SEED, text_problem
 from specdec.v1 import specdec_pb2 as pb
 from specdec.v1 import specdec_pb2_grpc as pb_grpc
 
@@ -297,6 +297,13 @@ class Result:
         }
 
 
+def check_text(name: str, text: str | None) -> None:
+    """ValueError naming the argument when `text` cannot travel as a protobuf string (a byte
+    that is not UTF-8: specdec.ranges.text_problem); protobuf's own UnicodeEncodeError names none."""
+    if text and (problem := text_problem(name, text)):
+        raise ValueError(problem)
+
+
 def build_request(
     prompt: str | None,
     *,
@@ -320,6 +327,13 @@ def build_request(
     if not all(isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in messages or []):
         raise ValueError('each message is a mapping with "role" and "content" strings, e.g. '
                          '{"role": "user", "content": "Hi"}')  # fmt: skip
+    check_text("prompt", prompt)
+    check_text("session_id", session_id)
+    for i, message in enumerate(messages or []):
+        check_text(f"messages[{i}] role", message["role"])
+        check_text(f"messages[{i}] content", message["content"])
+    for i, text in enumerate(stop or []):
+        check_text(f"stop[{i}]", text)
     request = pb.GenerateRequest(
         prompt=prompt or "",
         prompt_token_ids=list(prompt_token_ids or []),
@@ -419,6 +433,10 @@ _GENERATE_DOC = """
             pipeline: draft the next cycle while the target verifies (None = server default).
             adaptive_k: choose K per cycle to maximise expected tokens/s (0 when drafting
                 loses); num_speculative_tokens is then the largest K.
+
+        ValueError, before anything is sent, for arguments no server would take: a seed out
+        of range, not exactly one of prompt, prompt_token_ids and messages, a malformed message,
+        or text (a prompt, message, stop string or session_id) holding a byte that is not UTF-8.
         """
 
 
@@ -513,6 +531,7 @@ class Client:
         process that starts over. NOT_FOUND for an unknown or expired session, OUT_OF_RANGE when
         you claim more than it committed, FAILED_PRECONDITION from a coordinator of another target,
         PERMISSION_DENIED where the session was created with another API token."""
+        check_text("session_id", session_id)
         request = pb.ResumeRequest(session_id=session_id, received_tokens=received_tokens,
                                    received_chars=received_chars)  # fmt: skip
         call = self._stub.Resume(request, timeout=timeout, metadata=self._metadata)
@@ -547,6 +566,7 @@ class Client:
         --redis-wait-replicas it answers once Redis's replicas hold the deletion too, and
         raises UNAVAILABLE when they do not in time (it is gone from the Redis master then:
         delete again once the replicas are back; False then confirms it)."""
+        check_text("session_id", session_id)
         try:
             reply = self._stub.Delete(pb.DeleteRequest(session_id=session_id), timeout=timeout, metadata=self._metadata)
         except grpc.RpcError as exc:
@@ -638,6 +658,7 @@ class AsyncClient:
     async def resume_stream(self, session_id: str, *, received_tokens: int = 0, received_chars: int = 0,
                             timeout: float | None = None) -> AsyncIterator[Chunk]:  # fmt: skip
         """Client.resume_stream, awaited."""
+        check_text("session_id", session_id)
         request = pb.ResumeRequest(session_id=session_id, received_tokens=received_tokens,
                                    received_chars=received_chars)  # fmt: skip
         call = self._stub.Resume(request, timeout=timeout, metadata=self._metadata)
@@ -665,6 +686,7 @@ class AsyncClient:
 
     async def delete(self, session_id: str, timeout: float | None = 10.0) -> bool:
         """Client.delete, awaited."""
+        check_text("session_id", session_id)
         try:
             reply = await self._stub.Delete(pb.DeleteRequest(session_id=session_id), timeout=timeout,
                                             metadata=self._metadata)  # fmt: skip

@@ -11,6 +11,8 @@ import json
 import os
 from importlib import resources
 
+from specdec.ranges import undecodable
+
 
 class PromptFileError(ValueError):
     """A prompts file that cannot be read, or a line of it that is not JSON; says which."""
@@ -20,12 +22,14 @@ def read_json_lines(path: str | os.PathLike | None, packaged: str = "") -> list[
     """[(where, value)] for each non-blank line of `path`, or of the file `packaged` in
     specdec/data when `path` is None; `where` is "FILE:LINE", for the caller's own errors."""
     if path is None:
-        name, text = packaged, resources.files("specdec.data").joinpath(packaged).read_text()
+        name, text = packaged, resources.files("specdec.data").joinpath(packaged).read_text(encoding="utf-8")
     else:
         try:
-            name, text = str(path), open(path).read()
+            name, text = str(path), open(path, encoding="utf-8").read()
         except OSError as exc:
             raise PromptFileError(f"cannot read the prompts file {str(path)!r}: {exc.strerror}") from None
+        except UnicodeDecodeError as exc:
+            raise PromptFileError(f"the prompts file {str(path)!r} is not UTF-8: {undecodable(exc)}") from None
     rows = []
     for number, line in enumerate(text.splitlines(), 1):
         if line.strip():

@@ -103,6 +103,34 @@ DEFAULT_MAX_BATCH = 8
 SHARE = Range(float, 0, 1, below=True)  # a fraction that must leave something over
 
 
+def text_problem(name: str, text: str) -> str | None:
+    """None when `text` can travel as a protobuf string, which must be UTF-8, else what stops it:
+    a lone surrogate, which is how Python holds a byte of a command-line argument, environment
+    variable or file name that is not UTF-8 (0xE9, an é from a Latin-1 terminal, becomes U+DCE9)."""
+    try:
+        text.encode("utf-8")
+        return None
+    except UnicodeEncodeError as exc:
+        code = ord(text[exc.start])
+        if 0xDC80 <= code <= 0xDCFF:
+            return (f"{name} is not UTF-8: byte {code - 0xDC00:#04x} at character {exc.start} (from a terminal, "
+                    "file or variable in another encoding? specdec sends text as UTF-8)")  # fmt: skip
+        return f"{name} holds a lone surrogate, U+{code:04X} at character {exc.start}, which UTF-8 cannot carry"
+
+
+def undecodable(exc: UnicodeDecodeError) -> str:
+    """'byte 0xe9 at offset 15': where a file read as UTF-8 is not, for the error that names it."""
+    return f"byte {exc.object[exc.start]:#04x} at offset {exc.start}"
+
+
+def utf8_text(text: str) -> str:
+    """argparse type of a text argument (a prompt, a stop string): `text`, or ArgumentTypeError
+    when it holds a byte that is not UTF-8, which the request could not carry."""
+    if problem := text_problem("the text", text):
+        raise argparse.ArgumentTypeError(problem)
+    return text
+
+
 def sampling_problem(temperature: object, top_k: object, top_p: object, seed: object = None) -> str | None:
     """None when a request's sampling settings are all in range, else what the first one breaks
     (the services refuse the request with it as INVALID_ARGUMENT, the sampler raises ValueError)."""

@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 import grpc
 
 from specdec.errors import Unauthenticated, status_for
+from specdec.ranges import undecodable
 
 AUTH_METADATA = "authorization"
 BEARER = "Bearer "
@@ -84,6 +85,8 @@ def load_named_tokens(path: str = "", env: str = "") -> dict[str, str]:
                             if line.strip() and not line.lstrip().startswith("#")]  # fmt: skip
         except OSError as exc:
             raise TokenFileError(f"cannot read the token file {path!r}: {exc.strerror}") from None
+        except UnicodeDecodeError as exc:
+            raise TokenFileError(f"the token file {path!r} is not UTF-8: {undecodable(exc)}") from None
         if not entries:
             raise TokenFileError(f"the token file {path!r} holds no token")
     if env and os.environ.get(env):

@@ -121,7 +121,12 @@ def test_bench_refuses_a_malformed_or_missing_prompt_file_and_a_missing_model_wi
     bad, not_json = tmp_path / "bad.jsonl", tmp_path / "not-json.jsonl"
     bad.write_text('{"text": "no prompt key"}\n')
     not_json.write_text("just text\n")
+    latin1, escaped = tmp_path / "latin1.jsonl", tmp_path / "escaped.jsonl"
+    latin1.write_bytes('{"prompt": "café"}\n'.encode("latin-1"))
+    escaped.write_text('{"prompt": "caf\\udce9"}\n')
     cases = [
+        (["--prompts", str(latin1)], f"the prompts file '{latin1}' is not UTF-8: byte 0xe9 at offset 15"),
+        (["--prompts", str(escaped)], "escaped.jsonl:1: the prompt is not UTF-8: byte 0xe9 at character 3"),
         (["--prompts", str(bad)], "bad.jsonl:1: expected an object with a string 'prompt'"),
         (["--prompts", str(not_json)], "not-json.jsonl:1: not JSON: "),
         (["--prompts", str(tmp_path / "missing.jsonl")], f"cannot read the prompts file '{tmp_path / 'missing.jsonl'}'"),

@@ -177,6 +177,52 @@ def test_an_unreadable_token_or_ca_file_ends_generate_with_one_line_before_a_sta
     assert "starting a local stack" not in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(("argv", "says"), [
+    (["generate", "caf\udce9"], "argument prompt: the text is not UTF-8: byte 0xe9 at character 3"),
+    (["trace", "hi", "--stop", "\udcff"], "argument --stop: the text is not UTF-8: byte 0xff at character 0"),
+    (["generate", "hi", "--system", "caf\udce9"], "argument --system: the text is not UTF-8: byte 0xe9"),
+    (["delete", "s\udce9"], "argument session_id: the text is not UTF-8: byte 0xe9 at character 1"),
+    (["resume", "s\udce9"], "argument session_id: the text is not UTF-8: byte 0xe9 at character 1"),
+])  # fmt: skip
+def test_text_that_is_not_utf8_ends_the_command_with_one_line_naming_the_argument_and_the_byte(capsys, argv, says):
+    """An argument from a Latin-1 terminal (Python holds the byte 0xE9 as U+DCE9) used to end
+    generate in a traceback from protobuf, after a local stack had started."""
+    from specdec.cli import main
+
+    with pytest.raises(SystemExit) as exited:
+        main(argv)
+    err = capsys.readouterr().err
+    assert exited.value.code == 2 and says in err and "starting a local stack" not in err, err
+
+
+def test_a_token_file_that_is_not_utf8_ends_generate_with_one_line(tmp_path, capsys):
+    from specdec.cli import main
+
+    latin1 = tmp_path / "token"
+    latin1.write_bytes(b"caf\xe9-token\n")
+    with pytest.raises(SystemExit) as exited:
+        main(["generate", "hi", "--token-file", str(latin1)])
+    assert str(exited.value) == f"the token file {str(latin1)!r} is not UTF-8: byte 0xe9 at offset 3"
+    assert "starting a local stack" not in capsys.readouterr().err
+
+
+def test_specdec_stop_holds_one_stop_string_and_stop_flags_replace_it(monkeypatch, capsys):
+    """SPECDEC_STOP=" the" used to become the string " the", which the request took as the four
+    stop strings " ", "t", "h", "e", and `--stop` beside it failed with an AttributeError."""
+    from specdec.cli import build_parser
+
+    assert build_parser().parse_args(["generate", "hi"]).stop is None
+    assert build_parser().parse_args(["generate", "hi", "--stop", "x", "--stop", "y"]).stop == ["x", "y"]
+    monkeypatch.setenv("SPECDEC_STOP", " the")
+    assert build_parser().parse_args(["generate", "hi"]).stop == [" the"]
+    assert build_parser().parse_args(["generate", "hi", "--stop", "x", "--stop", "y"]).stop == ["x", "y"]
+    assert build_parser().parse_args(["generate", "hi"]).stop == [" the"]  # the default is not mutated
+    monkeypatch.setenv("SPECDEC_STOP", "\udce9")
+    with pytest.raises(SystemExit):
+        build_parser()
+    assert "SPECDEC_STOP='\\udce9' is not a valid value for --stop: the text is not UTF-8: byte 0xe9" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("command", ["generate", "trace"])
 def test_an_empty_prompt_ends_the_command_with_one_line_before_a_stack_starts_but_a_chat_may_be_empty(capsys, command):
     from specdec.cli import build_parser, main, prompt_arguments

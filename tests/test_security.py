@@ -262,8 +262,8 @@ def test_only_the_callers_tokens_can_delete_its_session(tls_stack, pki, redis_ur
 
 def test_a_coordinator_rereads_its_token_file_when_it_changes_so_tokens_rotate_without_a_restart(tls_stack, pki):
     """A token added to the file is accepted and one removed is refused, within about a second
-    (TOKEN_RECHECK_S), by the running coordinator; a file that cannot be used (a bad line)
-    leaves the tokens it had."""
+    (TOKEN_RECHECK_S), by the running coordinator; a file that cannot be used (a bad line, bytes
+    that are not UTF-8) leaves the tokens it had."""
     import time
 
     path = tls_stack.config.auth_token_file
@@ -293,6 +293,10 @@ def test_a_coordinator_rereads_its_token_file_when_it_changes_so_tokens_rotate_w
         assert becomes("carol-token", True) and becomes("second-token-77", False)
         with open(path, "w") as f:  # a line of three words: the file is not used, carol stays
             f.write(original + "carol carol-token extra\n")
+        time.sleep(1.5)
+        assert accepted("carol-token") and not accepted("second-token-77")
+        with open(path, "wb") as f:  # not UTF-8 (a Latin-1 editor's é): not used either
+            f.write((original + "carol carol-token\ncaf\xe9 x\n").encode("latin-1"))
         time.sleep(1.5)
         assert accepted("carol-token") and not accepted("second-token-77")
     finally:

@@ -1115,6 +1115,44 @@ def test_a_seed_the_services_would_refuse_is_a_value_error_in_the_sdk_that_says_
     assert build_request("hi", seed=2**63 - 1, **options).sampling.seed == 2**63 - 1
 
 
+def test_text_holding_a_byte_that_is_not_utf8_is_a_value_error_in_the_sdk_that_names_the_argument():
+    """A prompt read from a Latin-1 terminal (Python holds its 0xE9 as U+DCE9) used to end the
+    program in protobuf's UnicodeEncodeError, which names no argument."""
+    import asyncio
+
+    from specdec.client import AsyncClient, Client, build_request
+
+    options = dict(prompt_token_ids=None, max_new_tokens=4, temperature=1.0, top_k=0, top_p=1.0, seed=None,
+                   num_speculative_tokens=None, speculate=True, ignore_eos=False)  # fmt: skip
+    latin1 = "caf\udce9"
+    cases = [
+        (dict(prompt=latin1, stop=None, session_id=None), "prompt is not UTF-8: byte 0xe9 at character 3"),
+        (dict(prompt="hi", stop=["x", latin1], session_id=None), "stop\\[1\\] is not UTF-8: byte 0xe9"),
+        (dict(prompt="hi", stop=None, session_id=latin1), "session_id is not UTF-8"),
+        (dict(prompt=None, messages=[{"role": "user", "content": latin1}], stop=None, session_id=None),
+         "messages\\[0\\] content is not UTF-8"),
+        (dict(prompt="a\ud800", stop=None, session_id=None), "prompt holds a lone surrogate, U\\+D800 at character 1"),
+    ]  # fmt: skip
+    for arguments, says in cases:
+        with pytest.raises(ValueError, match=says):
+            build_request(**arguments, **options)
+    assert build_request(prompt="café ☕", stop=["é"], session_id="s-é", **options).prompt == "café ☕"
+    with Client("127.0.0.1:9") as client:  # refused before any call: nothing serves there
+        with pytest.raises(ValueError, match="session_id is not UTF-8"):
+            client.delete(latin1)
+        with pytest.raises(ValueError, match="session_id is not UTF-8"):
+            next(client.resume_stream(latin1))
+
+    async def refused() -> None:
+        async with AsyncClient("127.0.0.1:9") as client:
+            with pytest.raises(ValueError, match="session_id is not UTF-8"):
+                await client.delete(latin1)
+            with pytest.raises(ValueError, match="session_id is not UTF-8"):
+                await anext(client.resume_stream(latin1))
+
+    asyncio.run(refused())
+
+
 def test_a_conversation_for_a_tokenizer_without_a_chat_template_is_a_failed_precondition_that_says_so():
     from types import SimpleNamespace
 
