@@ -22,6 +22,7 @@ from specdec.ranges import (
 
 DEFAULT_ADDRESS = "127.0.0.1:50051"
 TRUE = {"1", "true", "yes", "on"}
+FALSE = {"", "0", "false", "no", "off"}
 
 
 def k_value(text: str) -> int | str:
@@ -117,7 +118,11 @@ def env_flag(
     a `secret` flag (e.g. a URL that may hold a password) never shows the value."""
     raw = os.environ.get(env)
     if kw.get("action") == "store_true":
-        value = raw.strip().lower() in TRUE if raw is not None else False
+        word = (raw or "").strip().lower()
+        if word not in TRUE | FALSE:  # "ture" or "enabled" would otherwise be a silent False
+            parser.error(f"{env}={raw!r} is not a valid value for {flag}: expected one of 1, true, yes, on "
+                         "(set) or 0, false, no, off, empty (unset)")  # fmt: skip
+        value = word in TRUE
         parser.add_argument(flag, default=value, help=f"{help} [env: {env}]", **kw)
         return
     if raw is not None:

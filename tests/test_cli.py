@@ -138,6 +138,19 @@ def test_a_bad_value_in_the_environment_names_the_variable_and_the_range(capsys,
     assert "SPECDEC_PORT='99999' is not a valid value for --port: expected an integer at least 1" in capsys.readouterr().err
 
 
+def test_a_switch_in_the_environment_takes_yes_or_no_words_and_refuses_others_instead_of_reading_them_as_no(capsys, monkeypatch):
+    """SPECDEC_CHAT=ture used to be a silent False: the prompt went as plain text."""
+    from specdec.cli import build_parser
+
+    for word, chat in (("1", True), ("YES", True), (" on ", True), ("true", True), ("0", False), ("off", False), ("", False)):
+        monkeypatch.setenv("SPECDEC_CHAT", word)
+        assert build_parser().parse_args(["generate", "hi"]).chat is chat, word
+    monkeypatch.setenv("SPECDEC_CHAT", "ture")
+    with pytest.raises(SystemExit):
+        build_parser()
+    assert "SPECDEC_CHAT='ture' is not a valid value for --chat: expected one of 1, true, yes, on" in capsys.readouterr().err
+
+
 def test_a_service_on_port_zero_serves_on_a_free_port_and_says_which(redis_url):
     env = {**os.environ, "SPECDEC_REDIS_URL": redis_url}
     service = subprocess.Popen([*SPECDEC, "serve", "draft", "--model", "ngram", "--port", "0", "--allow-unauthenticated"],
