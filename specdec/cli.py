@@ -202,9 +202,11 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
         "(--retries); this is for starting over from another process.",
     )  # fmt: skip
     resume.add_argument("--received-tokens", type=UINT32, default=0,
-                        help="output tokens you already have; printing starts after them (default 0: all)")  # fmt: skip
+                        help="output tokens you already have: the token ids sent (--json's token_ids) start after "
+                        "them (default 0: all)")  # fmt: skip
     resume.add_argument("--received-chars", type=UINT32, default=0,
-                        help="characters of output text you already have (default 0: all)")  # fmt: skip
+                        help="characters of output text you already have: the text printed starts after them "
+                        "(default 0: all)")  # fmt: skip
     env_flag(resume, "--json", "SPECDEC_JSON", action="store_true", help="print one JSON object instead of text")
     env_flag(resume, "--timeout", "SPECDEC_TIMEOUT", default=None, type=SECONDS, help="deadline of the call in seconds")
 
@@ -680,7 +682,7 @@ def run_resume(args) -> int:
                 last = chunk
             print()
             if last is not None:
-                print(format_stats(last.stats, last.finish_reason), file=sys.stderr)
+                print(format_stats(last.stats, last.finish_reason, timed=False), file=sys.stderr)
     except SpecdecClientError as exc:
         print(client_error(exc, args), file=sys.stderr)
         return 1
@@ -746,10 +748,12 @@ def format_timeline(result) -> str:
     return "\n".join(lines)
 
 
-def format_stats(stats, finish_reason) -> str:
+def format_stats(stats, finish_reason, timed: bool = True) -> str:
+    """The statistics line; not `timed` (resume), it leaves out the time and rate, as the time is
+    this call's only while the counts are the whole session's."""
+    timing = f" in {stats.elapsed_s:.2f}s = {stats.tokens_per_second:.1f} tok/s" if timed else ""
     return (
-        f"[{stats.generated_tokens} tokens in {stats.elapsed_s:.2f}s = {stats.tokens_per_second:.1f} tok/s; "
-        f"{stats.cycles} cycles; drafted {stats.draft_tokens}, accepted {stats.accepted_tokens} "
+        f"[{stats.generated_tokens} tokens{timing}; {stats.cycles} cycles; drafted {stats.draft_tokens}, accepted {stats.accepted_tokens} "
         f"(α {stats.acceptance_rate:.2f}); {stats.mean_accepted_length:.2f} tokens/cycle; finish: {finish_reason}]"
     )
 

@@ -257,7 +257,10 @@ def test_specdec_resume_prints_the_rest_of_a_session_and_says_what_is_wrong_with
         done = client.generate(prompt="hello world", max_new_tokens=16, session_id="for-the-cli", **PROMPT_OPTIONS)
     assert main(["resume", "for-the-cli", "--address", spare(stack), "--received-chars", "3"]) == 0
     out, err = capsys.readouterr()
-    assert out == done.text[3:] + "\n" and "16 tokens" in err and "finish: length" in err
+    assert out == done.text[3:] + "\n" and "[16 tokens; " in err and "finish: length" in err
+    assert "tok/s" not in err  # the time is this call's, the counts the session's: no rate from them
+    assert main(["resume", "for-the-cli", "--address", stack.address, "--received-tokens", "10"]) == 0
+    assert capsys.readouterr().out == done.text + "\n"  # the text starts after --received-chars only
     assert main(["resume", "for-the-cli", "--address", stack.address, "--received-tokens", "10", "--json"]) == 0
     printed = json.loads(capsys.readouterr().out)
     assert printed["token_ids"] == done.token_ids[10:] and printed["finish_reason"] == "length"
