@@ -27,7 +27,7 @@ import random
 import time
 import uuid
 from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import grpc
 
@@ -84,7 +84,9 @@ class _Resumption:
     same random waits as service_config's, within the call's timeout: the server sends the tokens
     and text committed after what came here, then goes on generating. The session's id is the
     caller's, else one made here, so that even a stream that broke before its first chunk can
-    be resumed."""
+    be resumed. A resumed call's statistics count the whole session's tokens but time only that
+    call: `saw` adds the time from the stream's start to it, so elapsed_s and tokens_per_second
+    are the stream's, and first_token_s stays the first call's once a token came."""
 
     def __init__(self, session_id: str, retries: int, timeout: float | None):
         self.session_id = session_id
@@ -94,10 +96,19 @@ class _Resumption:
         self.began = False  # a call of this stream was told the session exists (SESSION_HEADER, a chunk)
         self.resumes = 0
         self.retries = retries
-        self.deadline = None if timeout is None else time.monotonic() + timeout
+        self.started = time.monotonic()
+        self.deadline = None if timeout is None else self.started + timeout
+        self.resumed_at_s = 0.0  # seconds from the first call to the Resume now streaming
+        self.first_token_s: float | None = None  # of the stream, once a token came
 
     def saw(self, chunk: "Chunk") -> "Chunk":
         self.began = True  # a chunk comes from a session that exists, headers seen or not
+        if self.resumed_at_s:
+            stats = chunk.stats
+            first = stats.first_token_s + self.resumed_at_s if self.first_token_s is None else self.first_token_s
+            chunk.stats = replace(stats, elapsed_s=stats.elapsed_s + self.resumed_at_s, first_token_s=first)
+        if self.first_token_s is None and chunk.token_ids:
+            self.first_token_s = chunk.stats.first_token_s
         self.tokens += len(chunk.token_ids)
         self.chars += len(chunk.text)
         self.finished = chunk.finish_reason is not None
@@ -117,6 +128,7 @@ class _Resumption:
         if timeout is not None and timeout <= 0:
             return None
         self.resumes += 1
+        self.resumed_at_s = time.monotonic() + wait - self.started
         request = pb.ResumeRequest(session_id=self.session_id, received_tokens=self.tokens, received_chars=self.chars)
         return request, wait, timeout
 
@@ -164,7 +176,8 @@ class Stats:
     acceptance_rate       accepted draft tokens / drafted tokens (α as measured)
     mean_accepted_length  tokens per drafting cycle = 1 + accepted / draft_cycles (vLLM's
                           mean acceptance length); 1.0 when nothing was drafted
-    tokens_per_second     generated tokens / wall time of the request on the server
+    tokens_per_second     generated tokens / elapsed_s, the request's wall time on the server
+                          (of a stream the SDK resumed, from its first call: _Resumption)
     """
 
     cycles: int = 0

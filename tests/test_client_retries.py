@@ -5,6 +5,7 @@ Resume fail as told."""
 from __future__ import annotations
 
 import asyncio
+import time
 from concurrent import futures
 
 import grpc
@@ -96,6 +97,42 @@ def test_a_stream_broken_after_a_chunk_is_resumed_where_it_broke_and_never_sent_
     result = specdec.Client(serve(flaky)).generate("x", max_new_tokens=2, session_id="mine")
     assert (result.text, result.token_ids, flaky.calls, len(flaky.resumes)) == ("ab", [1, 2], 1, 2)
     assert {r.session_id for r in flaky.resumes} == {"mine"}
+
+
+class SlowToBreakCoordinator(FlakyCoordinator):
+    """Streams "a" (its first token at 0.05 s, the stats say), breaks UNAVAILABLE 0.3 s later; Resume
+    streams "b" with statistics as a coordinator gives them: the session's 2 tokens, timed over
+    the Resume call alone (0.01 s, its first chunk at once)."""
+
+    def Generate(self, request, context):
+        context.send_initial_metadata(((SESSION_HEADER, request.session_id),))
+        stats = pb.GenerateStats(generated_tokens=1, elapsed_s=0.05, first_token_s=0.05)
+        yield pb.GenerateChunk(text="a", token_ids=[1], session_id=request.session_id, stats=stats)
+        time.sleep(0.3)
+        context.abort(grpc.StatusCode.UNAVAILABLE, "lost mid-stream")
+
+    def Resume(self, request, context):
+        stats = pb.GenerateStats(generated_tokens=2, elapsed_s=0.01, first_token_s=0.0)
+        yield pb.GenerateChunk(text="b", token_ids=[2], finish_reason=pb.FINISH_REASON_LENGTH,
+                               session_id=request.session_id, stats=stats)  # fmt: skip
+
+
+def test_a_resumed_streams_statistics_time_the_whole_stream_not_only_the_resume_call(serve):
+    """The last chunk's stats used to time only the Resume call while counting the session's
+    tokens: 2 tokens in 0.01 s, 200 tokens/s, for a stream that took over 0.3 s."""
+    address = serve(SlowToBreakCoordinator(failures=0))
+    with specdec.Client(address) as client:
+        result = client.generate("x", max_new_tokens=2)
+    assert result.text == "ab" and result.stats.generated_tokens == 2
+    assert 0.3 <= result.stats.elapsed_s <= result.client_elapsed_s + 0.05, result.stats
+    assert result.stats.first_token_s == 0.05 and result.stats.tokens_per_second <= 2 / 0.3
+
+    async def generate_async():
+        async with specdec.AsyncClient(address) as client:
+            return await client.generate("x", max_new_tokens=2)
+
+    result = asyncio.run(generate_async())
+    assert result.stats.elapsed_s >= 0.3 and result.stats.first_token_s == 0.05
 
 
 @pytest.mark.parametrize("retries, resume_failures, mid_stream_code, resumes, message", [
