@@ -752,10 +752,9 @@ def format_stats(stats, finish_reason, timed: bool = True) -> str:
     """The statistics line; not `timed` (resume), it leaves out the time and rate, as the time is
     this call's only while the counts are the whole session's."""
     timing = f" in {stats.elapsed_s:.2f}s = {stats.tokens_per_second:.1f} tok/s" if timed else ""
-    return (
-        f"[{stats.generated_tokens} tokens{timing}; {stats.cycles} cycles; drafted {stats.draft_tokens}, accepted {stats.accepted_tokens} "
-        f"(α {stats.acceptance_rate:.2f}); {stats.mean_accepted_length:.2f} tokens/cycle; finish: {finish_reason}]"
-    )
+    drafting = (f"drafted {stats.draft_tokens}, accepted {stats.accepted_tokens} (α {stats.acceptance_rate:.2f}); "
+                f"{stats.mean_accepted_length:.2f} tokens per drafting cycle") if stats.draft_cycles else "nothing drafted"
+    return f"[{stats.generated_tokens} tokens{timing}; {stats.cycles} cycles; {drafting}; finish: {finish_reason}]"
 
 
 def run_models(args) -> int:

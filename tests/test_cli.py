@@ -236,6 +236,19 @@ def test_specdec_stop_holds_one_stop_string_and_stop_flags_replace_it(monkeypatc
     assert "SPECDEC_STOP='\\udce9' is not a valid value for --stop: the text is not UTF-8: byte 0xe9" in capsys.readouterr().err
 
 
+def test_the_statistics_line_gives_tokens_per_drafting_cycle_only_when_something_was_drafted():
+    """`--no-speculate` (20 tokens in 6 plain calls) used to print "1.00 tokens/cycle"."""
+    from specdec.cli import format_stats
+    from specdec.client import Stats
+
+    spec = Stats(cycles=13, draft_cycles=12, draft_tokens=36, accepted_tokens=7, generated_tokens=20, elapsed_s=0.95)
+    assert format_stats(spec, "length") == ("[20 tokens in 0.95s = 21.1 tok/s; 13 cycles; drafted 36, accepted 7 (α 0.19); "
+                                            "1.58 tokens per drafting cycle; finish: length]")  # fmt: skip
+    plain = Stats(cycles=6, generated_tokens=20, elapsed_s=1.21)
+    assert format_stats(plain, "eos") == "[20 tokens in 1.21s = 16.5 tok/s; 6 cycles; nothing drafted; finish: eos]"
+    assert format_stats(plain, "eos", timed=False) == "[20 tokens; 6 cycles; nothing drafted; finish: eos]"
+
+
 @pytest.mark.parametrize("command", ["generate", "trace"])
 def test_an_empty_prompt_ends_the_command_with_one_line_before_a_stack_starts_but_a_chat_may_be_empty(capsys, command):
     from specdec.cli import build_parser, main, prompt_arguments
@@ -386,7 +399,7 @@ def test_up_then_generate_json_end_to_end(tiny_models):
                          "--max-new-tokens", "4")  # fmt: skip
         assert json.loads(system.stdout)["stats"]["prompt_tokens"] == len("system: be kind\nuser: hello world\nassistant: ")
         plain = run_cli("generate", "hello world", "--address", f"127.0.0.1:{port}", "--max-new-tokens", "8")
-        assert plain.returncode == 0 and "tokens/cycle" in plain.stderr
+        assert plain.returncode == 0 and "tokens per drafting cycle" in plain.stderr
         # A server error is reported with its status code and a non-zero exit (K above the
         # coordinator's --max-k, which only the server knows).
         bad = run_cli("generate", "hello", "--address", f"127.0.0.1:{port}", "--k", "99")
