@@ -171,7 +171,9 @@ async def soak(address: str, pids: dict[str, int], prompts: list[str], args, con
     tally = Tally()
     started = time.monotonic()
     deadline = started + seconds
-    with tqdm(total=round(seconds), unit="s", file=sys.stderr, disable=args.no_progress, desc="soak") as bar:
+    # Time is the bar's unit: its elapsed and remaining, not tqdm's rate of "1.00s/s".
+    layout = "{desc}: {percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt} s, {remaining} left{postfix}"
+    with tqdm(total=round(seconds), file=sys.stderr, disable=args.no_progress, desc="soak", bar_format=layout) as bar:
         watcher = asyncio.create_task(watch(pids, started, seconds, warmup_seconds(args), bar, tally))
         clients = [run_client(address, prompts, i, deadline, options, tally, connect) for i in range(args.clients)]
         await asyncio.gather(*clients)
@@ -265,7 +267,7 @@ def format_report(r: dict) -> str:
     models = f" (target {r['target']}, draft {r['draft']})" if r["target"] else ""
     errors = ", ".join(f"{code} {n}" for code, n in sorted(r["errors_by_code"].items()))
     lines = [
-        f"soak: {r['clients']} clients for {r['duration_s']:.0f} s against {r['address']}{models}, "
+        f"soak: {r['clients']} client{'s' * (r['clients'] != 1)} for {r['duration_s']:.0f} s against {r['address']}{models}, "
         f"max_new_tokens {r['max_new_tokens']}, temperature {r['temperature']}",
         "",
         f"requests   {r['requests']:>8}   {r['requests_per_s']:.2f}/s",
