@@ -310,6 +310,9 @@ class Result:
         }
 
 
+INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1  # max_new_tokens and prompt_token_ids are int32 fields
+
+
 def check_text(name: str, text: str | None) -> None:
     """ValueError naming the argument when `text` cannot travel as a protobuf string (a byte
     that is not UTF-8: specdec.ranges.text_problem); protobuf's own UnicodeEncodeError names none."""
@@ -328,7 +331,7 @@ def build_request(
     seed: int | None,
     num_speculative_tokens: int | None,
     speculate: bool,
-    stop: Sequence[str] | None,
+    stop: str | Sequence[str] | None,
     session_id: str | None,
     ignore_eos: bool,
     pipeline: bool | None = None,
@@ -340,6 +343,11 @@ def build_request(
     if not all(isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in messages or []):
         raise ValueError('each message is a mapping with "role" and "content" strings, e.g. '
                          '{"role": "user", "content": "Hi"}')  # fmt: skip
+    if isinstance(stop, str):  # one stop string, as OpenAI's API takes it (list("the") would be three)
+        stop = [stop]
+    for name, values in (("max_new_tokens", [max_new_tokens]), ("prompt_token_ids", prompt_token_ids or [])):
+        if (outside := next((v for v in values if isinstance(v, int) and not INT32_MIN <= v <= INT32_MAX), None)) is not None:
+            raise ValueError(f"{name} holds {outside}, which no request carries (a 32-bit integer field)")
     check_text("prompt", prompt)
     check_text("session_id", session_id)
     for i, message in enumerate(messages or []):
@@ -438,7 +446,7 @@ _GENERATE_DOC = """
             seed: makes sampled output reproducible for a fixed K and setup (0 to 2**63 - 1).
             num_speculative_tokens: K, tokens drafted per cycle (None = server default).
             speculate: False decodes with the target alone, through the same services.
-            stop: strings that end generation; the output ends before them.
+            stop: strings that end generation (or one string); the output ends before them.
             timeout: seconds for the whole call (a gRPC deadline).
             session_id: optional id for the session (unique); else one is made here (a uuid4).
                 A stream that breaks is resumed under it (see `retries`).
@@ -503,7 +511,7 @@ class Client:
         seed: int | None = None,
         num_speculative_tokens: int | None = None,
         speculate: bool = True,
-        stop: Sequence[str] | None = None,
+        stop: str | Sequence[str] | None = None,
         timeout: float | None = None,
         session_id: str | None = None,
         ignore_eos: bool = False,
@@ -636,7 +644,7 @@ class AsyncClient:
         seed: int | None = None,
         num_speculative_tokens: int | None = None,
         speculate: bool = True,
-        stop: Sequence[str] | None = None,
+        stop: str | Sequence[str] | None = None,
         timeout: float | None = None,
         session_id: str | None = None,
         ignore_eos: bool = False,

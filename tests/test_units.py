@@ -1153,6 +1153,23 @@ def test_text_holding_a_byte_that_is_not_utf8_is_a_value_error_in_the_sdk_that_n
     asyncio.run(refused())
 
 
+def test_one_stop_string_is_one_stop_string_and_integers_a_request_cannot_carry_are_value_errors_naming_the_argument():
+    """stop="the" used to become the three stop strings "t", "h", "e"; a token id or max_new_tokens
+    of 2**40 was protobuf's "Value out of range", which names no argument."""
+    from specdec.client import build_request
+
+    options = dict(temperature=1.0, top_k=0, top_p=1.0, seed=None, num_speculative_tokens=None, speculate=True,
+                   session_id=None, ignore_eos=False)  # fmt: skip
+    assert list(build_request("hi", prompt_token_ids=None, max_new_tokens=4, stop="the", **options).stop) == ["the"]
+    assert list(build_request("hi", prompt_token_ids=None, max_new_tokens=4, stop=("a", "b"), **options).stop) == ["a", "b"]
+    with pytest.raises(ValueError, match=r"max_new_tokens holds 1099511627776, which no request carries \(a 32-bit"):
+        build_request("hi", prompt_token_ids=None, max_new_tokens=2**40, stop=None, **options)
+    with pytest.raises(ValueError, match=r"prompt_token_ids holds -2147483649, which no request carries"):
+        build_request(None, prompt_token_ids=[5, -(2**31) - 1], max_new_tokens=4, stop=None, **options)
+    edge = build_request(None, prompt_token_ids=[2**31 - 1, -(2**31)], max_new_tokens=2**31 - 1, stop=None, **options)
+    assert list(edge.prompt_token_ids) == [2**31 - 1, -(2**31)]  # the server's to refuse, with the vocabulary's range
+
+
 def test_a_conversation_for_a_tokenizer_without_a_chat_template_is_a_failed_precondition_that_says_so():
     from types import SimpleNamespace
 
