@@ -110,6 +110,16 @@ class AppendOverDefault(argparse.Action):
         setattr(namespace, self.dest, [*earlier, values])
 
 
+def redis_url(text: str) -> str:
+    """argparse type of --redis-url: the URL, or "" (none given); ArgumentTypeError naming the
+    schemes for another (an http:// URL used to end the service in a traceback)."""
+    from specdec.session import redis_url_problem
+
+    if text and (problem := redis_url_problem(text)):
+        raise argparse.ArgumentTypeError(problem)
+    return text
+
+
 def env_flag(
     parser: argparse.ArgumentParser, flag: str, env: str, *, default=None, type=str, help: str = "",
     secret: bool = False, **kw,
@@ -129,7 +139,8 @@ def env_flag(
         try:
             default = type(raw)
         except (ValueError, argparse.ArgumentTypeError) as exc:
-            parser.error(f"{env}={raw!r} is not a valid value for {flag}: {exc}")
+            shown = env if secret else f"{env}={raw!r}"  # a secret's value is never printed
+            parser.error(f"{shown} is not a valid value for {flag}: {exc}")
     if kw.get("action") == "append":  # repeatable: the variable holds one value, which the flag replaces
         kw["action"] = AppendOverDefault
         default = [default] if default else None
@@ -245,7 +256,7 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
 def add_common_service_flags(p: argparse.ArgumentParser, prefix: str, port: int) -> None:
     env_flag(p, "--host", f"{prefix}_HOST", default="127.0.0.1", help="address to listen on")
     env_flag(p, "--port", f"{prefix}_PORT", default=port, type=SERVICE_PORT, help="port to listen on")
-    env_flag(p, "--redis-url", "SPECDEC_REDIS_URL", default="", secret=True,
+    env_flag(p, "--redis-url", "SPECDEC_REDIS_URL", default="", type=redis_url, secret=True,
              help="Redis URL for sessions: redis://[:PASSWORD@]HOST:PORT/DB, or rediss://...?ssl_ca_certs=CA.pem "
                   "for TLS, or redis+cluster://HOST:PORT (rediss+cluster://) naming any node of a Redis Cluster; "
                   "prefer the environment variable, since a password on the command line is visible "
@@ -383,7 +394,7 @@ def add_stack_flags(p: argparse.ArgumentParser) -> None:
     env_flag(p, "--draft", "SPECDEC_DRAFT", default="",
              help=f"draft model (as --target) or `ngram` for prompt lookup ({DEFAULT_DRAFT_HELP})")  # fmt: skip
     add_ngram_first_flag(p)
-    env_flag(p, "--redis-url", "SPECDEC_REDIS_URL", default="", secret=True,
+    env_flag(p, "--redis-url", "SPECDEC_REDIS_URL", default="", type=redis_url, secret=True,
              help="Redis URL; empty starts an embedded redis-server on a private port")  # fmt: skip
     env_flag(p, "--tls-cert", "SPECDEC_TLS_CERT", default="",
              help="PEM certificate for every service (valid for the addresses used, with server and client use): "

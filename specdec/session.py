@@ -54,6 +54,7 @@ from specdec.security import redact_url
 REDIS_URL_ENV = "SPECDEC_REDIS_URL"
 # The URL schemes of a Redis Cluster, and the scheme redis-py takes for each.
 CLUSTER_SCHEMES = {"redis+cluster": "redis", "rediss+cluster": "rediss"}
+REDIS_SCHEMES = ("redis", "rediss", "unix", *CLUSTER_SCHEMES)
 # A cluster client follows MOVED / ASK redirects (a failover, a slot moving) within a command;
 # a command that cannot reach its node, or meets CLUSTERDOWN, is resent this many times after a
 # topology refresh (a master killed: its replica takes over after the cluster's node timeout).
@@ -237,6 +238,16 @@ def connect(url: str, socket_timeout_s: float, connect_timeout_s: float) -> aior
         return aioredis.RedisCluster.from_url(f"{CLUSTER_SCHEMES[scheme]}://{rest}",
                                               retry=Retry(NoBackoff(), CLUSTER_RETRIES), **options)  # fmt: skip
     return aioredis.Redis.from_url(url, retry=Retry(NoBackoff(), 0), **options)
+
+
+def redis_url_problem(url: str) -> str | None:
+    """None when `url` names a Redis connect() can reach, else what is wrong with its scheme.
+    Never quotes the URL, which may hold a password."""
+    scheme = url.partition("://")[0] if "://" in url else ""
+    if scheme in REDIS_SCHEMES:
+        return None
+    known = ", ".join(f"{name}://" for name in REDIS_SCHEMES)
+    return f"expected a Redis URL beginning {known}; got {f'scheme {scheme!r}' if scheme else 'no scheme'}"
 
 
 def redis_url_from_env() -> str | None:

@@ -138,6 +138,30 @@ def test_a_bad_value_in_the_environment_names_the_variable_and_the_range(capsys,
     assert "SPECDEC_PORT='99999' is not a valid value for --port: expected an integer at least 1" in capsys.readouterr().err
 
 
+def test_a_redis_url_of_another_scheme_is_refused_with_the_schemes_and_never_printed(capsys, monkeypatch):
+    """`--redis-url http://...` (or none: `localhost:6379`) used to end a service in redis-py's
+    ValueError traceback; the URL may hold a password, so the refusal never quotes it."""
+    from specdec.cli import build_parser
+
+    for command in (["serve", "target"], ["serve", "coordinator"], ["up"]):
+        with pytest.raises(SystemExit):
+            build_parser(command).parse_args([*command, "--redis-url", "http://:hunter2@cache:6379"])
+        err = capsys.readouterr().err
+        assert "argument --redis-url: expected a Redis URL beginning redis://, rediss://, unix://" in err, err
+        assert "got scheme 'http'" in err and "hunter2" not in err
+    with pytest.raises(SystemExit):
+        build_parser(["up"]).parse_args(["up", "--redis-url", "cache:6379"])
+    assert "got no scheme" in capsys.readouterr().err
+    monkeypatch.setenv("SPECDEC_REDIS_URL", "http://:hunter2@cache:6379")
+    with pytest.raises(SystemExit):
+        build_parser(["up"])
+    err = capsys.readouterr().err
+    assert "SPECDEC_REDIS_URL is not a valid value for --redis-url: expected a Redis URL" in err and "hunter2" not in err
+    for url in ("redis://:pw@cache:6379/0", "rediss://cache:6380", "unix:///tmp/redis.sock", "redis+cluster://node:7000"):
+        monkeypatch.setenv("SPECDEC_REDIS_URL", url)
+        assert build_parser(["up"]).parse_args(["up"]).redis_url == url
+
+
 def test_a_switch_in_the_environment_takes_yes_or_no_words_and_refuses_others_instead_of_reading_them_as_no(capsys, monkeypatch):
     """SPECDEC_CHAT=ture used to be a silent False: the prompt went as plain text."""
     from specdec.cli import build_parser
