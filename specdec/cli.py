@@ -110,6 +110,17 @@ class AppendOverDefault(argparse.Action):
         setattr(namespace, self.dest, [*earlier, values])
 
 
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
+
+def log_level(text: str) -> str:
+    """argparse type of --log-level: one of LOG_LEVELS, in any case (`LOUD` used to end the
+    service in logging's ValueError traceback)."""
+    if text.strip().upper() not in LOG_LEVELS:
+        raise argparse.ArgumentTypeError(f"expected one of {', '.join(LOG_LEVELS)}, got {text!r}")
+    return text.strip().upper()
+
+
 def redis_url(text: str) -> str:
     """argparse type of --redis-url: the URL, or "" (none given); ArgumentTypeError naming the
     schemes for another (an http:// URL used to end the service in a traceback)."""
@@ -261,7 +272,8 @@ def add_common_service_flags(p: argparse.ArgumentParser, prefix: str, port: int)
                   "for TLS, or redis+cluster://HOST:PORT (rediss+cluster://) naming any node of a Redis Cluster; "
                   "prefer the environment variable, since a password on the command line is visible "
                   "to every user of the machine")  # fmt: skip
-    env_flag(p, "--log-level", f"{prefix}_LOG_LEVEL", default="INFO", help="logging level")
+    env_flag(p, "--log-level", f"{prefix}_LOG_LEVEL", default="INFO", type=log_level,
+             help=f"logging level: {', '.join(LOG_LEVELS)}")  # fmt: skip
     env_flag(p, "--metrics-port", f"{prefix}_METRICS_PORT", default=0, type=METRICS_PORT,
              help="serve Prometheus /metrics on this port (0 = off)")  # fmt: skip
     add_tls_server_flags(p, prefix)
@@ -500,7 +512,7 @@ def refuse_missing_model(service: str, model: str) -> None:
 def run_serve(args) -> NoReturn:
     from specdec.security import AUTH_TOKEN_ENV, INTERNAL_TOKEN_ENV, ChannelSecurity, require_caller_credential
 
-    logging.basicConfig(level=args.log_level.upper(), format=f"%(asctime)s {args.service} %(levelname)s %(message)s")
+    logging.basicConfig(level=args.log_level, format=f"%(asctime)s {args.service} %(levelname)s %(message)s")
     if not args.redis_url:
         raise SystemExit("--redis-url (or SPECDEC_REDIS_URL) is required: sessions live in Redis")
     if args.service == "coordinator":

@@ -57,6 +57,7 @@ def test_ngram_first_outside_its_range_is_refused_with_the_range_on_every_comman
     (["soak"], "--minutes", "0", "a number above 0"),
     (["soak"], "--timeout", "0", "a number above 0"),
     # service flags no deployment can use
+    (["serve", "draft"], "--log-level", "LOUD", "one of DEBUG, INFO, WARNING, ERROR, CRITICAL"),
     (["up"], "--port", "99999", "an integer at least 1 and at most 65535"),
     (["up"], "--port", "0", "an integer at least 1 and at most 65535"),
     (["up"], "--metrics-port-base", "65534", "an integer at least 0 and at most 65533 (0 = off)"),
