@@ -54,12 +54,19 @@ log = logging.getLogger("specdec")
 
 
 def read_pem(path: str, what: str) -> bytes:
-    """The bytes of a PEM file, or a SystemExit that names the flag's purpose."""
+    """The bytes of a PEM file, or a SystemExit that names the flag's purpose (`what`): for a
+    file that cannot be read, or that holds no PEM private key (a `what` ending in "key") or no
+    PEM certificate (any other), which gRPC would refuse only at its port, in words that blame
+    the port."""
     try:
         with open(path, "rb") as f:
-            return f.read()
+            data = f.read()
     except OSError as exc:
         raise SystemExit(f"cannot read the {what} {path!r}: {exc.strerror}") from None
+    holds, noun = (b"PRIVATE KEY-----", "private key") if what.endswith("key") else (b"CERTIFICATE-----", "certificate")
+    if b"-----BEGIN " not in data or holds not in data:
+        raise SystemExit(f"the {what} {path!r} holds no PEM {noun} (-----BEGIN ...{holds.decode()})")
+    return data
 
 
 class TokenFileError(SystemExit):

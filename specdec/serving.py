@@ -160,8 +160,9 @@ async def run(
     except RuntimeError:
         bound = 0
     if bound == 0:
+        tls = "" if credentials is None else "; or the TLS certificate and key do not belong together"
         raise SystemExit(f"{name}: cannot listen on {address}: the port is taken (another service or stack "
-                         "serves there?) or the host is not an address of this machine; pass another --port")  # fmt: skip
+                         f"serves there?) or the host is not an address of this machine; pass another --port{tls}")  # fmt: skip
     address = f"{host}:{bound}"  # --port 0: the free port the system picked
     if metrics_registry is not None and metrics_port:  # before the server starts: a taken port ends us cleanly
         try:

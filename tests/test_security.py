@@ -491,25 +491,45 @@ finally:  # runs as the refusal's SystemExit passes: was torch loaded before it?
         ("target", ["--tls-client-ca", "ca.pem", "--internal-token-file", "TOKENS"], ["--tls-client-ca needs --tls-cert"]),
         ("draft", ["--tls-cert", "missing.pem", "--tls-key", "missing.pem", "--internal-token-file", "TOKENS"],
          ["cannot read the TLS key 'missing.pem'"]),
+        ("target", ["--tls-cert", "PKI:cert", "--tls-key", "TOKENS", "--internal-token-file", "TOKENS"],
+         ["the TLS key '", "' holds no PEM private key"]),
     ],
-    ids=["target-no-credential", "draft-no-credential", "client-ca-without-tls", "unreadable-key"],
+    ids=["target-no-credential", "draft-no-credential", "client-ca-without-tls", "unreadable-key", "not-a-key"],
 )  # fmt: skip
 def test_a_model_service_without_a_credential_or_with_bad_tls_files_refuses_before_loading_torch(
-    redis_url, tiny_models, tmp_path, service, flags, says
+    redis_url, tiny_models, pki, tmp_path, service, flags, says
 ):
     """No mutual TLS and no internal token, or TLS flags that cannot work: the service exits
-    with what to set, at once (before importing torch and loading its model)."""
-    tokens = tmp_path / "tokens"
-    tokens.write_text("an-internal-token\n")
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SPECDEC_")}
-    done = subprocess.run(
-        [sys.executable, "-c", REFUSAL_CHECK, "serve", service, "--model", tiny_models.target,
-         "--redis-url", redis_url, "--port", "0", *[str(tokens) if f == "TOKENS" else f for f in flags]],
-        env=env, capture_output=True, text=True, timeout=120, cwd=tmp_path,
-    )  # fmt: skip
+    with what to set, at once (before importing torch and loading its model). A file that is
+    no PEM key used to be refused by gRPC at the port, and the service blamed the port."""
+    done = serve_to_refusal(redis_url, tiny_models, pki, tmp_path, service, flags)
     assert done.returncode != 0, done.stdout
     assert all(text in done.stderr for text in says), done.stderr
     assert done.stdout.strip().splitlines()[-1] == "no torch imported"
+
+
+def test_a_key_of_another_certificate_is_refused_at_the_port_with_tls_named_among_the_causes(redis_url, tiny_models, pki, tmp_path):
+    """gRPC finds a certificate and key that do not belong together only as it binds the port;
+    the service used to say only that the port was taken."""
+    flags = ["--tls-cert", "PKI:rogue_cert", "--tls-key", "PKI:key", "--internal-token-file", "TOKENS"]
+    done = serve_to_refusal(redis_url, tiny_models, pki, tmp_path, "draft", flags)
+    assert done.returncode != 0, done.stdout
+    assert "draft: cannot listen on 127.0.0.1:0: " in done.stderr, done.stderr
+    assert "or the TLS certificate and key do not belong together" in done.stderr
+
+
+def serve_to_refusal(redis_url, tiny_models, pki, tmp_path, service: str, flags: list[str]) -> subprocess.CompletedProcess:
+    """Run `specdec serve SERVICE` with `flags` (TOKENS: a token file; PKI:NAME: that file of
+    the pki fixture) in REFUSAL_CHECK, which prints whether torch was imported as it exits."""
+    tokens = tmp_path / "tokens"
+    tokens.write_text("an-internal-token\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SPECDEC_")}
+    return subprocess.run(
+        [sys.executable, "-c", REFUSAL_CHECK, "serve", service, "--model", tiny_models.target,
+         "--redis-url", redis_url, "--port", "0",
+         *[str(tokens) if f == "TOKENS" else pki[f[4:]] if f.startswith("PKI:") else f for f in flags]],
+        env=env, capture_output=True, text=True, timeout=120, cwd=tmp_path,
+    )  # fmt: skip
 
 
 # ---------------------------------------------------------------- Redis password and TLS
