@@ -852,13 +852,18 @@ def main(argv: list[str] | None = None) -> int:
     from specdec.launcher import StackStartError
 
     try:
-        return handlers[args.command](args)
+        status = handlers[args.command](args)
+        sys.stdout.flush()  # here, not at exit: a pipe's reader that left is caught below
+        return status
     except StackStartError as exc:  # a service's own error is in the message (or above, on stderr)
         print(f"specdec {args.command}: could not start the services: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:  # Ctrl-C: a local stack has been stopped on the way out (Stack.__exit__)
         print(f"\nspecdec {args.command}: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # `specdec generate ... | head`: the reader has what it wanted
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so the exit's flush cannot fail again
+        return 141  # 128 + SIGPIPE, as a shell reports a command a pipe's reader left
 
 
 if __name__ == "__main__":

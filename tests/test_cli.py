@@ -415,6 +415,15 @@ def test_up_then_generate_json_end_to_end(tiny_models):
         assert set(result) >= {"text", "token_ids", "finish_reason", "stats"}
         assert 0 < len(result["token_ids"]) <= 12 and result["finish_reason"] in ("length", "eos")
         assert result["stats"]["cycles"] >= 1 and result["stats"]["draft_tokens"] >= 1
+        # A reader that leaves (`specdec generate ... | head -c 20`) ends the command as a shell
+        # expects, 141 (128 + SIGPIPE), not in a BrokenPipeError traceback; here it left at once.
+        for mode in ([], ["--json"]):
+            piped = subprocess.Popen([*SPECDEC, "generate", "hello world", "--address", f"127.0.0.1:{port}", *mode],
+                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+            piped.stdout.close()
+            status, err = piped.wait(timeout=120), piped.stderr.read()
+            piped.stderr.close()
+            assert status == 141 and "Traceback" not in err, (mode, status, err)
         # Plain mode streams text to stdout and prints the statistics on stderr.
         # --chat sends the prompt as a user message: the tiny template's `user: ...\nassistant: `, one token a character
         chat = run_cli("generate", "hello world", "--address", f"127.0.0.1:{port}", "--json", "--chat", "--max-new-tokens", "4")
