@@ -584,7 +584,10 @@ class DraftModel(torch.nn.Module):
         super().__init__()
         from transformers import LlamaModel
 
-        body_config = config.__class__.from_dict({**config.to_dict(), "vocab_size": 1, "pad_token_id": None})
+        # The body sees no token ids, so none of them: with the target's, a 1-token vocabulary made
+        # transformers warn "bos_token_id must be ... within the vocabulary" in every run.
+        no_ids = {"vocab_size": 1, "pad_token_id": None, "bos_token_id": None, "eos_token_id": None}
+        body_config = config.__class__.from_dict({**config.to_dict(), **no_ids})
         self.config = config
         vocab, width = target_embedding.shape
         self.register_buffer("embedding", target_embedding.detach().float().clone(), persistent=False)  # [V, D]

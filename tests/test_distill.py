@@ -210,6 +210,30 @@ def test_the_calibration_split_keeps_every_sequence_of_a_prompt_on_one_side():
     assert distill_module.split_calibration(records, 0.0) == (records, [])
 
 
+def test_building_a_draft_makes_transformers_warn_of_no_token_id_outside_the_vocabulary():
+    """Its body's config (vocabulary of 1: the input comes as embeddings) kept the target's BOS and
+    EOS ids, and every `specdec distill` printed transformers' "bos_token_id must be `None` or an
+    integer within the vocabulary (between 0 and 0), got 1"."""
+    import logging
+
+    from transformers.utils import logging as hf_logging
+
+    config = distill_module.draft_llama_config(argparse.Namespace(bos_token_id=1, eos_token_id=2), hidden=32,
+                                               layers=1, heads=2, vocab_size=40)  # fmt: skip
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    library = logging.getLogger("transformers")
+    library.addHandler(handler)
+    hf_logging.get_logger("transformers.configuration_utils").warning_once.cache_clear()  # once per process
+    try:
+        distill_module.DraftModel(torch.randn(40, 16), config, torch.arange(40))
+    finally:
+        library.removeHandler(handler)
+    assert not [r.getMessage() for r in records if "within the vocabulary" in r.getMessage()]
+    assert (config.bos_token_id, config.eos_token_id) == (1, 2)  # the written draft's config keeps them
+
+
 def test_choose_temperature_finds_the_tau_at_which_q_is_p_and_folding_it_makes_q_equal_p():
     config = distill_module.draft_llama_config(argparse.Namespace(), hidden=32, layers=1, heads=2, vocab_size=40)
     torch.manual_seed(0)
