@@ -752,16 +752,17 @@ TIMELINE_WIDTH = 40
 
 
 def format_timeline(result) -> str:
-    """One line per cycle: K, drafted, accepted, bonus, draft and verify ms, and a bar in which
-    `d` is drafting and `v` verifying, scaled to the slowest cycle."""
+    """One line per cycle: K, drafted, accepted, bonus, the output tokens it committed, draft and
+    verify ms, and a bar in which `d` is drafting and `v` verifying, scaled to the slowest cycle."""
     longest = max((c.draft_ms + c.verify_ms for c in result.cycles), default=0.0) or 1.0
     lines = [f"session {result.session_id}: {len(result.token_ids)} tokens, {len(result.cycles)} cycles, "
              f"finish {result.finish_reason}",  # fmt: skip
-             f"{'cycle':>5} {'k':>3} {'drafted':>7} {'accepted':>8} {'bonus':>5} {'draft ms':>9} {'verify ms':>9}  time"]
+             f"{'cycle':>5} {'k':>3} {'drafted':>7} {'accepted':>8} {'bonus':>5} {'tokens':>6} {'draft ms':>9} "
+             f"{'verify ms':>9}  time"]  # fmt: skip
     for c in result.cycles:
         bar = "d" * round(TIMELINE_WIDTH * c.draft_ms / longest) + "v" * round(TIMELINE_WIDTH * c.verify_ms / longest)
         lines.append(f"{c.index:>5} {c.k:>3} {c.drafted:>7} {c.accepted:>8} {'yes' if c.bonus else '':>5} "
-                     f"{c.draft_ms:>9.1f} {c.verify_ms:>9.1f}  {bar}")  # fmt: skip
+                     f"{c.tokens:>6} {c.draft_ms:>9.1f} {c.verify_ms:>9.1f}  {bar}")  # fmt: skip
     stats = result.stats
     draft_total = sum(c.draft_ms for c in result.cycles)
     verify_total = sum(c.verify_ms for c in result.cycles)

@@ -255,6 +255,9 @@ class CycleTrace:
     # The drafts were looked up in the coordinator (an n-gram draft, or --ngram-first),
     # not proposed by the draft service.
     looked_up: bool = False
+    # Output tokens the cycle committed: accepted + 1 for a speculative one (fewer where the
+    # output ended), several for a plain one that decoded several (the chunk's token_ids).
+    tokens: int = 0
 
 
 @dataclass
@@ -275,7 +278,7 @@ class Chunk:
             c = msg.cycle
             cycle = CycleTrace(
                 c.index, c.k, c.drafted, c.accepted, c.bonus, c.draft_ms, c.verify_ms, c.draft_bytes, c.pipelined,
-                c.forward_ms, c.commit_ms, c.looked_up,
+                c.forward_ms, c.commit_ms, c.looked_up, len(msg.token_ids),
             )  # fmt: skip
         return cls(
             text=msg.text,

@@ -274,6 +274,20 @@ def test_the_statistics_line_gives_tokens_per_drafting_cycle_only_when_something
     assert format_stats(plain, "eos", timed=False) == "[20 tokens; 6 cycles; nothing drafted; finish: eos]"
 
 
+def test_the_timeline_shows_the_tokens_each_cycle_committed_where_a_plain_cycle_decodes_several():
+    """A plain cycle that decoded 5 tokens used to read like one that decoded 1 (k 0, accepted 0)."""
+    from specdec.cli import format_timeline
+    from specdec.client import CycleTrace, Result, Stats
+
+    cycles = [CycleTrace(0, 2, 2, 1, False, 10.0, 50.0, tokens=2), CycleTrace(1, 0, 0, 0, False, 0.0, 100.0, tokens=5)]
+    result = Result("abcdefg", list(range(7)), "length", Stats(cycles=2, draft_cycles=1, draft_tokens=2, accepted_tokens=1,
+                    generated_tokens=7, elapsed_s=0.17), "s", cycles)  # fmt: skip
+    lines = format_timeline(result).splitlines()
+    assert lines[1].split() == ["cycle", "k", "drafted", "accepted", "bonus", "tokens", "draft", "ms", "verify", "ms", "time"]
+    assert lines[2].split()[:7] == ["0", "2", "2", "1", "2", "10.0", "50.0"]
+    assert lines[3].split()[:7] == ["1", "0", "0", "0", "5", "0.0", "100.0"] and lines[3].endswith("v" * 40)
+
+
 @pytest.mark.parametrize("command", ["generate", "trace"])
 def test_an_empty_prompt_ends_the_command_with_one_line_before_a_stack_starts_but_a_chat_may_be_empty(capsys, command):
     from specdec.cli import build_parser, main, prompt_arguments

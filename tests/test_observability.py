@@ -146,6 +146,7 @@ def test_one_generate_is_one_trace_across_client_coordinator_draft_and_target(tr
     assert len(generate) == 1 and attr(generate[0], "specdec.session_id") == result["session_id"]
     assert attr(generate[0], "specdec.output_tokens") == len(result["token_ids"])
     assert len(cycles) == stats["cycles"] == len(result["cycles"])
+    assert sum(c["tokens"] for c in result["cycles"]) == len(result["token_ids"])  # each cycle's own output
     assert sorted(attr(c, "specdec.cycle") for c in cycles) == list(range(stats["cycles"]))
     assert sum(attr(c, "specdec.accepted") for c in cycles) == stats["accepted_tokens"]
     assert all(c.parent_span_id == generate[0].span_id for c in cycles)
