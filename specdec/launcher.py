@@ -17,6 +17,7 @@ import contextlib
 import os
 import secrets
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -374,6 +375,15 @@ def free_port_except(taken) -> int:
     while (port := free_port()) in taken:
         pass
     return port
+
+
+def is_listening(host: str, port: int, timeout_s: float = 1.0) -> bool:
+    """True when something accepts TCP connections on host:port (a serving coordinator or not)."""
+    try:
+        with socket.create_connection((host, port), timeout=timeout_s):
+            return True
+    except OSError:
+        return False
 
 
 def is_serving(

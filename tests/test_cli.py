@@ -505,6 +505,26 @@ def test_generate_brings_a_local_stack_up_when_nothing_serves_whose_logs_show_on
     assert "coordinator serving on" in verbose.stderr and "target INFO" in verbose.stderr
 
 
+def test_generate_does_not_start_a_stack_where_another_program_holds_the_default_port_and_says_what_to_do(monkeypatch, capsys):
+    """A local stack's coordinator used to fail to bind there and advise `--port`, which generate
+    does not take."""
+    import socket
+
+    from specdec import cli
+
+    monkeypatch.delenv("SPECDEC_ADDRESS", raising=False)
+    with socket.socket() as listener:  # accepts connections, answers no gRPC
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        address = f"127.0.0.1:{listener.getsockname()[1]}"
+        monkeypatch.setattr(cli, "DEFAULT_ADDRESS", address)
+        with pytest.raises(SystemExit) as exited:
+            cli.main(["generate", "hi"])
+    assert f"specdec generate: something listens on {address} but is not a serving specdec coordinator" in str(exited.value)
+    assert "`specdec up --port 50052`) and pass --address 127.0.0.1:50052" in str(exited.value)
+    assert "starting a local stack" not in capsys.readouterr().err
+
+
 def test_ctrl_c_while_a_stack_starts_stops_every_process_and_says_interrupted(tiny_models):
     up = subprocess.Popen(
         [*SPECDEC, "up", "--port", str(free_port()), "--metrics-port-base", "0", "--target", tiny_models.target,
