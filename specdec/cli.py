@@ -13,6 +13,7 @@ import os
 import sys
 from typing import NoReturn
 
+from specdec import __version__
 from specdec.ngram import DEFAULT_K, DEFAULT_MAX_NGRAM, DEFAULT_MIN_NGRAM, NGRAM_DRAFT
 from specdec.ranges import (
     AT_LEAST_ONE, DEFAULT_DRAIN_S, DEFAULT_MAX_BATCH, DEFAULT_RETRIES, DEFAULT_WAIT_MS, DRAIN_S, MAX_NEW_TOKENS,
@@ -172,6 +173,7 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
         "for the command and asks the built-in instruct model (without --chat the text is continued as it is). "
         "Run `specdec COMMAND --help` for each command's flags.",
     )
+    parser.add_argument("--version", action="version", version=f"specdec {__version__}")
     parser.add_argument("-v", "--verbose", action="store_true",
                         help="log at INFO level, and show all the output of the services of a local stack "
                         "that generate and trace bring up (else only their warnings and errors)")

@@ -32,6 +32,13 @@ def test_help_explains_every_command():
         assert "--port" in helptext and "[env: SPECDEC_" in helptext
 
 
+def test_version_prints_the_installed_packages_version():
+    from importlib.metadata import version
+
+    out = run_cli("--version")
+    assert out.returncode == 0 and out.stdout == f"specdec {version('specdec')}\n", out
+
+
 def test_ngram_first_outside_its_range_is_refused_with_the_range_on_every_command_that_takes_it():
     for command in (["up"], ["serve", "coordinator"], ["bench"], ["generate", "hi"]):
         refused = run_cli(*command, "--ngram-first", "9")
