@@ -184,7 +184,7 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
         help="run the whole stack on this machine",
         description="Start Redis (embedded unless --redis-url), the draft, target and coordinator services "
         "as separate processes on loopback; print `ready ADDRESS` once all report SERVING. "
-        "Ctrl-C or SIGTERM stops everything.",
+        "Ctrl-C, SIGTERM or SIGHUP stops everything.",
     )
     add_stack_flags(up)
 
@@ -568,13 +568,10 @@ def exit_without_teardown(code: int) -> NoReturn:
 
 
 def run_up(args) -> int:
-    import signal
-    import threading
+    import time
 
     from specdec.launcher import Stack, StackConfig, StackTLS
 
-    stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
     tls_files = (args.tls_cert, args.tls_key, args.tls_ca)
     if any(tls_files) and not all(tls_files):
         raise SystemExit("TLS needs all of --tls-cert, --tls-key and --tls-ca")
@@ -589,8 +586,13 @@ def run_up(args) -> int:
         for name, port in stack.metrics_ports.items():
             print(f"metrics: {name} http://127.0.0.1:{port}/metrics", file=sys.stderr, flush=True)
         print(f"ready {stack.address}", flush=True)
+        # Until Ctrl-C, SIGTERM or SIGHUP, each a KeyboardInterrupt here (Stack.forward_ending_signals).
+        # Short sleeps: a signal the kernel hands to one of gRPC's threads interrupts no sleep of
+        # this one, and Python runs its handler only once this thread runs again (a long sleep,
+        # or a wait on an Event that a handler sets, missed or deadlocked on one).
         try:
-            stop.wait()
+            while True:
+                time.sleep(0.2)
         except KeyboardInterrupt:
             pass
         print("stopping", file=sys.stderr, flush=True)

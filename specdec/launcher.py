@@ -140,6 +140,8 @@ class Stack:
         # The secret the coordinator sends to the draft and target services.
         self.internal_token = secrets.token_urlsafe(32)
         self.interrupts: list[int] = []  # Ctrl-Cs held while starting or stopping (holding_interrupts)
+        self.ending_handlers: dict[int, object] = {}  # SIGTERM/SIGHUP handlers to restore (forward_ending_signals)
+        self.holding = False  # within holding_interrupts
 
     @property
     def address(self) -> str:
@@ -183,8 +185,9 @@ class Stack:
         """Start Redis (unless the config names one) and the three services; wait until all
         report SERVING. On any error, Ctrl-C included, stop what was started and raise."""
         cfg = self.config
-        with self.holding_interrupts():
-            try:
+        self.forward_ending_signals()
+        try:  # around the holding: an interrupt it raises as it ends stops the stack too
+            with self.holding_interrupts():
                 if not cfg.redis_url:
                     self.redis = EmbeddedRedis().start()
                 self.ports = {"coordinator": cfg.port}
@@ -194,9 +197,9 @@ class Stack:
                     self.raise_if_interrupted()
                     self.spawn(name, name, *self.service_args(name))
                 self.wait_ready()
-            except BaseException:
-                self.stop()
-                raise
+        except BaseException:
+            self.stop()
+            raise
         return self
 
     @contextlib.contextmanager
@@ -205,19 +208,23 @@ class Stack:
         raises it at points where nothing is half done, and leaving raises one still held.
         A KeyboardInterrupt raised inside Popen leaves the child it has forked running with
         no one to stop it (and holding our stderr open); one raised inside a gRPC call can
-        leave its channel unable to close. Only where Ctrl-C raises KeyboardInterrupt as
-        usual (the main thread, Python's default handler); elsewhere this does nothing."""
-        if threading.current_thread() is not threading.main_thread() or (
-            signal.getsignal(signal.SIGINT) is not signal.default_int_handler
-        ):
+        leave its channel unable to close. SIGTERM and SIGHUP are held alike where this stack
+        handles them (forward_ending_signals); Ctrl-C only where it raises KeyboardInterrupt
+        as usual (Python's default handler). Only in the main thread."""
+        if threading.current_thread() is not threading.main_thread():
             yield
             return
+        hold_ctrl_c = signal.getsignal(signal.SIGINT) is signal.default_int_handler
         self.interrupts.clear()
-        signal.signal(signal.SIGINT, lambda signum, frame: self.interrupts.append(signum))
+        self.holding = True
+        if hold_ctrl_c:
+            signal.signal(signal.SIGINT, lambda signum, frame: self.interrupts.append(signum))
         try:
             yield
         finally:
-            signal.signal(signal.SIGINT, signal.default_int_handler)
+            self.holding = False
+            if hold_ctrl_c:
+                signal.signal(signal.SIGINT, signal.default_int_handler)
         self.raise_if_interrupted()
 
     def raise_if_interrupted(self) -> None:
@@ -361,12 +368,39 @@ class Stack:
             for log in self.logs.values():
                 log.close()
             self.logs.clear()
+            self.restore_ending_signals()
+
+    def forward_ending_signals(self) -> None:
+        """While the stack runs, SIGTERM and SIGHUP (a process manager's stop, a closed terminal)
+        end this process as Ctrl-C does, through KeyboardInterrupt (held where Ctrl-C is), so
+        that the stack is stopped on the way out: their default action ended it at once and left
+        the services running, one of them on the stack's port. Only signals left at that default
+        (`specdec up` handles SIGTERM itself, `nohup` ignores SIGHUP), and only in the main thread."""
+        if threading.current_thread() is not threading.main_thread():
+            return
+        for ending in ENDING_SIGNALS:
+            if signal.getsignal(ending) == signal.SIG_DFL:
+                self.ending_handlers[ending] = signal.signal(ending, self.end_on_signal)
+
+    def end_on_signal(self, signum, frame) -> None:
+        if self.holding:
+            self.interrupts.append(signum)
+        else:
+            raise KeyboardInterrupt
+
+    def restore_ending_signals(self) -> None:
+        for ending, handler in self.ending_handlers.items():
+            signal.signal(ending, handler)
+        self.ending_handlers.clear()
 
     def __enter__(self) -> "Stack":
         return self.start()
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+ENDING_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
 
 
 def free_port_except(taken) -> int:

@@ -1,5 +1,6 @@
 """The command line as a user runs it: `specdec up`, then `specdec generate --json`."""
 
+import contextlib
 import json
 import os
 import signal
@@ -510,6 +511,67 @@ def test_generate_brings_a_local_stack_up_when_nothing_serves_whose_logs_show_on
     verbose = run_cli("-v", "generate", "hello world", "--max-new-tokens", "2", env=env)
     assert verbose.returncode == 0, verbose.stderr
     assert "coordinator serving on" in verbose.stderr and "target INFO" in verbose.stderr
+
+
+STACK_UNTIL_SIGNALLED = """
+import sys, time
+from specdec.launcher import Stack, StackConfig
+config = StackConfig(port=int(sys.argv[1]), target=sys.argv[2], draft=sys.argv[3], metrics_port_base=0)
+try:
+    with Stack(config, quiet=True):
+        print("ready", flush=True)
+        for _ in range(600):  # short sleeps, as the commands' own waits (gRPC's, specdec up's) are
+            time.sleep(0.2)
+except KeyboardInterrupt:
+    print("stopped", flush=True)
+"""
+
+
+@pytest.mark.parametrize("ending", [signal.SIGTERM, signal.SIGHUP], ids=["SIGTERM", "SIGHUP"])
+def test_a_process_running_a_local_stack_stops_it_on_sigterm_or_sighup_as_on_ctrl_c(tiny_models, ending):
+    """The stack `specdec generate`, `trace`, `bench` and `soak` bring up: SIGTERM (a process
+    manager, `timeout`) or SIGHUP (a closed terminal) used to end the process at once and leave
+    redis-server and the three services running, the coordinator on the stack's port. Started
+    from a non-interactive shell, as here, a background process even ignores Ctrl-C."""
+    port, children = free_port(), []
+    process = subprocess.Popen([sys.executable, "-c", STACK_UNTIL_SIGNALLED, str(port), tiny_models.target, tiny_models.draft],
+                               stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                               preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))  # fmt: skip
+    try:
+        assert process.stdout.readline().strip() == "ready"
+        children = descendants(process.pid)
+        assert len(children) >= 4  # redis-server and three services
+        process.send_signal(ending)
+        out, _ = process.communicate(timeout=60)
+        assert process.returncode == 0 and out.strip() == "stopped"
+        psutil.wait_procs(children, timeout=30)
+        assert not [c for c in children if c.is_running() and c.status() != psutil.STATUS_ZOMBIE]
+        assert not is_serving(f"127.0.0.1:{port}")
+    finally:
+        process.kill()
+        for child in children:  # orphans, where the stack was not stopped
+            with contextlib.suppress(psutil.NoSuchProcess):
+                child.kill()
+
+
+def test_specdec_up_stops_its_stack_on_sighup_as_on_sigterm(tiny_models):
+    port, children = free_port(), []
+    up = subprocess.Popen([*SPECDEC, "up", "--port", str(port), "--metrics-port-base", "0", "--target",
+                           tiny_models.target, "--draft", tiny_models.draft],
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        assert up.stdout.readline().strip() == f"ready 127.0.0.1:{port}"
+        children = descendants(up.pid)
+        up.send_signal(signal.SIGHUP)
+        _, err = up.communicate(timeout=60)
+        assert up.returncode == 0 and "stopping" in err and "Traceback" not in err, err
+        psutil.wait_procs(children, timeout=30)
+        assert not [c for c in children if c.is_running() and c.status() != psutil.STATUS_ZOMBIE]
+    finally:
+        up.kill()
+        for child in children:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                child.kill()
 
 
 def test_generate_does_not_start_a_stack_where_another_program_holds_the_default_port_and_says_what_to_do(monkeypatch, capsys):
