@@ -650,6 +650,8 @@ def client_error(exc, args) -> str:
     import grpc
 
     line = f"error: {exc}"
+    if exc.code == grpc.StatusCode.DEADLINE_EXCEEDED and getattr(args, "timeout", None):
+        line += f"\n(the call's --timeout of {args.timeout:g} s ran out; a longer one, or none, lets it finish)"
     if exc.code == grpc.StatusCode.UNAVAILABLE:
         line += (f"\n(is a coordinator serving at {args.address or DEFAULT_ADDRESS}? `specdec up` starts one; "
                  "without --address, generate and trace start one for the command)")  # fmt: skip

@@ -215,6 +215,27 @@ def test_specdec_generate_whose_stream_breaks_for_good_says_how_to_resume_it(ser
     assert f"specdec resume {session_id} --address {address} --received-tokens 1 --received-chars 1" in err
 
 
+class SlowCoordinator(FlakyCoordinator):
+    """Streams "a", then nothing for a second."""
+
+    def Generate(self, request, context):
+        context.send_initial_metadata(((SESSION_HEADER, request.session_id),))
+        yield pb.GenerateChunk(text="a", token_ids=[1], session_id=request.session_id)
+        time.sleep(1.0)
+
+
+def test_specdec_generate_whose_timeout_runs_out_says_it_was_the_timeout_and_how_to_get_the_rest(serve, capsys):
+    """gRPC's own words were all it said: `DEADLINE_EXCEEDED: Deadline Exceeded`."""
+    from specdec.cli import main
+
+    address = serve(SlowCoordinator(failures=0))
+    assert main(["generate", "x", "--address", address, "--timeout", "0.3"]) == 1
+    out, err = capsys.readouterr()
+    assert out == "a" and "error: DEADLINE_EXCEEDED" in err
+    assert "(the call's --timeout of 0.3 s ran out; a longer one, or none, lets it finish)" in err
+    assert "specdec resume " in err and "--received-tokens 1 --received-chars 1" in err
+
+
 def test_a_load_balancing_policy_grpc_is_not_given_is_a_value_error_naming_the_choices():
     with pytest.raises(ValueError, match="load_balancing must be one of round_robin, pick_first, got 'random'"):
         specdec.Client("127.0.0.1:1", load_balancing="random")
