@@ -61,6 +61,7 @@ PROMPT_CHARS_PER_TOKEN = 16
 MAX_STOP_STRINGS = 64
 MAX_STOP_CHARS = 1000
 STARTUP_TIMEOUT_S = 600.0
+WAIT_LOG_S = 10.0  # how often a coordinator waiting for a model service says so (wait_for_model_info)
 
 
 @dataclass
@@ -788,11 +789,15 @@ def stats_pb(stats: Stats, prompt_tokens: int, elapsed_s: float, first_token_s: 
 
 async def wait_for_model_info(replicas: Replicas, name: str, timeout_s: float) -> pb.ModelInfoResponse:
     """ModelInfo from a model service (one of its started replicas), waiting while it starts
-    and loads its model, and, for a dns:/// address, until the name resolves."""
-    deadline = time.monotonic() + timeout_s
+    and loads its model, and, for a dns:/// address, until the name resolves. Every
+    WAIT_LOG_S it logs what it waits for and why (a coordinator given a wrong address used to
+    say only "loading" for the ten minutes before it gave up)."""
+    started = time.monotonic()
+    deadline, next_log = started + timeout_s, started + WAIT_LOG_S
     while True:
         if not replicas.replicas:
             await replicas.refresh()
+        problem = "its address resolves to no replica"
         try:
             if replicas.replicas:
                 replica = replicas.any()
@@ -800,15 +805,23 @@ async def wait_for_model_info(replicas: Replicas, name: str, timeout_s: float) -
                 if loaded(info):
                     replicas.adopt(replica, info)
                     return info
+                problem = "it is loading its model"
         except grpc.aio.AioRpcError as exc:
             if exc.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
                 raise
             if exc.code() == grpc.StatusCode.UNAVAILABLE:
+                problem = f"UNAVAILABLE: {exc.details()}"
                 replica.failed()
-        if time.monotonic() > deadline:
+            else:  # a single address waits for a connection (wait_for_ready) and says no more
+                problem = "no answer in 5 s: nothing serves there yet, or the address is wrong or unreachable"
+        if (now := time.monotonic()) > deadline:
             raise FailedPrecondition(
-                f"the {name} service at {replicas.address} did not become ready in {timeout_s:.0f}s"
+                f"the {name} service at {replicas.address} did not become ready in {timeout_s:.0f}s ({problem})"
             )
+        if now >= next_log:
+            log.info("waiting for the %s service at %s (%.0f s so far, at most %.0f): %s",
+                     name, replicas.address, now - started, timeout_s, problem)  # fmt: skip
+            next_log = now + WAIT_LOG_S
         await asyncio.sleep(0.2)
 
 

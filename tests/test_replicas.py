@@ -40,6 +40,33 @@ OPTIONS = dict(ignore_eos=True, num_speculative_tokens=3)
 # ---------------------------------------------------------------- the rules
 
 
+def test_a_coordinator_waiting_for_a_model_service_says_what_it_waits_for_and_why(monkeypatch, caplog):
+    """A coordinator given addresses where nothing serves said only "loading" until it gave up
+    after STARTUP_TIMEOUT_S (ten minutes); now it logs the address and the last error as it waits,
+    and the give-up names the error too."""
+    import logging
+
+    from coordinator import server
+    from specdec.errors import FailedPrecondition
+
+    monkeypatch.setattr(server, "WAIT_LOG_S", 0.3)
+    down = (f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}")
+
+    async def wait() -> None:
+        replicas = Replicas(ReplicaAddress(endpoints=down), pb_grpc.TargetStub)
+        await replicas.start()
+        try:
+            await server.wait_for_model_info(replicas, "target", 1.0)
+        finally:
+            await replicas.close()
+
+    with caplog.at_level(logging.INFO, logger="specdec.coordinator"), pytest.raises(FailedPrecondition) as gave_up:
+        asyncio.run(wait())
+    assert f"the target service at {down[0]},{down[1]} did not become ready in 1s (UNAVAILABLE: " in str(gave_up.value)
+    waiting = [r.getMessage() for r in caplog.records if r.getMessage().startswith("waiting for the target service")]
+    assert len(waiting) >= 2 and f"at {down[0]},{down[1]} (" in waiting[0] and "at most 1): UNAVAILABLE: " in waiting[0]
+
+
 def test_a_replica_address_is_one_target_a_list_or_a_dns_name_and_anything_else_is_refused():
     assert parse_replica_address("127.0.0.1:50053") == ReplicaAddress(endpoints=("127.0.0.1:50053",))
     assert parse_replica_address("unix:/tmp/target.sock").endpoints == ("unix:/tmp/target.sock",)
