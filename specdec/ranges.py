@@ -7,6 +7,9 @@ request (`specdec.wire`), so the command line, the SDK and the server cannot dis
 
 Terms: `low` and `high` are the edges; `above` / `below` say the edge itself is outside (top_p is
 above 0 and at most 1); `note` says what an edge value means ("0 = greedy").
+
+Text has one rule, here too: it travels as UTF-8 (`text_problem`: the command line's `utf8_text`
+type, the SDK's check_text; `undecodable` words a file that is not UTF-8).
 """
 
 from __future__ import annotations
