@@ -62,6 +62,7 @@ MAX_STOP_STRINGS = 64
 MAX_STOP_CHARS = 1000
 STARTUP_TIMEOUT_S = 600.0
 WAIT_LOG_S = 10.0  # how often a coordinator waiting for a model service says so (wait_for_model_info)
+MODEL_INFO_TIMEOUT_S = 5.0  # one ModelInfo call while waiting for a model service
 
 
 @dataclass
@@ -801,7 +802,8 @@ async def wait_for_model_info(replicas: Replicas, name: str, timeout_s: float) -
         try:
             if replicas.replicas:
                 replica = replicas.any()
-                info = await replica.stub.ModelInfo(pb.ModelInfoRequest(), timeout=5.0, wait_for_ready=replicas.single)
+                info = await replica.stub.ModelInfo(pb.ModelInfoRequest(), timeout=MODEL_INFO_TIMEOUT_S,
+                                                    wait_for_ready=replicas.single)  # fmt: skip
                 if loaded(info):
                     replicas.adopt(replica, info)
                     return info
@@ -813,7 +815,8 @@ async def wait_for_model_info(replicas: Replicas, name: str, timeout_s: float) -
                 problem = f"UNAVAILABLE: {exc.details()}"
                 replica.failed()
             else:  # a single address waits for a connection (wait_for_ready) and says no more
-                problem = "no answer in 5 s: nothing serves there yet, or the address is wrong or unreachable"
+                problem = (f"no answer in {MODEL_INFO_TIMEOUT_S:.0f} s: nothing serves there yet, or the address is "
+                           "wrong or unreachable")  # fmt: skip
         if (now := time.monotonic()) > deadline:
             raise FailedPrecondition(
                 f"the {name} service at {replicas.address} did not become ready in {timeout_s:.0f}s ({problem})"
