@@ -375,7 +375,8 @@ class Stack:
         end this process as Ctrl-C does, through KeyboardInterrupt (held where Ctrl-C is), so
         that the stack is stopped on the way out: their default action ended it at once and left
         the services running, one of them on the stack's port. Only signals left at that default
-        (`specdec up` handles SIGTERM itself, `nohup` ignores SIGHUP), and only in the main thread."""
+        (a caller's own handler stays, as does `nohup`'s ignored SIGHUP), and only in the main
+        thread. `specdec up` relies on it too: it waits for the KeyboardInterrupt."""
         if threading.current_thread() is not threading.main_thread():
             return
         for ending in ENDING_SIGNALS:
