@@ -583,14 +583,15 @@ def run_up(args) -> int:
     )  # fmt: skip
     print(f"starting: target {config.target}, draft {config.draft}", file=sys.stderr, flush=True)
     with Stack(config) as stack:
-        for name, port in stack.metrics_ports.items():
-            print(f"metrics: {name} http://127.0.0.1:{port}/metrics", file=sys.stderr, flush=True)
-        print(f"ready {stack.address}", flush=True)
-        # Until Ctrl-C, SIGTERM or SIGHUP, each a KeyboardInterrupt here (Stack.forward_ending_signals).
-        # Short sleeps: a signal the kernel hands to one of gRPC's threads interrupts no sleep of
-        # this one, and Python runs its handler only once this thread runs again (a long sleep,
-        # or a wait on an Event that a handler sets, missed or deadlocked on one).
+        # Until Ctrl-C, SIGTERM or SIGHUP, each a KeyboardInterrupt here (Stack.forward_ending_signals),
+        # one that lands as `ready` is printed included. Short sleeps: a signal the kernel hands to
+        # one of gRPC's threads interrupts no sleep of this one, and Python runs its handler only
+        # once this thread runs again (a long sleep, or a wait on an Event that a handler sets,
+        # missed or deadlocked on one).
         try:
+            for name, port in stack.metrics_ports.items():
+                print(f"metrics: {name} http://127.0.0.1:{port}/metrics", file=sys.stderr, flush=True)
+            print(f"ready {stack.address}", flush=True)
             while True:
                 time.sleep(0.2)
         except KeyboardInterrupt:
