@@ -28,6 +28,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
+from typing import TypedDict, Unpack
 
 import grpc
 
@@ -436,6 +437,35 @@ class _Collector:
         )
 
 
+class GenerateOptions(TypedDict, total=False):
+    """The keyword arguments of generate_stream, which generate takes as **options: a type
+    checker checks them there too (defaults and meanings: generate_stream)."""
+
+    prompt_token_ids: Sequence[int] | None
+    messages: Sequence[Mapping[str, str]] | None
+    max_new_tokens: int
+    temperature: float
+    top_k: int
+    top_p: float
+    seed: int | None
+    num_speculative_tokens: int | None
+    speculate: bool
+    stop: str | Sequence[str] | None
+    timeout: float | None
+    session_id: str | None
+    ignore_eos: bool
+    pipeline: bool | None
+    adaptive_k: bool
+
+
+class ResumeOptions(TypedDict, total=False):
+    """The keyword arguments of resume_stream, which resume takes as **options."""
+
+    received_tokens: int
+    received_chars: int
+    timeout: float | None
+
+
 _GENERATE_DOC = """
         Arguments:
             prompt: the text to continue, as it is (or pass prompt_token_ids or messages instead).
@@ -567,17 +597,17 @@ class Client:
         finally:
             stop_call(call)
 
-    def resume(self, session_id: str, **kwargs) -> Result:
+    def resume(self, session_id: str, **options: Unpack[ResumeOptions]) -> Result:
         """Resume and return the rest as a Result (same arguments as resume_stream)."""
         collector = _Collector()
-        for chunk in self.resume_stream(session_id, **kwargs):
+        for chunk in self.resume_stream(session_id, **options):
             collector.add(chunk)
         return collector.result()
 
-    def generate(self, prompt: str | None = None, **kwargs) -> Result:
+    def generate(self, prompt: str | None = None, **options: Unpack[GenerateOptions]) -> Result:
         """Generate and return the whole Result (same arguments as generate_stream)."""
         collector = _Collector()
-        for chunk in self.generate_stream(prompt, **kwargs):
+        for chunk in self.generate_stream(prompt, **options):
             collector.add(chunk)
         return collector.result()
 
@@ -694,17 +724,17 @@ class AsyncClient:
         finally:
             stop_call(call)
 
-    async def resume(self, session_id: str, **kwargs) -> Result:
+    async def resume(self, session_id: str, **options: Unpack[ResumeOptions]) -> Result:
         """Resume and return the rest as a Result (same arguments as resume_stream)."""
         collector = _Collector()
-        async for chunk in self.resume_stream(session_id, **kwargs):
+        async for chunk in self.resume_stream(session_id, **options):
             collector.add(chunk)
         return collector.result()
 
-    async def generate(self, prompt: str | None = None, **kwargs) -> Result:
+    async def generate(self, prompt: str | None = None, **options: Unpack[GenerateOptions]) -> Result:
         """Generate and return the whole Result (same arguments as generate_stream)."""
         collector = _Collector()
-        async for chunk in self.generate_stream(prompt, **kwargs):
+        async for chunk in self.generate_stream(prompt, **options):
             collector.add(chunk)
         return collector.result()
 

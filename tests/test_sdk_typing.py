@@ -1,0 +1,56 @@
+"""The SDK is typed (it ships py.typed): a type checker run on a caller's code catches a
+misspelled or mistyped keyword of every public method, generate and resume included, which
+take their stream method's keywords as **options."""
+
+import inspect
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from specdec.client import AsyncClient, Client, GenerateOptions, ResumeOptions
+
+CALLER = textwrap.dedent(
+    """
+    import specdec
+
+    client = specdec.Client("localhost:50051")
+    result: specdec.Result = client.generate("hi", max_new_tokens=5, temperature=0.5, stop="x", seed=1)
+    client.generate(messages=[{"role": "user", "content": "hi"}], timeout=3.0, adaptive_k=True)
+    client.resume("abc", received_tokens=3, received_chars=10, timeout=None)
+    client.generate("hi", max_new_token=5)  # bad
+    client.generate("hi", max_new_tokens="5")  # bad
+    client.generate_stream("hi", temprature=1.0)  # bad
+    client.resume("abc", received_token=3)  # bad
+
+
+    async def use_async() -> None:
+        aclient = specdec.AsyncClient()
+        await aclient.generate("hi", max_new_tokens=5, pipeline=False)
+        await aclient.resume("abc", received_chars=2)
+        await aclient.generate("hi", top_p="high")  # bad
+        await aclient.resume("abc", received_chars=2.5)  # bad
+    """
+)
+
+
+def test_a_type_checker_catches_a_misspelled_or_mistyped_keyword_of_generate_and_resume(tmp_path):
+    caller = tmp_path / "caller.py"
+    caller.write_text(CALLER)
+    run = subprocess.run(
+        [sys.executable, "-m", "mypy", "--ignore-missing-imports", "--no-error-summary",
+         "--cache-dir", str(tmp_path / "cache"), str(caller)],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    flagged = {int(line.split(":")[1]) for line in run.stdout.splitlines() if ": error:" in line}
+    bad = {n for n, line in enumerate(CALLER.splitlines(), 1) if line.endswith("# bad")}
+    assert flagged == bad, run.stdout + run.stderr
+
+
+@pytest.mark.parametrize("cls", [Client, AsyncClient])
+@pytest.mark.parametrize("method, options", [("generate_stream", GenerateOptions), ("resume_stream", ResumeOptions)])
+def test_the_options_of_generate_and_resume_are_exactly_their_stream_methods_keywords(cls, method, options):
+    params = inspect.signature(getattr(cls, method)).parameters.values()
+    keywords = {p.name for p in params if p.kind is inspect.Parameter.KEYWORD_ONLY}
+    assert set(options.__annotations__) == keywords
