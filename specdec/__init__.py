@@ -7,7 +7,18 @@ The public face is the client SDK:
         print(client.generate("Hello", max_new_tokens=32).text)
 """
 
-from specdec.client import AsyncClient, Chunk, Client, Result, SpecdecClientError, Stats
+from specdec.client import (
+    AsyncClient,
+    Chunk,
+    Client,
+    GenerateOptions,
+    Result,
+    ResumeOptions,
+    SpecdecClientError,
+    Stats,
+)
 
-__all__ = ["AsyncClient", "Chunk", "Client", "Result", "SpecdecClientError", "Stats"]
+__all__ = [
+    "AsyncClient", "Chunk", "Client", "GenerateOptions", "Result", "ResumeOptions", "SpecdecClientError", "Stats",
+]
 __version__ = "0.1.0"

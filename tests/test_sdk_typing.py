@@ -13,6 +13,8 @@ from specdec.client import AsyncClient, Client, GenerateOptions, ResumeOptions
 
 CALLER = textwrap.dedent(
     """
+    from typing import Unpack
+
     import specdec
 
     client = specdec.Client("localhost:50051")
@@ -23,6 +25,14 @@ CALLER = textwrap.dedent(
     client.generate("hi", max_new_tokens="5")  # bad
     client.generate_stream("hi", temprature=1.0)  # bad
     client.resume("abc", received_token=3)  # bad
+
+
+    def ask(client: specdec.Client, **options: Unpack[specdec.GenerateOptions]) -> str:
+        return client.generate("hi", **options).text
+
+
+    ask(client, max_new_tokens=3)
+    ask(client, max_tokens=3)  # bad
 
 
     async def use_async() -> None:
