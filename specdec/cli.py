@@ -605,21 +605,25 @@ def serving_address(args):
     """The coordinator address to use; brings a local stack up when none was given and none
     serves. Its services print only their warnings and errors, unless -v."""
     from specdec.launcher import Stack, StackConfig, is_listening, is_serving
+    from specdec.redis_server import free_port
 
     address = args.address or DEFAULT_ADDRESS
     if args.address is not None or args.tls_ca or is_serving(address):
         yield address
         return
     host, port = address.rsplit(":", 1)
-    if is_listening(host, int(port)):  # a local stack could not bind there: say what to do instead
+    if is_listening(host, int(port)):  # likely a `specdec up` still loading, meant for this command: say so
         raise SystemExit(f"specdec {args.command}: something listens on {address} but is not a serving specdec "
                          f"coordinator: a stack still starting (wait for its `ready` line), or another program; "
                          f"else start one elsewhere (`specdec up --port 50052`) and pass --address 127.0.0.1:50052")  # fmt: skip
-    config = StackConfig(port=int(port), host=host, target=args.target, draft=args.draft, ngram_first=args.ngram_first)
+    # The stack is this command's alone: its coordinator takes a free port, not the default
+    # one, so that commands run side by side (`xargs -P`) each start theirs instead of racing.
+    config = StackConfig(port=free_port(), host="127.0.0.1", target=args.target, draft=args.draft,
+                         ngram_first=args.ngram_first)  # fmt: skip
     print(f"nothing serves on {address}: starting a local stack (target {config.target}, draft {config.draft}) "
           "for this command", file=sys.stderr, flush=True)  # fmt: skip
-    with Stack(config, terse=not args.verbose):
-        yield address
+    with Stack(config, terse=not args.verbose) as stack:
+        yield stack.address
 
 
 def prompt_arguments(args) -> dict:

@@ -513,6 +513,20 @@ def test_generate_brings_a_local_stack_up_when_nothing_serves_whose_logs_show_on
     assert "coordinator serving on" in verbose.stderr and "target INFO" in verbose.stderr
 
 
+def test_generate_commands_run_side_by_side_each_start_their_own_local_stack(tiny_models):
+    """Each command's stack listens on a free port, not the default one, so they do not race for it."""
+    if is_serving("127.0.0.1:50051"):
+        pytest.skip("something already serves on the default address")
+    env = dict(os.environ, SPECDEC_TARGET=tiny_models.target, SPECDEC_DRAFT=tiny_models.draft)
+    command = [*SPECDEC, "generate", "hello world", "--json", "--max-new-tokens", "4"]
+    running = [subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+               for _ in range(2)]  # fmt: skip
+    for process in running:
+        out, err = process.communicate(timeout=300)
+        assert process.returncode == 0, err
+        assert "starting a local stack" in err and len(json.loads(out)["token_ids"]) >= 1
+
+
 STACK_UNTIL_SIGNALLED = """
 import sys, time
 from specdec.launcher import Stack, StackConfig
