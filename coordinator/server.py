@@ -19,7 +19,7 @@ from coordinator.cycles import DRAFT_TIMEOUT_S, CycleLoop, Plan, Stats
 from coordinator.replicas import Replicas, draft_identity, loaded, parse_replica_address, target_identity
 from coordinator.text import TextStream
 from specdec import serving, telemetry
-from specdec.client import SESSION_HEADER
+from specdec.client import session_header
 from specdec.errors import (
     FailedPrecondition,
     InvalidArgument,
@@ -318,13 +318,13 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         try:
             await self.store.create(plan.session_id, plan.prompt, session_meta(plan, self, caller))
         except NotReplicated:  # created on its Redis node, not yet on its replicas: resumable, not retried
-            await context.send_initial_metadata(((SESSION_HEADER, plan.session_id),))
+            await context.send_initial_metadata((session_header(plan.session_id),))
             raise
         # The response headers commit the call: a client's retry policy (the SDK retries
         # UNAVAILABLE) sends a call again only while no header came, that is only while no
         # session was created for it, so a retry never finds its session id taken. They name
         # the session: a stream that breaks after them is one the SDK may Resume.
-        await context.send_initial_metadata(((SESSION_HEADER, plan.session_id),))
+        await context.send_initial_metadata((session_header(plan.session_id),))
         text = TextStream(self.tokenizer, plan.stop)
         async for chunk in self.stream(plan, context, text):
             yield chunk
@@ -350,7 +350,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             meta, committed = await self.store.take_over(session_id, plan.owner)
             replay_tokens(text, committed[len(plan.prompt) + len(output):])
         text.emitted = request.received_chars
-        await context.send_initial_metadata(((SESSION_HEADER, session_id),))
+        await context.send_initial_metadata((session_header(session_id),))
         stats = stored_stats(meta, len(committed) - len(plan.prompt))
         catch_up = catch_up_chunk(plan, text, committed, request.received_tokens, stats,
                                   finished=meta.get("status") == "finished")  # fmt: skip

@@ -25,6 +25,7 @@ import asyncio
 import json
 import random
 import time
+import urllib.parse
 import uuid
 from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -49,6 +50,14 @@ _CHANNEL_OPTIONS = [
 # The coordinator's response headers name the session once it exists (Generate and Resume):
 # a stream that fails after them can be resumed; one that fails before them never began.
 SESSION_HEADER = "specdec-session-id"
+# A header value is printable ASCII; an id may hold any printable text ('ünï'), so the value is
+# the id percent-encoded (urllib.parse.unquote gives it back): ASCII ids but '%' travel as they are.
+_HEADER_SAFE = "".join(chr(c) for c in range(0x20, 0x7F) if chr(c) != "%")
+
+
+def session_header(session_id: str) -> tuple[str, str]:
+    """The response header that names the session `session_id` (see SESSION_HEADER)."""
+    return SESSION_HEADER, urllib.parse.quote(session_id, safe=_HEADER_SAFE)
 # How a channel picks among the coordinators its address names (`ipv4:A,B`, or a name that
 # resolves to several): round_robin sends each call to the next ready one (coordinators keep
 # nothing between calls: any serves any call, and any resumes any session); pick_first sends

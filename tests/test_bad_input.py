@@ -425,6 +425,16 @@ def test_prompts_over_the_token_limit_are_resource_exhausted(client):
     assert len(client.generate(prompt_token_ids=ids[:-1], max_new_tokens=2, ignore_eos=True).token_ids) == 2
 
 
+@pytest.mark.parametrize("session_id", ["ünï", "日本語 セッション", "50%-done", "x%C3%BC", " padded id "])
+def test_a_session_id_of_any_printable_text_is_served_by_generate_resume_and_delete(client, session_id):
+    """The coordinator's response header names the session; a header is ASCII, so an id outside
+    it used to end the call INTERNAL ("Invalid metadata") after its session was created."""
+    result = client.generate(PROMPT, max_new_tokens=3, ignore_eos=True, session_id=session_id)
+    assert result.session_id == session_id and len(result.token_ids) == 3
+    assert client.resume(session_id, received_tokens=1).token_ids == result.token_ids[1:]
+    assert client.delete(session_id) is True and client.delete(session_id) is False
+
+
 def test_max_new_tokens_over_the_limit_is_resource_exhausted(client):
     code, message = code_of(lambda: client.generate(PROMPT, max_new_tokens=MAX_NEW_TOKENS_LIMIT + 1))
     assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and f"at most {MAX_NEW_TOKENS_LIMIT}" in message
