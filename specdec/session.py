@@ -74,17 +74,27 @@ try:  # recent redis-py: its maintenance notifications (Redis Enterprise) skip t
 except ImportError:  # older redis-py has neither
     NO_MAINT_NOTIFICATIONS = {}
 
+# Lua: RPUSH onto `key` ARGV[first] .. ARGV[#ARGV]; returns the list's length after it, or
+# `length` when there was nothing to push. In slices: Lua's unpack fails past ~8,000 values
+# ("too many results to unpack"), and a prompt may hold more tokens than that.
+_PUSH_TOKENS = """
+local function push_tokens(key, first, length)
+  for i = first, #ARGV, 1000 do
+    length = redis.call('RPUSH', key, unpack(ARGV, i, math.min(i + 999, #ARGV)))
+  end
+  return length
+end
+"""
+
 # KEYS: meta, tokens. ARGV: ttl, now, n_fields, field, value, ..., token, token, ...
-_CREATE = """
+_CREATE = _PUSH_TOKENS + """
 if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end
 local n = tonumber(ARGV[3])
 for i = 0, n - 1 do
   redis.call('HSET', KEYS[1], ARGV[4 + 2 * i], ARGV[5 + 2 * i])
 end
 local first_token = 4 + 2 * n
-if #ARGV >= first_token then
-  redis.call('RPUSH', KEYS[2], unpack(ARGV, first_token))
-end
+push_tokens(KEYS[2], first_token, 0)
 redis.call('HSET', KEYS[1], 'cycle', 0, 'length', #ARGV - first_token + 1,
            'created_at', ARGV[2], 'updated_at', ARGV[2])
 redis.call('EXPIRE', KEYS[1], ARGV[1])
@@ -95,7 +105,7 @@ return 1
 # KEYS: meta, tokens. ARGV: expected cycle, ttl, now, owner ('' = any), n_incr, field, incr, ...,
 # token, ... Returns {1, new_cycle, new_length} on success, {0, current_cycle, length} when
 # fenced by the cycle, {-2, current_cycle, length} when another run owns the session (Resume).
-_COMMIT = """
+_COMMIT = _PUSH_TOKENS + """
 local cycle = redis.call('HGET', KEYS[1], 'cycle')
 if not cycle then return {-1, 0, 0} end
 local length = tonumber(redis.call('HGET', KEYS[1], 'length'))
@@ -109,10 +119,7 @@ local n = tonumber(ARGV[5])
 for i = 0, n - 1 do
   redis.call('HINCRBY', KEYS[1], ARGV[6 + 2 * i], ARGV[7 + 2 * i])
 end
-local first_token = 6 + 2 * n
-if #ARGV >= first_token then
-  length = redis.call('RPUSH', KEYS[2], unpack(ARGV, first_token))
-end
+length = push_tokens(KEYS[2], 6 + 2 * n, length)
 local new_cycle = redis.call('HINCRBY', KEYS[1], 'cycle', 1)
 redis.call('HSET', KEYS[1], 'length', length, 'updated_at', ARGV[3])
 redis.call('EXPIRE', KEYS[1], ARGV[2])

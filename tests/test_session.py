@@ -39,6 +39,23 @@ def test_create_stores_prompt_and_meta(redis_url):
     run(go())
 
 
+def test_a_prompt_and_a_commit_of_more_tokens_than_lua_unpacks_at_once_are_stored_whole(redis_url):
+    """Lua's unpack fails past ~8,000 values: a prompt at the default --max-prompt-tokens (8,192)
+    used to end its Generate INTERNAL ("too many results to unpack")."""
+    prompt, more = list(range(20_001)), [7] * 9_000
+
+    async def go():
+        store = SessionStore(redis_url, ttl_s=100)
+        await store.create("s-long", prompt, {})
+        assert await store.commit("s-long", 0, more, {}) == (1, len(prompt) + len(more))
+        assert await store.commit("s-long", 1, [], {}) == (2, len(prompt) + len(more))
+        assert await store.tokens("s-long") == prompt + more
+        assert (await store.meta("s-long"))["length"] == str(len(prompt) + len(more))
+        await store.close()
+
+    run(go())
+
+
 def test_creating_an_existing_session_is_refused_and_changes_nothing(redis_url):
     async def go():
         store = SessionStore(redis_url)
