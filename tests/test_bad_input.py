@@ -160,6 +160,7 @@ floats = st.floats(width=32, allow_nan=True, allow_infinity=True)
 odd_text = st.text(max_size=80) | st.text(min_size=700, max_size=1200)
 wild_session_ids = st.one_of(
     st.text(max_size=30), st.text(min_size=200, max_size=300), st.from_regex(r"[a-z0-9-]{1,12}", fullmatch=True),
+    st.text(st.characters(categories=("L", "N", "Zs", "P")), min_size=1, max_size=20),  # printable, not ASCII only
     st.just("a{b}c"), st.just(""),
 )  # fmt: skip
 
