@@ -47,7 +47,7 @@ import grpc
 from specdec import serving
 from specdec.errors import Unavailable
 from specdec.ngram import NGRAM_DRAFT
-from specdec.ranges import REPLICA_REFRESH_S
+from specdec.ranges import PORT, REPLICA_REFRESH_S, address_problem
 from specdec.security import ChannelSecurity
 from specdec.v1 import specdec_pb2 as pb
 from specdec.vocab import describe_model
@@ -84,8 +84,8 @@ def parse_replica_address(text: str) -> ReplicaAddress:
         return ReplicaAddress(host=host, port=port)
     parts = [part.strip() for part in text.split(",")]
     if len(parts) == 1:
-        if not parts[0]:
-            raise ValueError("the address is empty")
+        if problem := address_problem(parts[0]):  # empty, a URL, a port outside 1-65535
+            raise ValueError(problem)
         return ReplicaAddress(endpoints=(parts[0],))  # any gRPC target, as before: unix:..., a name
     for part in parts:
         split_host_port(part, text)
@@ -98,7 +98,7 @@ def split_host_port(part: str, whole: str) -> tuple[str, int]:
     host, sep, port = part.rpartition(":")
     host = host.strip("[]")
     if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise ValueError(f"{part!r} in {whole!r} is not HOST:PORT (a port from 1 to 65535)")
+        raise ValueError(f"{part!r} in {whole!r} is not HOST:PORT: the port must be {PORT.describe()}")
     return host, int(port)
 
 

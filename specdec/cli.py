@@ -18,7 +18,7 @@ from specdec.ngram import DEFAULT_K, DEFAULT_MAX_NGRAM, DEFAULT_MIN_NGRAM, NGRAM
 from specdec.ranges import (
     AT_LEAST_ONE, DEFAULT_DRAIN_S, DEFAULT_MAX_BATCH, DEFAULT_RETRIES, DEFAULT_WAIT_MS, DRAIN_S, MAX_NEW_TOKENS,
     METRICS_PORT, PER_CALLER, PORT, RETRIES, SECONDS, SEED, REPLICA_REFRESH_S, SERVICE_PORT, TEMPERATURE, THREADS,
-    TOP_K, TOP_P, UINT32, WAIT_MS, WAIT_REPLICAS, Range, utf8_text,
+    TOP_K, TOP_P, UINT32, WAIT_MS, WAIT_REPLICAS, Range, grpc_address, utf8_text,
 )
 
 DEFAULT_ADDRESS = "127.0.0.1:50051"
@@ -430,7 +430,7 @@ def add_generate_flags(p: argparse.ArgumentParser) -> None:
                   "as it is")  # fmt: skip
     env_flag(p, "--system", "SPECDEC_SYSTEM", default="", type=utf8_text,
              help="a system message before the prompt (implies --chat); without it the template's own default, if any")  # fmt: skip
-    env_flag(p, "--address", "SPECDEC_ADDRESS", default=None,
+    env_flag(p, "--address", "SPECDEC_ADDRESS", default=None, type=grpc_address,
              help=f"coordinator address (default {DEFAULT_ADDRESS}; started locally when nothing serves there)"
                   + SEVERAL_COORDINATORS)  # fmt: skip
     env_flag(p, "--max-new-tokens", "SPECDEC_MAX_NEW_TOKENS", default=64, type=MAX_NEW_TOKENS, help="tokens to generate at most")
@@ -644,7 +644,7 @@ def add_session_parser(commands, name: str, session_help: str, **texts) -> argpa
     coordinator's address and the client's TLS and token flags."""
     parser = commands.add_parser(name, **texts)
     parser.add_argument("session_id", type=utf8_text, help=session_help)
-    env_flag(parser, "--address", "SPECDEC_ADDRESS", default=DEFAULT_ADDRESS,
+    env_flag(parser, "--address", "SPECDEC_ADDRESS", default=DEFAULT_ADDRESS, type=grpc_address,
              help="coordinator address" + SEVERAL_COORDINATORS)  # fmt: skip
     add_client_security_flags(parser)
     return parser

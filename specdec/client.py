@@ -33,7 +33,7 @@ from typing import TypedDict, Unpack
 
 import grpc
 
-from specdec.ranges import DEFAULT_RETRIES, RETRIES, SEED, text_problem
+from specdec.ranges import DEFAULT_RETRIES, RETRIES, SEED, address_problem, text_problem
 from specdec.v1 import specdec_pb2 as pb
 from specdec.v1 import specdec_pb2_grpc as pb_grpc
 
@@ -156,7 +156,10 @@ def channel_credentials(
 def open_channel(module, address: str, credentials: grpc.ChannelCredentials | None, retries: int = DEFAULT_RETRIES,
                  load_balancing: str = "round_robin"):  # fmt: skip
     """A channel of `module` (grpc or grpc.aio) to `address`, TLS when credentials are given,
-    balancing and retrying as service_config(retries, load_balancing) says."""
+    balancing and retrying as service_config(retries, load_balancing) says. ValueError for an
+    address that can name no server (specdec.ranges.address_problem: empty, a URL, a bad port)."""
+    if problem := address_problem(address):
+        raise ValueError(problem)
     config = service_config(retries, load_balancing)
     options = [*_CHANNEL_OPTIONS, ("grpc.enable_retries", 1), ("grpc.service_config", config)]
     if credentials is None:

@@ -141,3 +141,43 @@ def sampling_problem(temperature: object, top_k: object, top_p: object, seed: ob
         if problem := allowed.problem(name, value):
             return problem
     return None if seed is None else SEED.problem("seed", seed)
+
+
+# What a server address is, for the SDK, the command line's --address flags and the
+# coordinator's --draft-address / --target-address: HOST:PORT ([::1]:PORT for IPv6), or a gRPC
+# target: dns:///HOST:PORT, ipv4:HOST:PORT,HOST:PORT, ipv6:[IP]:PORT,..., unix:PATH and the like.
+URL_SCHEMES = ("http", "https", "grpc", "grpcs", "tcp")
+GRPC_SCHEMES = ("dns:", "ipv4:", "ipv6:", "unix:", "unix-abstract:", "vsock:", "xds:", "google-c2p:")
+
+
+def address_problem(address: str) -> str | None:
+    """None when `address` can name a gRPC server, else what is wrong with it: empty, a URL
+    (gRPC would fail to resolve 'http://...'), or a port that is no port (gRPC takes 99999 as
+    34463, another port, and ':7600/' fails as an unresolvable name). A HOST alone is left to
+    gRPC, which means port 443 by it (TLS behind a load balancer)."""
+    text = address.strip()
+    if not text:
+        return "the address is empty: give HOST:PORT, e.g. 127.0.0.1:50051"
+    scheme, sep, rest = text.partition("://")
+    if sep and scheme.lower() in URL_SCHEMES:
+        return (f"{address!r} is a URL; give the address as HOST:PORT, e.g. {rest.split('/')[0] or '127.0.0.1:50051'!r} "
+                "(gRPC speaks HTTP/2 itself, with TLS by --tls-ca or the SDK's tls_ca)")  # fmt: skip
+    scheme = next((s for s in GRPC_SCHEMES if text.lower().startswith(s)), "")
+    if scheme not in ("", "dns:", "ipv4:", "ipv6:"):
+        return None  # unix:PATH and the like: no port
+    rest = text[len(scheme):].rpartition("/")[2] if scheme == "dns:" else text[len(scheme):]
+    for piece in rest.split(","):
+        host, sep, port = piece.strip().rpartition(":")
+        if not sep or (":" in host and not host.startswith("[")):  # a HOST alone; an IPv6 address without a port
+            continue
+        if not (port.isdigit() and int(port) in PORT):
+            where = f" in {address!r}" if piece.strip() != text else ""
+            return f"{piece.strip()!r}{where} is not HOST:PORT: the port must be {PORT.describe()}"
+    return None
+
+
+def grpc_address(text: str) -> str:
+    """argparse type of an --address flag: `text`, or ArgumentTypeError saying what is wrong (address_problem)."""
+    if problem := address_problem(text):
+        raise argparse.ArgumentTypeError(problem)
+    return text

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 
 from specdec.bench import load_prompts, percentile
 from specdec.cli import client_options
+from specdec.ranges import grpc_address
 
 WARMUP_MAX_FRACTION = 0.25  # the warm-up never takes more than this share of the run
 RSS_EVERY_S = 10.0  # RSS time series: one sample this often...
@@ -71,7 +72,7 @@ def add_soak_parser(commands) -> None:
     env_flag(p, "--minutes", "SPECDEC_SOAK_MINUTES", default=10.0, type=Range(float, 0, above=True), help="length of the run")
     env_flag(p, "--warmup-s", "SPECDEC_SOAK_WARMUP_S", default=60.0, type=Range(float, 0),
              help="seconds of load before the start RSS is taken (at most a quarter of the run)")  # fmt: skip
-    env_flag(p, "--address", "SPECDEC_ADDRESS", default=None,
+    env_flag(p, "--address", "SPECDEC_ADDRESS", default=None, type=grpc_address,
              help="soak a coordinator that is already running (no local stack; RSS only with --pid)")  # fmt: skip
     p.add_argument("--pid", action="append", default=[], metavar="NAME=PID", type=name_pid,
                    help="with --address: a process on this machine whose RSS to measure, e.g. coordinator=1234 "

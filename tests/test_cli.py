@@ -241,6 +241,26 @@ def test_text_that_is_not_utf8_ends_the_command_with_one_line_naming_the_argumen
     assert exited.value.code == 2 and says in err and "starting a local stack" not in err, err
 
 
+@pytest.mark.parametrize(("argv", "says"), [
+    (["generate", "hi", "--address", "http://127.0.0.1:7600"], "argument --address: 'http://127.0.0.1:7600' is a URL; "
+                                                               "give the address as HOST:PORT, e.g. '127.0.0.1:7600'"),
+    (["trace", "hi", "--address", "127.0.0.1:99999"], "argument --address: '127.0.0.1:99999' is not HOST:PORT: "
+                                                      "the port must be an integer at least 1 and at most 65535"),
+    (["resume", "s", "--address", ""], "argument --address: the address is empty"),
+    (["delete", "s", "--address", "ipv4:10.0.0.5:50051,10.0.0.6:0"], "'10.0.0.6:0' in 'ipv4:10.0.0.5:50051,10.0.0.6:0'"),
+    (["soak", "--address", "https://coordinator"], "argument --address: 'https://coordinator' is a URL"),
+    (["serve", "coordinator", "--draft-address", "127.0.0.1:70000"], "argument --draft-address: '127.0.0.1:70000' is not"),
+])  # fmt: skip
+def test_an_address_that_names_no_server_ends_the_command_with_what_is_wrong(capsys, argv, says):
+    """gRPC took port 99999 as 34463, another port, and failed a URL as an unresolvable name."""
+    from specdec.cli import main
+
+    with pytest.raises(SystemExit) as exited:
+        main(argv)
+    err = capsys.readouterr().err
+    assert exited.value.code == 2 and says in err and "starting a local stack" not in err, err
+
+
 def test_a_token_file_that_is_not_utf8_ends_generate_with_one_line(tmp_path, capsys):
     from specdec.cli import main
 

@@ -79,8 +79,10 @@ def test_a_replica_address_is_one_target_a_list_or_a_dns_name_and_anything_else_
         ("", "empty"),
         ("a:1,b", "'b' in 'a:1,b' is not HOST:PORT"),
         ("a:1,a:1", "names a replica twice"),
-        ("a:1,b:0", "a port from 1 to 65535"),
-        ("a:1,b:70000", "a port from 1 to 65535"),
+        ("a:1,b:0", "the port must be an integer at least 1 and at most 65535"),
+        ("a:1,b:70000", "the port must be an integer at least 1 and at most 65535"),
+        ("a:70000", "'a:70000' is not HOST:PORT: the port must be an integer at least 1 and at most 65535"),
+        ("http://target:50053", "is a URL; give the address as HOST:PORT, e.g. 'target:50053'"),
         ("dns:///target", "'target' in 'dns:///target' is not HOST:PORT"),
         ("dns:///:50053", "is not HOST:PORT"),
     ]:

@@ -2,6 +2,7 @@
 
 import asyncio
 import contextlib
+import re
 import time
 import zlib
 
@@ -1113,6 +1114,27 @@ def test_a_seed_the_services_would_refuse_is_a_value_error_in_the_sdk_that_says_
         with pytest.raises(ValueError, match=f"seed must be an integer at least 0 and at most {2**63 - 1}, got {seed}"):
             build_request("hi", seed=seed, **options)
     assert build_request("hi", seed=2**63 - 1, **options).sampling.seed == 2**63 - 1
+
+
+def test_an_address_is_host_port_or_a_grpc_target_and_the_sdk_refuses_one_that_names_no_server():
+    from specdec.client import AsyncClient, Client
+    from specdec.ranges import address_problem
+
+    for good in ["127.0.0.1:50051", "coordinator", "[::1]:7600", "::1", "dns:///specdec.svc:50051", "unix:/tmp/s.sock",
+                 "ipv4:10.0.0.5:50051,10.0.0.6:50051", "ipv6:[::1]:7600", "dns://8.8.8.8/c.example:443", " a:1 "]:
+        assert address_problem(good) is None, good
+    for bad, says in [
+        ("", "the address is empty"),
+        ("http://127.0.0.1:7600/", "is a URL; give the address as HOST:PORT, e.g. '127.0.0.1:7600'"),
+        ("127.0.0.1:99999", "'127.0.0.1:99999' is not HOST:PORT: the port must be an integer at least 1 and at most 65535"),
+        ("127.0.0.1:7600/", "'127.0.0.1:7600/' is not HOST:PORT"),
+        ("dns:///coordinator:x", "'coordinator:x' in 'dns:///coordinator:x' is not HOST:PORT"),
+        ("ipv4:10.0.0.5:1,10.0.0.6:0", "'10.0.0.6:0' in 'ipv4:10.0.0.5:1,10.0.0.6:0' is not HOST:PORT"),
+    ]:
+        assert says in (address_problem(bad) or ""), bad
+        for client in (Client, AsyncClient):  # before a channel opens
+            with pytest.raises(ValueError, match=re.escape(says)):
+                client(bad)
 
 
 def test_text_holding_a_byte_that_is_not_utf8_is_a_value_error_in_the_sdk_that_names_the_argument():
