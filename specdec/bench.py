@@ -79,7 +79,7 @@ class Run:
 
 
 def add_bench_parser(commands) -> None:
-    from specdec.cli import DEFAULT_DRAFT_HELP, NGRAM_FIRST_HELP, ngram_first_value
+    from specdec.cli import add_ngram_first_flag, add_stack_model_flags
     from specdec.ranges import AT_LEAST_ONE, MAX_NEW_TOKENS, TEMPERATURE, THREADS, TOP_K, TOP_P
 
     p = commands.add_parser(
@@ -88,10 +88,8 @@ def add_bench_parser(commands) -> None:
         description=__doc__.split("\n\n")[1] if __doc__ else None,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--target", default="smollm2-135m-instruct", help="target model (default: %(default)s)")
-    p.add_argument("--draft", default="", help=f"draft model or `ngram` ({DEFAULT_DRAFT_HELP})")
-    p.add_argument("--ngram-first", type=ngram_first_value, default=0, metavar="N",
-                   help=f"specdec's coordinator: {NGRAM_FIRST_HELP} (default: %(default)s)")
+    add_stack_model_flags(p, " of specdec's stack and of transformers' baselines")
+    add_ngram_first_flag(p, "specdec's coordinator: ")
     p.add_argument("--k", type=k_value, default=None,
                    help="tokens drafted per cycle, or `adaptive` (up to --max-k) (default: the draft's own K: a catalog "
                    f"draft's, 2 for smollm2-135m-instruct-draft, or the serving_k on the card of a directory `specdec "

@@ -95,6 +95,17 @@ REPLICAS_HELP = (
 )
 
 
+def add_stack_model_flags(p: argparse.ArgumentParser, of: str) -> None:
+    """--target and --draft (SPECDEC_TARGET, SPECDEC_DRAFT): the models of the stack `of` names
+    ("" for `up`'s own), read from the same variables by every command that starts a stack."""
+    from specdec.launcher import DEFAULT_TARGET
+
+    env_flag(p, "--target", "SPECDEC_TARGET", default=DEFAULT_TARGET,
+             help=f"target model{of}: catalog name, Hugging Face directory or .gguf file")  # fmt: skip
+    env_flag(p, "--draft", "SPECDEC_DRAFT", default="",
+             help=f"draft model{of} (as --target) or `ngram` for prompt lookup ({DEFAULT_DRAFT_HELP})")  # fmt: skip
+
+
 def add_ngram_first_flag(p: argparse.ArgumentParser, scope: str = "") -> None:
     """--ngram-first N (SPECDEC_NGRAM_FIRST), for the coordinator, `up` and a local stack."""
     env_flag(p, "--ngram-first", "SPECDEC_NGRAM_FIRST", default=0, type=ngram_first_value, metavar="N",
@@ -403,10 +414,7 @@ def add_coordinator_flags(p: argparse.ArgumentParser) -> None:
 def add_stack_flags(p: argparse.ArgumentParser) -> None:
     env_flag(p, "--port", "SPECDEC_PORT", default=50051, type=PORT, help="port of the public coordinator")
     env_flag(p, "--host", "SPECDEC_HOST", default="127.0.0.1", help="address the coordinator listens on")
-    env_flag(p, "--target", "SPECDEC_TARGET", default="smollm2-135m-instruct",
-             help="target model: catalog name, Hugging Face directory or .gguf file")  # fmt: skip
-    env_flag(p, "--draft", "SPECDEC_DRAFT", default="",
-             help=f"draft model (as --target) or `ngram` for prompt lookup ({DEFAULT_DRAFT_HELP})")  # fmt: skip
+    add_stack_model_flags(p, "")
     add_ngram_first_flag(p)
     env_flag(p, "--redis-url", "SPECDEC_REDIS_URL", default="", type=redis_url, secret=True,
              help="Redis URL; empty starts an embedded redis-server on a private port")  # fmt: skip
@@ -453,9 +461,7 @@ def add_generate_flags(p: argparse.ArgumentParser) -> None:
                   "a stream that breaks UNAVAILABLE once begun is resumed where it broke (Resume: any "
                   "coordinator on the session's Redis goes on with it), each after a random wait of up to "
                   "0.2 s, doubling (0 = never)")  # fmt: skip
-    env_flag(p, "--target", "SPECDEC_TARGET", default="smollm2-135m-instruct", help="target for a local stack")
-    env_flag(p, "--draft", "SPECDEC_DRAFT", default="",
-             help=f"draft for a local stack ({DEFAULT_DRAFT_HELP})")  # fmt: skip
+    add_stack_model_flags(p, " of a local stack")
     add_ngram_first_flag(p, "for a local stack: ")
     add_client_security_flags(p)
 

@@ -56,7 +56,7 @@ class Tally:
 
 
 def add_soak_parser(commands) -> None:
-    from specdec.cli import DEFAULT_DRAFT_HELP, add_client_security_flags, env_flag
+    from specdec.cli import add_client_security_flags, add_stack_model_flags, env_flag
     from specdec.ranges import AT_LEAST_ONE, MAX_NEW_TOKENS, SECONDS, TEMPERATURE, Range
 
     p = commands.add_parser(
@@ -77,9 +77,7 @@ def add_soak_parser(commands) -> None:
     p.add_argument("--pid", action="append", default=[], metavar="NAME=PID", type=name_pid,
                    help="with --address: a process on this machine whose RSS to measure, e.g. coordinator=1234 "
                    "(repeatable)")  # fmt: skip
-    env_flag(p, "--target", "SPECDEC_TARGET", default="smollm2-135m-instruct", help="target of the local stack")
-    env_flag(p, "--draft", "SPECDEC_DRAFT", default="",
-             help=f"draft of the local stack, or `ngram` ({DEFAULT_DRAFT_HELP})")  # fmt: skip
+    add_stack_model_flags(p, " of the local stack")
     env_flag(p, "--max-new-tokens", "SPECDEC_MAX_NEW_TOKENS", default=64, type=MAX_NEW_TOKENS, help="tokens per request")
     env_flag(p, "--temperature", "SPECDEC_TEMPERATURE", default=0.0, type=TEMPERATURE, help="0 = greedy")
     env_flag(p, "--timeout", "SPECDEC_TIMEOUT", default=300.0, type=SECONDS,

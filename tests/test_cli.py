@@ -50,6 +50,19 @@ def test_ngram_first_outside_its_range_is_refused_with_the_range_on_every_comman
     assert build_parser().parse_args(["up"]).ngram_first == 0
 
 
+@pytest.mark.parametrize("command", [["up"], ["generate", "hi"], ["trace", "hi"], ["soak"], ["bench"]])
+def test_every_command_that_starts_a_stack_takes_its_models_from_the_same_variables(monkeypatch, command):
+    """`bench` used to ignore SPECDEC_TARGET and SPECDEC_DRAFT, and benchmark the default pair
+    where `up`, `generate` and `soak` took the exported ones."""
+    from specdec.cli import build_parser
+
+    monkeypatch.setenv("SPECDEC_TARGET", "/models/target")
+    monkeypatch.setenv("SPECDEC_DRAFT", "ngram")
+    args = build_parser(command).parse_args(command)
+    assert (args.target, args.draft) == ("/models/target", "ngram")
+    assert build_parser(command).parse_args([*command, "--draft", "/models/draft"]).draft == "/models/draft"
+
+
 @pytest.mark.parametrize(("command", "flag", "value", "rule"), [
     # request flags the coordinator would refuse
     (["generate", "hi"], "--temperature", "-1", "a number at least 0 (0 = greedy)"),
