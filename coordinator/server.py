@@ -394,7 +394,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         span = telemetry.tracer().start_span(telemetry.GENERATE_SPAN, attributes=attributes)
         metrics = self.metrics
         metrics.requests_running.inc()
-        status = "cancelled"
+        status, outcome, last, started = "cancelled", "cancelled", None, time.monotonic()
         try:
             chunks = self.generate_chunks(plan, text, deadline, trace.set_span_in_context(span), resume_at, catch_up)
             async for chunk in chunks:
@@ -403,20 +403,25 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
                     # once its stream has ended sees its final status, never "running".
                     await self.store.set_if_owner(plan.session_id, plan.owner, {"status": "finished"})
                     status = "finished"
+                last = chunk
                 yield chunk
             finish_reason = FINISH_NAMES[chunk.finish_reason]  # generate_chunks always yields a last chunk
             span.set_attribute("specdec.output_tokens", chunk.stats.generated_tokens)
             span.set_attribute("specdec.finish_reason", finish_reason)
             metrics.request_success.labels(finished_reason=finish_reason).inc()
+            outcome = f"finished ({finish_reason})"
         except BaseException as exc:
             code = status_for(exc)[0].name if isinstance(exc, Exception) else "CANCELLED"
             status = "cancelled" if code == "CANCELLED" else "failed"
+            outcome = "cancelled" if code == "CANCELLED" else f"failed {code}"
             metrics.request_failure.labels(status=code).inc()
             span.set_status(StatusCode.ERROR, code)
             raise
         finally:
             metrics.requests_running.dec()
             span.end()
+            caller = caller_id(context.invocation_metadata(), self.config.security)
+            log.info(describe_request(plan, resume_at is not None, caller, outcome, last, time.monotonic() - started))
             # Runs on cancellation too; the release must outlive the cancelled handler task.
             self.spawn(self.finish(plan.session_id, plan.owner, status))
 
@@ -689,6 +694,22 @@ def generate_attributes(plan: Plan, servicer: CoordinatorServicer) -> dict:
         "specdec.pipeline": plan.pipeline,
         "specdec.adaptive_k": plan.adaptive,
     }
+
+
+def describe_request(plan: Plan, resumed: bool, caller: str, outcome: str, last: pb.GenerateChunk | None,
+                     seconds: float) -> str:
+    """The coordinator's log line of a request that ended (an access log): the session, the
+    caller (specdec.security.caller_id) where API tokens are on, how it ended, its tokens and
+    cycles (a resumed session's in all), the acceptance rate α and the time the call took.
+    Never the text: a prompt may be private."""
+    stats = last.stats if last is not None else pb.GenerateStats()
+    who = f" by {caller}" if caller else ""
+    alpha = f", α {stats.accepted_tokens / stats.draft_tokens:.2f}" if stats.draft_tokens else ""
+    counted = f"{stats.generated_tokens} output tokens, {stats.cycles} cycles{alpha}"
+    if resumed:
+        counted += " (the session's in all)"
+    return (f"{'resume' if resumed else 'request'} of session {plan.session_id!r}{who}: {outcome}; "
+            f"{len(plan.prompt)} prompt tokens, {counted}, {seconds:.2f} s")  # fmt: skip
 
 
 def session_meta(plan: Plan, servicer: CoordinatorServicer, caller: str) -> dict:

@@ -54,16 +54,17 @@ SESSION_HEADER = "specdec-session-id"
 # the id percent-encoded (urllib.parse.unquote gives it back): ASCII ids but '%' travel as they are.
 _HEADER_SAFE = "".join(chr(c) for c in range(0x20, 0x7F) if chr(c) != "%")
 
-
-def session_header(session_id: str) -> tuple[str, str]:
-    """The response header that names the session `session_id` (see SESSION_HEADER)."""
-    return SESSION_HEADER, urllib.parse.quote(session_id, safe=_HEADER_SAFE)
 # How a channel picks among the coordinators its address names (`ipv4:A,B`, or a name that
 # resolves to several): round_robin sends each call to the next ready one (coordinators keep
 # nothing between calls: any serves any call, and any resumes any session); pick_first sends
 # every call to the first that answers, until it fails.
 LOAD_BALANCING = ("round_robin", "pick_first")
 RETRY_BACKOFF_S = (0.2, 2.0)  # the first wait is random in [0, 0.2 s], each next one up to twice as long, at most 2 s
+
+
+def session_header(session_id: str) -> tuple[str, str]:
+    """The response header that names the session `session_id` (see SESSION_HEADER)."""
+    return SESSION_HEADER, urllib.parse.quote(session_id, safe=_HEADER_SAFE)
 
 
 def service_config(retries: int, load_balancing: str = "round_robin") -> str:

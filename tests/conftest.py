@@ -100,12 +100,13 @@ def smollm2_dir(smollm2_fetch):
     return str(smollm2_fetch[0])
 
 
-def start_stack(redis_url, target, draft, **kw) -> Stack:
+def start_stack(redis_url, target, draft, quiet=False, **kw) -> Stack:
+    """A stack on loopback (quiet: its services' output goes to files, read by Stack.log_tail)."""
     config = StackConfig(
         port=free_port(), target=target, draft=draft, redis_url=redis_url,
         target_threads=1, draft_threads=1, ready_timeout_s=300, **kw,
     )  # fmt: skip
-    return Stack(config).start()
+    return Stack(config, quiet=quiet).start()
 
 
 @pytest.fixture(scope="session")

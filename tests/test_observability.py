@@ -88,7 +88,7 @@ def traced_stack(redis_url, tiny_models, receiver):
     from conftest import start_stack
 
     stack = start_stack(
-        redis_url, tiny_models.target, tiny_models.draft,
+        redis_url, tiny_models.target, tiny_models.draft, quiet=True,
         env=otel_env(receiver), metrics_port_base=consecutive_free_ports(),
     )  # fmt: skip
     yield stack
@@ -225,6 +225,33 @@ def test_a_failed_request_is_counted_by_its_status(traced_stack):
     # Validation fails before a request starts running: it is not a failure of a running request.
     after = scrape(port).get(("specdec:request_failure_total", (("status", "INVALID_ARGUMENT"),)), 0)
     assert after == before
+
+
+def test_the_coordinator_logs_one_line_per_ended_request_with_its_outcome_and_never_its_text(traced_stack):
+    def logged(session_id):
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            lines = [line for line in traced_stack.log_tail("coordinator").splitlines() if f"session {session_id!r}" in line]
+            if lines:
+                return lines[-1]
+            time.sleep(0.1)
+        raise AssertionError(f"no log line of {session_id}: {traced_stack.log_tail('coordinator')}")
+
+    with specdec.Client(traced_stack.address) as client:
+        done = client.generate("secret plans", max_new_tokens=5, num_speculative_tokens=3, ignore_eos=True,
+                               session_id="logged-1")  # fmt: skip
+        line = logged("logged-1")
+        alpha = done.stats.accepted_tokens / done.stats.draft_tokens
+        assert (f"request of session 'logged-1': finished (length); {done.stats.prompt_tokens} prompt tokens, "
+                f"5 output tokens, {done.stats.cycles} cycles, α {alpha:.2f}, ") in line, line  # fmt: skip
+        for _ in client.generate_stream("secret plans", max_new_tokens=40, ignore_eos=True, session_id="logged-2"):
+            break  # the client stops reading: the call is cancelled
+        assert "request of session 'logged-2': cancelled; " in logged("logged-2")
+        rest = client.resume("logged-2")
+        assert (f"resume of session 'logged-2': finished (length); {done.stats.prompt_tokens} prompt tokens, "
+                f"40 output tokens, {rest.stats.cycles} cycles") in logged("logged-2")  # fmt: skip
+        assert "(the session's in all), " in logged("logged-2")
+    assert "secret plans" not in traced_stack.log_tail("coordinator")
 
 
 DISABLED_CHECK = """
