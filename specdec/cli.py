@@ -808,7 +808,8 @@ def run_models(args) -> int:
     if args.models_command == "list":
         for name in catalog.list_catalog():
             state = "cached" if catalog.is_cached(name) else "not cached"
-            print(f"{name}\t{state}\t{catalog.describe(name)}")
+            print(f"{name}\t{state}\t{catalog.describe(name)}", flush=True)
+        print(f"(the cache: {catalog.cache_dir() / 'models'}; {catalog.CACHE_ENV} moves it)", file=sys.stderr)
         return 0
     if not catalog.is_catalog_name(args.name):
         print(f"error: {args.name!r} is not in the catalog; known: {', '.join(catalog.list_catalog())}", file=sys.stderr)

@@ -364,9 +364,10 @@ def imported_modules(out: subprocess.CompletedProcess) -> set[str]:
     return {line.rsplit("|", 1)[1].strip().split(".")[0] for line in out.stderr.splitlines() if line.startswith("import time:")}
 
 
-def test_models_list_names_the_catalog_without_loading_torch():
-    out = run_cli("models", "list")
-    assert out.returncode == 0 and "smollm2-135m-instruct" in out.stdout
+def test_models_list_names_the_catalog_and_its_cache_without_loading_torch(tmp_path):
+    out = run_cli("models", "list", env=dict(os.environ, SPECDEC_CACHE=str(tmp_path)))
+    assert out.returncode == 0 and "smollm2-135m-instruct\tnot cached\t" in out.stdout
+    assert f"(the cache: {tmp_path / 'models'}; SPECDEC_CACHE moves it)" in out.stderr
     bad = run_cli("models", "pull", "no-such-model")
     assert bad.returncode == 2 and "not in the catalog" in bad.stderr
     # torch and transformers take seconds to import; the catalog needs neither.
