@@ -12,13 +12,16 @@ from specdec.client import (
     Chunk,
     Client,
     GenerateOptions,
+    ModelInfo,
     Result,
     ResumeOptions,
+    ServerInfo,
     SpecdecClientError,
     Stats,
 )
 
 __all__ = [
-    "AsyncClient", "Chunk", "Client", "GenerateOptions", "Result", "ResumeOptions", "SpecdecClientError", "Stats",
+    "AsyncClient", "Chunk", "Client", "GenerateOptions", "ModelInfo", "Result", "ResumeOptions", "ServerInfo",
+    "SpecdecClientError", "Stats",
 ]
 __version__ = "0.1.0"

@@ -327,6 +327,51 @@ class Result:
         }
 
 
+@dataclass(frozen=True)
+class ModelInfo:
+    """The model a draft or target service serves, as the coordinator adopted it (Client.info).
+    Its sessions and cache are on the service's /metrics, live."""
+
+    model: str  # name or path it loaded: catalog name, HF directory, GGUF file, or "ngram"
+    kind: str  # "model" (a neural model) or "ngram" (prompt lookup)
+    vocab_size: int
+    vocab_fingerprint: str  # sha256 of the tokenizer's vocabulary: draft and target agree on it
+    max_context: int  # positions the model attends to (0 = unbounded)
+    eos_token_ids: tuple[int, ...]
+    device: str
+    dtype: str
+    max_k: int  # the largest K the service takes in one request
+    default_k: int  # a draft's own K, for requests that set none (0 = none)
+    weights_fingerprint: str  # sha256 of a sample of each tensor: other weights, another distribution
+    min_ngram: int  # for kind "ngram": the n-gram lengths it matches, shortest and longest (else 0)
+    max_ngram: int
+
+    @classmethod
+    def from_pb(cls, msg: pb.ModelInfoResponse) -> "ModelInfo":
+        return cls(
+            model=msg.model, kind=msg.kind, vocab_size=msg.vocab_size, vocab_fingerprint=msg.vocab_fingerprint,
+            max_context=msg.max_context, eos_token_ids=tuple(msg.eos_token_ids), device=msg.device, dtype=msg.dtype,
+            max_k=msg.max_k, default_k=msg.default_k, weights_fingerprint=msg.weights_fingerprint,
+            min_ngram=msg.min_ngram, max_ngram=msg.max_ngram,
+        )  # fmt: skip
+
+
+@dataclass(frozen=True)
+class ServerInfo:
+    """What a coordinator serves (Client.info): its target and draft, the K of a request that
+    sets none, and the most tokens a request may ask for."""
+
+    target: ModelInfo
+    draft: ModelInfo
+    default_num_speculative_tokens: int
+    max_new_tokens_limit: int
+
+    @classmethod
+    def from_pb(cls, msg: pb.InfoResponse) -> "ServerInfo":
+        return cls(ModelInfo.from_pb(msg.target), ModelInfo.from_pb(msg.draft), msg.default_num_speculative_tokens,
+                   msg.max_new_tokens_limit)  # fmt: skip
+
+
 INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1  # max_new_tokens and prompt_token_ids are int32 fields
 
 
@@ -640,10 +685,11 @@ class Client:
             raise SpecdecClientError(exc.code(), exc.details() or "") from None
         return reply.deleted
 
-    def info(self, timeout: float | None = 10.0) -> pb.InfoResponse:
-        """Models the stack serves (target and draft), as the coordinator reports them."""
+    def info(self, timeout: float | None = 10.0) -> ServerInfo:
+        """The models the stack serves (target and draft) and its request defaults, as the
+        coordinator reports them."""
         try:
-            return self._stub.Info(pb.InfoRequest(), timeout=timeout, metadata=self._metadata)
+            return ServerInfo.from_pb(self._stub.Info(pb.InfoRequest(), timeout=timeout, metadata=self._metadata))
         except grpc.RpcError as exc:
             raise SpecdecClientError(exc.code(), exc.details() or "") from None
 
@@ -761,8 +807,9 @@ class AsyncClient:
             raise SpecdecClientError(exc.code(), exc.details() or "") from None
         return reply.deleted
 
-    async def info(self, timeout: float | None = 10.0) -> pb.InfoResponse:
+    async def info(self, timeout: float | None = 10.0) -> ServerInfo:
+        """Client.info, awaited."""
         try:
-            return await self._stub.Info(pb.InfoRequest(), timeout=timeout, metadata=self._metadata)
+            return ServerInfo.from_pb(await self._stub.Info(pb.InfoRequest(), timeout=timeout, metadata=self._metadata))
         except grpc.aio.AioRpcError as exc:
             raise SpecdecClientError(exc.code(), exc.details() or "") from None

@@ -25,6 +25,9 @@ CALLER = textwrap.dedent(
     client.generate("hi", max_new_tokens="5")  # bad
     client.generate_stream("hi", temprature=1.0)  # bad
     client.resume("abc", received_token=3)  # bad
+    info: specdec.ServerInfo = client.info()
+    vocab: int = info.target.vocab_size + info.draft.default_k
+    info.target.vocabulary  # bad
 
 
     def ask(client: specdec.Client, **options: Unpack[specdec.GenerateOptions]) -> str:
@@ -64,3 +67,22 @@ def test_the_options_of_generate_and_resume_are_exactly_their_stream_methods_key
     params = inspect.signature(getattr(cls, method)).parameters.values()
     keywords = {p.name for p in params if p.kind is inspect.Parameter.KEYWORD_ONLY}
     assert set(options.__annotations__) == keywords
+
+
+def test_info_is_a_typed_dataclass_holding_every_model_field_but_the_live_counters():
+    """Client.info used to return the protobuf message; the SDK converts at its edge, and a
+    field the proto gains must be added here too (the counters live on /metrics instead)."""
+    import dataclasses
+
+    from specdec.client import ModelInfo, ServerInfo
+    from specdec.v1 import specdec_pb2 as pb
+
+    live = {"sessions_held", "cache_bytes", "cache_evictions"}
+    assert {f.name for f in dataclasses.fields(ModelInfo)} == {f.name for f in pb.ModelInfoResponse.DESCRIPTOR.fields} - live
+    assert {f.name for f in dataclasses.fields(ServerInfo)} == {f.name for f in pb.InfoResponse.DESCRIPTOR.fields}
+    msg = pb.InfoResponse(target=pb.ModelInfoResponse(model="t", eos_token_ids=[2, 7], max_k=16), draft=pb.ModelInfoResponse(
+        model="ngram", kind="ngram", min_ngram=1, max_ngram=3), default_num_speculative_tokens=4, max_new_tokens_limit=99)
+    info = ServerInfo.from_pb(msg)
+    assert (info.target.model, info.target.eos_token_ids, info.target.max_k) == ("t", (2, 7), 16)
+    assert (info.draft.kind, info.draft.min_ngram, info.draft.max_ngram) == ("ngram", 1, 3)
+    assert (info.default_num_speculative_tokens, info.max_new_tokens_limit) == (4, 99)
