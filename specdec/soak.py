@@ -156,7 +156,11 @@ async def watch(pids: dict[str, int], started: float, seconds: float, warmup_s: 
         if pids and not tally.rss_start and now - started >= warmup_s:
             tally.rss_start = rss_mib(pids)
         bar.n = min(round(now - started), bar.total)
-        bar.set_postfix(requests=tally.requests, errors=sum(tally.errors.values()), refresh=False)
+        # The run ends at a known time: the time left is that, not tqdm's estimate from the
+        # rate, which swung from 00:07 to 00:14 and back within the first seconds.
+        left = max(0, round(started + seconds - now))
+        bar.set_postfix_str(f"{left // 60:02d}:{left % 60:02d} left, requests={tally.requests}, "
+                            f"errors={sum(tally.errors.values())}", refresh=False)  # fmt: skip
         bar.refresh()
         await asyncio.sleep(TICK_S)
 
@@ -170,8 +174,8 @@ async def soak(address: str, pids: dict[str, int], prompts: list[str], args, con
     tally = Tally()
     started = time.monotonic()
     deadline = started + seconds
-    # Time is the bar's unit: its elapsed and remaining, not tqdm's rate of "1.00s/s".
-    layout = "{desc}: {percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt} s, {remaining} left{postfix}"
+    # Time is the bar's unit: its elapsed and the time left (watch), not tqdm's rate of "1.00s/s".
+    layout = "{desc}: {percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt} s{postfix}"
     with tqdm(total=round(seconds), file=sys.stderr, disable=args.no_progress, desc="soak", bar_format=layout) as bar:
         watcher = asyncio.create_task(watch(pids, started, seconds, warmup_seconds(args), bar, tally))
         clients = [run_client(address, prompts, i, deadline, options, tally, connect) for i in range(args.clients)]

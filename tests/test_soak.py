@@ -62,3 +62,26 @@ def test_soak_with_its_own_stack_reports_rss_of_every_process(tiny_models, capsy
         assert process["rss_start_mib"] > 0 and process["rss_end_mib"] > 0, name
         assert process["growth_pct"] is not None, name
         assert len(process["rss_series_mib"]) == len(report["rss_series_t_s"]) >= 2, name
+
+
+def test_the_soak_bar_counts_the_time_left_down_from_the_runs_length():
+    """tqdm's own estimate of the time left, from its rate, swung from 00:07 to 00:14 and back."""
+    import asyncio
+    import io
+    import re
+    import time
+
+    from tqdm import tqdm
+
+    from specdec.soak import Tally, watch
+
+    async def run():
+        out = io.StringIO()
+        with tqdm(total=3, file=out, bar_format="{n_fmt}/{total_fmt} s{postfix}") as bar:
+            task = asyncio.create_task(watch({}, time.monotonic(), 3.0, 0.0, bar, Tally()))
+            await asyncio.sleep(2.2)
+            task.cancel()
+        return out.getvalue()
+
+    shown = [int(s) for s in re.findall(r"00:(\d\d) left", asyncio.run(run()))]
+    assert shown[0] == 3 and shown[-1] <= 1 and shown == sorted(shown, reverse=True), shown
