@@ -420,10 +420,10 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         finally:
             metrics.requests_running.dec()
             span.end()
-            caller = caller_id(context.invocation_metadata(), self.config.security)
-            log.info(describe_request(plan, resume_at is not None, caller, outcome, last, time.monotonic() - started))
             # Runs on cancellation too; the release must outlive the cancelled handler task.
             self.spawn(self.finish(plan.session_id, plan.owner, status))
+            caller = caller_id(context.invocation_metadata(), self.config.security)
+            log.info(describe_request(plan, resume_at is not None, caller, outcome, last, time.monotonic() - started))
 
     async def generate_chunks(self, plan: Plan, text: TextStream, deadline: float | None, trace_context,
                               resume_at: tuple[list[int], int, Stats] | None = None,
