@@ -411,7 +411,10 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             metrics.request_success.labels(finished_reason=finish_reason).inc()
             outcome = f"finished ({finish_reason})"
         except BaseException as exc:
-            code = status_for(exc)[0].name if isinstance(exc, Exception) else "CANCELLED"
+            if isinstance(exc, Exception):
+                code = status_for(exc)[0].name
+            else:  # the call ended under the stream: its deadline passed, or the client cancelled it
+                code = "DEADLINE_EXCEEDED" if deadline is not None and time.monotonic() >= deadline - 0.01 else "CANCELLED"
             status = "cancelled" if code == "CANCELLED" else "failed"
             outcome = "cancelled" if code == "CANCELLED" else f"failed {code}"
             metrics.request_failure.labels(status=code).inc()

@@ -227,30 +227,46 @@ def test_a_failed_request_is_counted_by_its_status(traced_stack):
     assert after == before
 
 
-def test_the_coordinator_logs_one_line_per_ended_request_with_its_outcome_and_never_its_text(traced_stack):
-    def logged(session_id):
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline:
-            lines = [line for line in traced_stack.log_tail("coordinator").splitlines() if f"session {session_id!r}" in line]
-            if lines:
-                return lines[-1]
-            time.sleep(0.1)
-        raise AssertionError(f"no log line of {session_id}: {traced_stack.log_tail('coordinator')}")
+def logged_line(stack, session_id: str, says: str = "") -> str:
+    """The coordinator's latest log line about `session_id` that holds `says`, once written."""
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        lines = stack.log_tail("coordinator").splitlines()
+        if found := [line for line in lines if f"session {session_id!r}" in line and says in line]:
+            return found[-1]
+        time.sleep(0.1)
+    raise AssertionError(f"no log line of {session_id} saying {says!r}: {stack.log_tail('coordinator')}")
 
+
+def test_a_request_past_its_deadline_is_counted_and_logged_as_deadline_exceeded_not_cancelled(traced_stack):
+    """The call's deadline ends the stream as a client's cancel does (the handler is cancelled);
+    it used to be counted and logged as CANCELLED."""
+    port = traced_stack.metrics_ports["coordinator"]
+    counted = lambda: scrape(port).get(("specdec:request_failure_total", (("status", "DEADLINE_EXCEEDED"),)), 0)
+    before = counted()
+    with specdec.Client(traced_stack.address, retries=0) as client:
+        with pytest.raises(specdec.SpecdecClientError) as failed:
+            client.generate("hello", max_new_tokens=1000, ignore_eos=True, timeout=0.3, session_id="late-1")
+    assert failed.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert "request of session 'late-1': failed DEADLINE_EXCEEDED; " in logged_line(traced_stack, "late-1")
+    assert counted() == before + 1
+
+
+def test_the_coordinator_logs_one_line_per_ended_request_with_its_outcome_and_never_its_text(traced_stack):
     with specdec.Client(traced_stack.address) as client:
         done = client.generate("secret plans", max_new_tokens=5, num_speculative_tokens=3, ignore_eos=True,
                                session_id="logged-1")  # fmt: skip
-        line = logged("logged-1")
+        line = logged_line(traced_stack, "logged-1")
         alpha = done.stats.accepted_tokens / done.stats.draft_tokens
         assert (f"request of session 'logged-1': finished (length); {done.stats.prompt_tokens} prompt tokens, "
                 f"5 output tokens, {done.stats.cycles} cycles, α {alpha:.2f}, ") in line, line  # fmt: skip
         for _ in client.generate_stream("secret plans", max_new_tokens=40, ignore_eos=True, session_id="logged-2"):
             break  # the client stops reading: the call is cancelled
-        assert "request of session 'logged-2': cancelled; " in logged("logged-2")
+        assert "request of session 'logged-2': cancelled; " in logged_line(traced_stack, "logged-2")
         rest = client.resume("logged-2")
         assert (f"resume of session 'logged-2': finished (length); {done.stats.prompt_tokens} prompt tokens, "
-                f"40 output tokens, {rest.stats.cycles} cycles") in logged("logged-2")  # fmt: skip
-        assert "(the session's in all), " in logged("logged-2")
+                f"40 output tokens, {rest.stats.cycles} cycles") in logged_line(traced_stack, "logged-2", "resume")  # fmt: skip
+        assert "(the session's in all), " in logged_line(traced_stack, "logged-2", "resume")
     assert "secret plans" not in traced_stack.log_tail("coordinator")
 
 
