@@ -708,11 +708,16 @@ def describe_request(plan: Plan, resumed: bool, caller: str, outcome: str, last:
     stats = last.stats if last is not None else pb.GenerateStats()
     who = f" by {caller}" if caller else ""
     alpha = f", α {stats.accepted_tokens / stats.draft_tokens:.2f}" if stats.draft_tokens else ""
-    counted = f"{stats.generated_tokens} output tokens, {stats.cycles} cycles{alpha}"
+    counted = f"{count(stats.generated_tokens, 'output token')}, {count(stats.cycles, 'cycle')}{alpha}"
     if resumed:
         counted += " (the session's in all)"
     return (f"{'resume' if resumed else 'request'} of session {plan.session_id!r}{who}: {outcome}; "
-            f"{len(plan.prompt)} prompt tokens, {counted}, {seconds:.2f} s")  # fmt: skip
+            f"{count(len(plan.prompt), 'prompt token')}, {counted}, {seconds:.2f} s")  # fmt: skip
+
+
+def count(n: int, noun: str) -> str:
+    """'1 cycle', '3 cycles'."""
+    return f"{n} {noun}{'s' * (n != 1)}"
 
 
 def session_meta(plan: Plan, servicer: CoordinatorServicer, caller: str) -> dict:
