@@ -63,6 +63,9 @@ MAX_STOP_CHARS = 1000
 STARTUP_TIMEOUT_S = 600.0
 WAIT_LOG_S = 10.0  # how often a coordinator waiting for a model service says so (wait_for_model_info)
 MODEL_INFO_TIMEOUT_S = 5.0  # one ModelInfo call while waiting for a model service
+# A stream cancelled this close to its call's deadline, or later, was ended by the deadline
+# (gRPC cancels the handler for both; the server's deadline timer and our clock differ a little).
+DEADLINE_SLACK_S = 0.01
 
 
 @dataclass
@@ -414,7 +417,8 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             if isinstance(exc, Exception):
                 code = status_for(exc)[0].name
             else:  # the call ended under the stream: its deadline passed, or the client cancelled it
-                code = "DEADLINE_EXCEEDED" if deadline is not None and time.monotonic() >= deadline - 0.01 else "CANCELLED"
+                past_deadline = deadline is not None and time.monotonic() >= deadline - DEADLINE_SLACK_S
+                code = "DEADLINE_EXCEEDED" if past_deadline else "CANCELLED"
             status = "cancelled" if code == "CANCELLED" else "failed"
             outcome = "cancelled" if code == "CANCELLED" else f"failed {code}"
             metrics.request_failure.labels(status=code).inc()

@@ -30,7 +30,6 @@ from dataclasses import dataclass, field
 
 from specdec.bench import load_prompts, percentile
 from specdec.cli import client_options
-from specdec.ranges import grpc_address
 
 WARMUP_MAX_FRACTION = 0.25  # the warm-up never takes more than this share of the run
 RSS_EVERY_S = 10.0  # RSS time series: one sample this often...
@@ -57,7 +56,7 @@ class Tally:
 
 def add_soak_parser(commands) -> None:
     from specdec.cli import add_client_security_flags, add_stack_model_flags, env_flag
-    from specdec.ranges import AT_LEAST_ONE, MAX_NEW_TOKENS, SECONDS, TEMPERATURE, Range
+    from specdec.ranges import AT_LEAST_ONE, MAX_NEW_TOKENS, SECONDS, TEMPERATURE, Range, grpc_address
 
     p = commands.add_parser(
         "soak",
