@@ -18,7 +18,7 @@ from specdec.ngram import DEFAULT_K, DEFAULT_MAX_NGRAM, DEFAULT_MIN_NGRAM, NGRAM
 from specdec.ranges import (
     AT_LEAST_ONE, DEFAULT_DRAIN_S, DEFAULT_MAX_BATCH, DEFAULT_RETRIES, DEFAULT_WAIT_MS, DRAIN_S, MAX_NEW_TOKENS,
     METRICS_PORT, PER_CALLER, PORT, RETRIES, SECONDS, SEED, REPLICA_REFRESH_S, SERVICE_PORT, TEMPERATURE, THREADS,
-    TOP_K, TOP_P, UINT32, WAIT_MS, WAIT_REPLICAS, Range, grpc_address, utf8_text,
+    TOP_K, TOP_P, UINT32, WAIT_MS, WAIT_REPLICAS, Range, grpc_address, listen_host, utf8_text,
 )
 
 DEFAULT_ADDRESS = "127.0.0.1:50051"
@@ -278,7 +278,8 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
 
 
 def add_common_service_flags(p: argparse.ArgumentParser, prefix: str, port: int) -> None:
-    env_flag(p, "--host", f"{prefix}_HOST", default="127.0.0.1", help="address to listen on")
+    env_flag(p, "--host", f"{prefix}_HOST", default="127.0.0.1", type=listen_host,
+             help="address to listen on (0.0.0.0: every interface)")
     env_flag(p, "--port", f"{prefix}_PORT", default=port, type=SERVICE_PORT, help="port to listen on")
     env_flag(p, "--redis-url", "SPECDEC_REDIS_URL", default="", type=redis_url, secret=True,
              help="Redis URL for sessions: redis://[:PASSWORD@]HOST:PORT/DB, or rediss://...?ssl_ca_certs=CA.pem "
@@ -413,7 +414,8 @@ def add_coordinator_flags(p: argparse.ArgumentParser) -> None:
 
 def add_stack_flags(p: argparse.ArgumentParser) -> None:
     env_flag(p, "--port", "SPECDEC_PORT", default=50051, type=PORT, help="port of the public coordinator")
-    env_flag(p, "--host", "SPECDEC_HOST", default="127.0.0.1", help="address the coordinator listens on")
+    env_flag(p, "--host", "SPECDEC_HOST", default="127.0.0.1", type=listen_host,
+             help="address the coordinator listens on (0.0.0.0: every interface)")
     add_stack_model_flags(p, "")
     add_ngram_first_flag(p)
     env_flag(p, "--redis-url", "SPECDEC_REDIS_URL", default="", type=redis_url, secret=True,

@@ -31,6 +31,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from specdec.ngram import NGRAM_DRAFT
+from specdec.ranges import join_host_port
 from specdec.redis_server import EmbeddedRedis, free_port
 from specdec.session import REDIS_URL_ENV
 from specdec.security import AUTH_METADATA, BEARER, INTERNAL_TOKEN_ENV, read_pem
@@ -145,7 +146,7 @@ class Stack:
 
     @property
     def address(self) -> str:
-        return f"{self.config.host}:{self.config.port}"
+        return join_host_port(self.config.host, self.config.port)
 
     @property
     def metrics_ports(self) -> dict[str, int]:
@@ -272,7 +273,7 @@ class Stack:
         if wait:
             self.wait_ready((name,))
         host = self.config.host if service == "coordinator" else "127.0.0.1"
-        return f"{host}:{self.ports[name]}"
+        return join_host_port(host, self.ports[name])
 
     def spawn(self, name: str, service: str, *args: str) -> None:
         host = self.config.host if service == "coordinator" else "127.0.0.1"

@@ -181,3 +181,24 @@ def grpc_address(text: str) -> str:
     if problem := address_problem(text):
         raise argparse.ArgumentTypeError(problem)
     return text
+
+
+def listen_host(text: str) -> str:
+    """argparse type of --host, the address a service listens on: a host name or an IP address
+    (`0.0.0.0` or `::` for every interface), or ArgumentTypeError for a URL or a HOST:PORT, which
+    gRPC failed to bind with advice to change the port."""
+    host = text.strip()
+    if not host:
+        raise argparse.ArgumentTypeError("the host is empty: 127.0.0.1 (this machine only) or 0.0.0.0 (every interface)")
+    if "://" in host:
+        raise argparse.ArgumentTypeError(f"{text!r} is a URL; give a host name or IP address, e.g. "
+                                         f"{host.partition('://')[2].split('/')[0].rsplit(':', 1)[0]!r}")  # fmt: skip
+    name, sep, port = host.rpartition(":")
+    if sep and port.isdigit() and ":" not in name.strip("[]"):
+        raise argparse.ArgumentTypeError(f"{text!r} holds a port; give the host alone ({name!r}) and the port with --port")
+    return host
+
+
+def join_host_port(host: str, port: int) -> str:
+    """'127.0.0.1:50051', '[::]:50051': an IPv6 address is bracketed, or its colons would read as the port's."""
+    return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"

@@ -23,7 +23,7 @@ from grpc_reflection.v1alpha import reflection
 from specdec import telemetry
 from specdec.errors import MalformedRequest
 from specdec.metrics import serve_metrics
-from specdec.ranges import DEFAULT_DRAIN_S
+from specdec.ranges import DEFAULT_DRAIN_S, join_host_port
 from specdec.security import ChannelSecurity, ServerSecurity, TokenChannel
 from specdec.v1 import specdec_pb2 as pb
 
@@ -154,7 +154,7 @@ async def run(
     reflection.enable_server_reflection([*service_names, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
     for service_name in service_names:
         add_service(server, service_name, servicer)
-    address = f"{host}:{port}"
+    address = join_host_port(host, port)
     try:  # grpcio returns 0 or raises RuntimeError, by version, for an address it cannot bind
         bound = server.add_insecure_port(address) if credentials is None else server.add_secure_port(address, credentials)
     except RuntimeError:
@@ -163,14 +163,14 @@ async def run(
         tls = "" if credentials is None else "; or the TLS certificate and key do not belong together"
         raise SystemExit(f"{name}: cannot listen on {address}: the port is taken (another service or stack "
                          f"serves there?) or the host is not an address of this machine; pass another --port{tls}")  # fmt: skip
-    address = f"{host}:{bound}"  # --port 0: the free port the system picked
+    address = join_host_port(host, bound)  # --port 0: the free port the system picked
     if metrics_registry is not None and metrics_port:  # before the server starts: a taken port ends us cleanly
         try:
             serve_metrics(metrics_registry, metrics_port, host)
         except OSError as exc:
-            raise SystemExit(f"{name}: cannot serve metrics on {host}:{metrics_port}: {exc.strerror}; pass another "
+            raise SystemExit(f"{name}: cannot serve metrics on {join_host_port(host, metrics_port)}: {exc.strerror}; pass another "
                              "--metrics-port (specdec up: --metrics-port-base), or 0 for none") from None  # fmt: skip
-        log.info("%s metrics on http://%s:%d/metrics", name, host, metrics_port)
+        log.info("%s metrics on http://%s/metrics", name, join_host_port(host, metrics_port))
     await set_health(health_servicer, service_names, health_pb2.HealthCheckResponse.NOT_SERVING)
     await server.start()
     log.info("%s listening on %s (%s), loading", name, address, describe(security))

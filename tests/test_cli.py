@@ -263,9 +263,15 @@ def test_text_that_is_not_utf8_ends_the_command_with_one_line_naming_the_argumen
     (["delete", "s", "--address", "ipv4:10.0.0.5:50051,10.0.0.6:0"], "'10.0.0.6:0' in 'ipv4:10.0.0.5:50051,10.0.0.6:0'"),
     (["soak", "--address", "https://coordinator"], "argument --address: 'https://coordinator' is a URL"),
     (["serve", "coordinator", "--draft-address", "127.0.0.1:70000"], "argument --draft-address: '127.0.0.1:70000' is not"),
+    (["up", "--host", "http://0.0.0.0"], "argument --host: 'http://0.0.0.0' is a URL; give a host name or IP address, "
+                                         "e.g. '0.0.0.0'"),
+    (["serve", "draft", "--host", "0.0.0.0:7601"], "argument --host: '0.0.0.0:7601' holds a port; give the host alone "
+                                                   "('0.0.0.0') and the port with --port"),
+    (["serve", "target", "--host", " "], "argument --host: the host is empty"),
 ])  # fmt: skip
 def test_an_address_that_names_no_server_ends_the_command_with_what_is_wrong(capsys, argv, says):
-    """gRPC took port 99999 as 34463, another port, and failed a URL as an unresolvable name."""
+    """gRPC took port 99999 as 34463, another port, and failed a URL as an unresolvable name; a
+    --host of either kind failed to bind, and the service advised another --port."""
     from specdec.cli import main
 
     with pytest.raises(SystemExit) as exited:
@@ -407,6 +413,23 @@ def test_a_service_whose_metrics_port_is_taken_exits_with_one_line_saying_so(red
     assert f"coordinator: cannot serve metrics on 127.0.0.1:{port}: Address already in use" in out.stderr
     assert "--metrics-port-base" in out.stderr
     assert "Traceback" not in out.stderr and "never awaited" not in out.stderr
+
+
+def test_a_service_listens_on_an_ipv6_host_such_as_every_interface(redis_url):
+    """`--host ::` used to make the address ':::PORT', which gRPC could not bind ("the port is
+    taken"). Here the gRPC port binds on [::] and the service stops at its metrics port, taken."""
+    import socket
+
+    try:
+        taken = socket.create_server(("::", 0), family=socket.AF_INET6)
+    except OSError:
+        pytest.skip("no IPv6 on this machine")
+    with taken:
+        port = taken.getsockname()[1]
+        out = run_cli("serve", "coordinator", "--redis-url", redis_url, "--port", str(free_port()),
+                      "--metrics-port", str(port), "--host", "::", timeout=120)  # fmt: skip
+    assert out.returncode == 1, out.stderr
+    assert f"coordinator: cannot serve metrics on [::]:{port}: Address already in use" in out.stderr, out.stderr
 
 
 def test_a_service_refuses_a_port_another_grpc_server_already_serves(redis_url):
