@@ -18,7 +18,7 @@ from specdec.ngram import DEFAULT_K, DEFAULT_MAX_NGRAM, DEFAULT_MIN_NGRAM, NGRAM
 from specdec.ranges import (
     AT_LEAST_ONE, DEFAULT_DRAIN_S, DEFAULT_MAX_BATCH, DEFAULT_RETRIES, DEFAULT_WAIT_MS, DRAIN_S, MAX_NEW_TOKENS,
     METRICS_PORT, PER_CALLER, PORT, RETRIES, SECONDS, SEED, REPLICA_REFRESH_S, SERVICE_PORT, TEMPERATURE, THREADS,
-    TOP_K, TOP_P, UINT32, WAIT_MS, WAIT_REPLICAS, Range, grpc_address, listen_host, utf8_text,
+    TOP_K, TOP_P, UINT32, WAIT_MS, WAIT_REPLICAS, Range, grpc_address, listen_host, undecodable, utf8_text,
 )
 
 DEFAULT_ADDRESS = "127.0.0.1:50051"
@@ -433,7 +433,9 @@ def add_stack_flags(p: argparse.ArgumentParser) -> None:
 
 
 def add_generate_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("prompt", type=utf8_text, help="the text to continue (with --chat: the question to answer)")
+    p.add_argument("prompt", type=utf8_text,
+                   help="the text to continue (with --chat: the question to answer); - reads it from stdin, "
+                        "e.g. `specdec generate --chat - < question.txt` (one trailing newline dropped)")  # fmt: skip
     env_flag(p, "--chat", "SPECDEC_CHAT", action="store_true",
              help="send the prompt as a user message, which the server renders with the target's chat template "
                   "(what an instruct model such as SmolLM2-Instruct expects); without it the text is continued "
@@ -637,7 +639,9 @@ def serving_address(args):
 def prompt_arguments(args) -> dict:
     """The prompt as the request carries it: text as it is, or with --chat (or --system) one
     user message, after the system message if any, that the coordinator renders with the
-    target's chat template."""
+    target's chat template. A prompt of `-` is read from stdin (read_stdin_prompt)."""
+    if args.prompt == "-":
+        args.prompt = read_stdin_prompt(args.command)
     if args.chat or args.system:
         system = [{"role": "system", "content": args.system}] if args.system else []
         return {"messages": [*system, {"role": "user", "content": args.prompt}]}
@@ -645,6 +649,18 @@ def prompt_arguments(args) -> dict:
         raise SystemExit(f"specdec {args.command}: the prompt is empty: give the text to continue, or a question "
                          "with --chat")  # fmt: skip
     return {"prompt": args.prompt}
+
+
+def read_stdin_prompt(command: str) -> str:
+    """The prompt piped in (`specdec generate - < notes.txt`), read as UTF-8, without the one
+    trailing newline that `echo` and editors add (the model would continue after it)."""
+    if sys.stdin.isatty():
+        print("reading the prompt from stdin: type it, then Ctrl-D on a line of its own", file=sys.stderr, flush=True)
+    try:
+        text = sys.stdin.buffer.read().decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise SystemExit(f"specdec {command}: the prompt on stdin is not UTF-8: {undecodable(exc)}") from None
+    return text.removesuffix("\n").removesuffix("\r")
 
 
 def add_session_parser(commands, name: str, session_help: str, **texts) -> argparse.ArgumentParser:

@@ -570,6 +570,19 @@ def test_generate_brings_a_local_stack_up_when_nothing_serves_whose_logs_show_on
     assert "coordinator serving on" in verbose.stderr and "target INFO" in verbose.stderr
 
 
+def test_a_prompt_of_a_dash_is_read_from_stdin_without_its_trailing_newline(tiny_stack):
+    import specdec
+
+    command = [*SPECDEC, "generate", "-", "--address", tiny_stack.address, "--json", "--max-new-tokens", "6"]
+    piped = subprocess.run(command, input=b"hello world\n", capture_output=True, timeout=120)
+    assert piped.returncode == 0, piped.stderr
+    with specdec.Client(tiny_stack.address) as client:
+        expected = client.generate("hello world", max_new_tokens=6).token_ids
+    assert json.loads(piped.stdout)["token_ids"] == expected
+    latin1 = subprocess.run(command, input=b"caf\xe9", capture_output=True, text=False, timeout=120)
+    assert latin1.returncode == 1 and b"the prompt on stdin is not UTF-8: byte 0xe9 at offset 3" in latin1.stderr
+
+
 def test_generate_commands_run_side_by_side_each_start_their_own_local_stack(tiny_models):
     """Each command's stack listens on a free port, not the default one, so they do not race for it."""
     if is_serving("127.0.0.1:50051"):
