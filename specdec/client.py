@@ -33,7 +33,7 @@ from typing import TypedDict, Unpack
 
 import grpc
 
-from specdec.ranges import DEFAULT_RETRIES, RETRIES, SEED, address_problem, text_problem
+from specdec.ranges import DEFAULT_RETRIES, RETRIES, SEED, address_problem, text_problem, token_problem
 from specdec.v1 import specdec_pb2 as pb
 from specdec.v1 import specdec_pb2_grpc as pb_grpc
 
@@ -169,6 +169,9 @@ def open_channel(module, address: str, credentials: grpc.ChannelCredentials | No
 
 
 def auth_metadata(token: str | None) -> tuple[tuple[str, str], ...]:
+    """The call metadata that sends `token`; ValueError for one no header can carry (token_problem)."""
+    if token and (problem := token_problem(token)):
+        raise ValueError(problem)
     return (("authorization", f"Bearer {token}"),) if token else ()
 
 

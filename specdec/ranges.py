@@ -202,3 +202,15 @@ def listen_host(text: str) -> str:
 def join_host_port(host: str, port: int) -> str:
     """'127.0.0.1:50051', '[::]:50051': an IPv6 address is bracketed, or its colons would read as the port's."""
     return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
+
+
+def token_problem(token: str) -> str | None:
+    """None when `token` can travel as a bearer token, in a gRPC header (printable ASCII, and no
+    space: the `authorization: Bearer TOKEN` line), else where it breaks the rule; never the
+    token or its characters, which are a secret. gRPC's own refusal was INTERNAL, "Invalid
+    metadata", for every call."""
+    bad = next((i for i, c in enumerate(token) if not "!" <= c <= "~"), None)
+    if bad is None:
+        return None
+    return (f"the token's character {bad + 1} of {len(token)} is a space, a control character or not ASCII; "
+            "a token travels in a gRPC header, which carries printable ASCII only")

@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 import grpc
 
 from specdec.errors import Unauthenticated, status_for
-from specdec.ranges import undecodable
+from specdec.ranges import token_problem, undecodable
 
 AUTH_METADATA = "authorization"
 BEARER = "Bearer "
@@ -110,6 +110,8 @@ def load_named_tokens(path: str = "", env: str = "") -> dict[str, str]:
 def parse_token_entry(entry: str, where: str) -> tuple[str, str]:
     """(token, caller name) of one entry, `TOKEN` or `NAME TOKEN`."""
     fields = entry.split()
+    if len(fields) in (1, 2) and (problem := token_problem(fields[-1])):
+        raise TokenFileError(f"{where}: {problem}")
     if len(fields) == 1:
         return fields[0], ""
     if len(fields) == 2 and CALLER_NAME.fullmatch(fields[0]):

@@ -1139,6 +1139,18 @@ def test_an_address_is_host_port_or_a_grpc_target_and_the_sdk_refuses_one_that_n
                 client(bad)
 
 
+def test_the_sdk_refuses_a_token_no_grpc_header_can_carry_without_showing_it():
+    """gRPC's own answer was INTERNAL "Invalid metadata" at every call, after C-core log lines."""
+    from specdec.client import AsyncClient, Client
+
+    for token, position in (("tök-1", "2 of 5"), ("ab\ncd", "3 of 5"), ("a b", "2 of 3")):
+        for client in (Client, AsyncClient):
+            with pytest.raises(ValueError, match=f"the token's character {position} is a space, a control") as error:
+                client("127.0.0.1:9", token=token)
+            assert token not in str(error.value)
+    Client("127.0.0.1:9", token="a.b-c_d~e=").close()
+
+
 def test_text_holding_a_byte_that_is_not_utf8_is_a_value_error_in_the_sdk_that_names_the_argument():
     """A prompt read from a Latin-1 terminal (Python holds its 0xE9 as U+DCE9) used to end the
     program in protobuf's UnicodeEncodeError, which names no argument."""
