@@ -194,7 +194,7 @@ def listen_host(text: str) -> str:
         raise argparse.ArgumentTypeError(f"{text!r} is a URL; give a host name or IP address, e.g. "
                                          f"{host.partition('://')[2].split('/')[0].rsplit(':', 1)[0]!r}")  # fmt: skip
     name, sep, port = host.rpartition(":")
-    if sep and port.isdigit() and ":" not in name.strip("[]"):
+    if sep and port.isdigit() and (":" not in name or name.startswith("[") and name.endswith("]")):  # not "::1"
         raise argparse.ArgumentTypeError(f"{text!r} holds a port; give the host alone ({name!r}) and the port with --port")
     return host
 

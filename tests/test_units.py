@@ -1,5 +1,6 @@
 """Unit tests of the small pieces the services are built from."""
 
+import argparse
 import asyncio
 import contextlib
 import re
@@ -1118,9 +1119,14 @@ def test_a_seed_the_services_would_refuse_is_a_value_error_in_the_sdk_that_says_
 
 def test_an_address_is_host_port_or_a_grpc_target_and_the_sdk_refuses_one_that_names_no_server():
     from specdec.client import AsyncClient, Client
-    from specdec.ranges import address_problem, join_host_port
+    from specdec.ranges import address_problem, join_host_port, listen_host
 
     assert [join_host_port(h, 7) for h in ("127.0.0.1", "::", "[::1]", "name")] == ["127.0.0.1:7", "[::]:7", "[::1]:7", "name:7"]
+    for host in ("::", "::1", "[::1]", "fe80::1", "0.0.0.0", "my-host"):
+        assert listen_host(host) == host
+    for bad in ("[::1]:7600", "0.0.0.0:7600", "http://0.0.0.0", ""):
+        with pytest.raises(argparse.ArgumentTypeError):
+            listen_host(bad)
 
     for good in ["127.0.0.1:50051", "coordinator", "[::1]:7600", "::1", "dns:///specdec.svc:50051", "unix:/tmp/s.sock",
                  "ipv4:10.0.0.5:50051,10.0.0.6:50051", "ipv6:[::1]:7600", "dns://8.8.8.8/c.example:443", " a:1 "]:
