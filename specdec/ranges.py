@@ -212,5 +212,5 @@ def token_problem(token: str) -> str | None:
     bad = next((i for i, c in enumerate(token) if not "!" <= c <= "~"), None)
     if bad is None:
         return None
-    return (f"the token's character {bad + 1} of {len(token)} is a space, a control character or not ASCII; "
+    return (f"the token's character {bad + 1} is a space, a control character or not ASCII; "
             "a token travels in a gRPC header, which carries printable ASCII only")

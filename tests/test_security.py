@@ -234,8 +234,8 @@ def test_token_entries_are_a_token_or_a_name_and_a_token_and_a_bad_one_is_refuse
         ("bob secret-one extra\n", "is `TOKEN` or `NAME TOKEN`"),
         ("b/ob secret-one\n", "is `TOKEN` or `NAME TOKEN`"),
         ("bob secret-one\ncarol secret-one\n", "another caller name"),
-        ("bob secret-oné\n", "the token's character 10 of 10 is a space, a control character or not ASCII"),
-        ("secret-one\x07\n", "the token's character 11 of 11 is a space, a control character or not ASCII"),
+        ("bob secret-oné\n", "the token's character 10 is a space, a control character or not ASCII"),
+        ("secret-one\x07\n", "the token's character 11 is a space, a control character or not ASCII"),
     ]:
         path.write_text(text)
         with pytest.raises(SystemExit) as error:

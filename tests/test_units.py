@@ -1149,7 +1149,7 @@ def test_the_sdk_refuses_a_token_no_grpc_header_can_carry_without_showing_it():
     """gRPC's own answer was INTERNAL "Invalid metadata" at every call, after C-core log lines."""
     from specdec.client import AsyncClient, Client
 
-    for token, position in (("tök-1", "2 of 5"), ("ab\ncd", "3 of 5"), ("a b", "2 of 3")):
+    for token, position in (("tök-1", 2), ("ab\ncd", 3), ("a b", 2)):
         for client in (Client, AsyncClient):
             with pytest.raises(ValueError, match=f"the token's character {position} is a space, a control") as error:
                 client("127.0.0.1:9", token=token)
