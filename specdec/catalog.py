@@ -45,6 +45,8 @@ class CatalogEntry:
     license: str = ""  # the upstream model's license, shown to users who ask
 
 
+DEFAULT_TARGET = "smollm2-135m-instruct"  # the target of a stack started without --target
+
 CATALOG: dict[str, CatalogEntry] = {
     "smollm2-135m-instruct": CatalogEntry(
         name="smollm2-135m-instruct",

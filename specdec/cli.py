@@ -98,7 +98,7 @@ REPLICAS_HELP = (
 def add_stack_model_flags(p: argparse.ArgumentParser, of: str) -> None:
     """--target and --draft (SPECDEC_TARGET, SPECDEC_DRAFT): the models of the stack `of` names
     ("" for `up`'s own), read from the same variables by every command that starts a stack."""
-    from specdec.launcher import DEFAULT_TARGET
+    from specdec.catalog import DEFAULT_TARGET  # light: the launcher would import redis and gRPC's health
 
     env_flag(p, "--target", "SPECDEC_TARGET", default=DEFAULT_TARGET,
              help=f"target model{of}: catalog name, Hugging Face directory or .gguf file")  # fmt: skip

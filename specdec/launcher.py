@@ -30,6 +30,7 @@ from typing import IO
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from specdec.catalog import DEFAULT_TARGET
 from specdec.ngram import NGRAM_DRAFT
 from specdec.ranges import join_host_port
 from specdec.redis_server import EmbeddedRedis, free_port
@@ -37,7 +38,6 @@ from specdec.session import REDIS_URL_ENV
 from specdec.security import AUTH_METADATA, BEARER, INTERNAL_TOKEN_ENV, read_pem
 from specdec.serving import COORDINATOR_SERVICE, DRAFT_SERVICE, TARGET_SERVICE
 
-DEFAULT_TARGET = "smollm2-135m-instruct"
 STOP_TIMEOUT_S = 10.0
 # What the processes of a stack, which share this machine's cores, run with unless the caller's
 # environment says otherwise. libgomp's idle OpenMP threads spin 300,000 rounds before they

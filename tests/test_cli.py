@@ -381,6 +381,10 @@ def test_models_list_names_the_catalog_and_its_cache_without_loading_torch(tmp_p
                            capture_output=True, text=True, timeout=120)  # fmt: skip
     assert timed.returncode == 0 and "smollm2-135m-instruct-draft" in timed.stdout
     assert "grpc" in imported_modules(timed) and not imported_modules(timed) & {"torch", "transformers"}
+    # `--help` and `--version` end in the parser, which needs no Redis client (a third of a second).
+    helped = subprocess.run([sys.executable, "-X", "importtime", "-m", "specdec.cli", "--help"],
+                            capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert helped.returncode == 0 and "redis" not in imported_modules(helped)
 
 
 def test_a_model_service_told_a_model_that_is_not_there_exits_before_loading_torch(tmp_path, redis_url):
