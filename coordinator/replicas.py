@@ -97,7 +97,7 @@ def parse_replica_address(text: str) -> ReplicaAddress:
 def split_host_port(part: str, whole: str) -> tuple[str, int]:
     host, sep, port = part.rpartition(":")
     host = host.strip("[]")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+    if not sep or not host or not port.isdigit() or int(port) not in PORT:
         raise ValueError(f"{part!r} in {whole!r} is not HOST:PORT: the port must be {PORT.describe()}")
     return host, int(port)
 
