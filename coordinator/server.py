@@ -241,7 +241,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
     @grpc_handler
     async def Resume(self, request: pb.ResumeRequest, context):
         caller = caller_id(context.invocation_metadata(), self.config.security)
-        async for chunk in self.admitted(self.resume(request, context), caller):
+        async for chunk in self.admitted(self.resume(request, context, caller), caller):
             yield chunk
 
     async def admitted(self, chunks, caller: str):
@@ -329,10 +329,10 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         # the session: a stream that breaks after them is one the SDK may Resume.
         await context.send_initial_metadata((session_header(plan.session_id),))
         text = TextStream(self.tokenizer, plan.stop)
-        async for chunk in self.stream(plan, context, text):
+        async for chunk in self.stream(plan, context, caller, text):
             yield chunk
 
-    async def resume(self, request: pb.ResumeRequest, context):
+    async def resume(self, request: pb.ResumeRequest, context, caller: str):
         """Resume: check the request against the session as it is, take the session over (a
         run of it still going stops at its next commit), send the client what it lacks, then go
         on generating. A finished session only gets what the client lacks."""
@@ -360,7 +360,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         if meta.get("status") == "finished":
             yield catch_up
             return
-        async for chunk in self.stream(plan, context, text, (committed, int(meta["cycle"]), stats), catch_up):
+        async for chunk in self.stream(plan, context, caller, text, (committed, int(meta["cycle"]), stats), catch_up):
             yield chunk
 
     @grpc_handler
@@ -387,11 +387,11 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             raise PermissionDenied(f"session {session_id!r} was created with another API token: only the token "
                                    f"that created a session, or another token of its caller name, can {verb} it")  # fmt: skip
 
-    async def stream(self, plan: Plan, context, text: TextStream, resume_at=None, catch_up=None):
+    async def stream(self, plan: Plan, context, caller: str, text: TextStream, resume_at=None, catch_up=None):
         """Run the cycles of a session this request owns and stream its chunks, with the
-        request's span and metrics; release the session however the stream ends. Resume
-        passes where the session is (`resume_at`, see generate_chunks) and the `catch_up`
-        chunk to send first."""
+        request's span, metrics and log line (naming `caller`, its caller_id); release the
+        session however the stream ends. Resume passes where the session is (`resume_at`, see
+        generate_chunks) and the `catch_up` chunk to send first."""
         deadline = None if context.time_remaining() is None else time.monotonic() + context.time_remaining()
         attributes = generate_attributes(plan, self) | {"specdec.resumed": resume_at is not None}
         span = telemetry.tracer().start_span(telemetry.GENERATE_SPAN, attributes=attributes)
@@ -429,7 +429,6 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             span.end()
             # Runs on cancellation too; the release must outlive the cancelled handler task.
             self.spawn(self.finish(plan.session_id, plan.owner, status))
-            caller = caller_id(context.invocation_metadata(), self.config.security)
             log.info(describe_request(plan, resume_at is not None, caller, outcome, last, time.monotonic() - started))
 
     async def generate_chunks(self, plan: Plan, text: TextStream, deadline: float | None, trace_context,
