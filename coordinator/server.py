@@ -8,7 +8,7 @@ import json
 import logging
 import secrets
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import grpc
 from opentelemetry import trace
@@ -344,10 +344,10 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         output = committed[len(plan.prompt):]
         # ~30 µs a token with SmolLM2's tokenizer: off the event loop every session shares.
         text = await asyncio.to_thread(replay_text, self.tokenizer, plan.stop, output)
-        if request.received_tokens > len(output) or request.received_chars > len(text.text):
+        if request.received_tokens > len(text.ids) or request.received_chars > len(text.text):
             raise OutOfRange(f"the client says it received {request.received_tokens} tokens and "
                              f"{request.received_chars} characters, but session {session_id!r} has "
-                             f"{len(output)} output tokens and {len(text.text)} characters so far")  # fmt: skip
+                             f"{len(text.ids)} output tokens and {len(text.text)} characters so far")  # fmt: skip
         if meta.get("status") != "finished":
             plan.owner = secrets.token_hex(8)
             meta, committed = await self.store.take_over(session_id, plan.owner)
@@ -460,7 +460,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             metrics.observe_cycle(outcome.info.drafted, outcome.info.accepted)
             metrics.observe_chunk(len(outcome.tokens), now - started, None if last_chunk_at is None else now - last_chunk_at)
             last_chunk_at = now
-            text.add(outcome.tokens)
+            kept = text.add(outcome.tokens)
             if text.stopped:
                 finish = "stop"
             elif outcome.eos:
@@ -468,10 +468,11 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             elif outcome.length_reached:
                 finish = "length"
             yield pb.GenerateChunk(
-                token_ids=outcome.tokens,
+                token_ids=outcome.tokens[:kept],
                 text=text.take(final=bool(finish)),
                 finish_reason=FINISH[finish] if finish else pb.FINISH_REASON_UNSPECIFIED,
-                stats=stats_pb(outcome.stats, len(plan.prompt), time.perf_counter() - started, first_token_s),
+                stats=stats_pb(output_stats(outcome.stats, text), len(plan.prompt), time.perf_counter() - started,
+                               first_token_s),  # fmt: skip
                 cycle=outcome.info,
                 session_id=plan.session_id,
             )
@@ -789,12 +790,18 @@ def catch_up_chunk(plan: Plan, text: TextStream, committed: list[int], received_
     tokens end it (or, for a session recorded as `finished`, "length" at least)."""
     finish = finished_as(plan, text, committed) or ("length" if finished else "")
     return pb.GenerateChunk(
-        token_ids=committed[len(plan.prompt) + received_tokens :],
+        token_ids=text.ids[received_tokens:],
         text=text.take(final=bool(finish)),
         finish_reason=FINISH[finish] if finish else pb.FINISH_REASON_UNSPECIFIED,
-        stats=stats_pb(stats, len(plan.prompt), 0.0, 0.0),
+        stats=stats_pb(output_stats(stats, text), len(plan.prompt), 0.0, 0.0),
         session_id=plan.session_id,
     )
+
+
+def output_stats(stats: Stats, text: TextStream) -> Stats:
+    """The statistics a client is sent: once a stop string ended the output, its
+    `generated_tokens` are the output's, not the tokens committed past the stop string."""
+    return replace(stats, generated_tokens=len(text.ids)) if text.stopped else stats
 
 
 def stored_stats(meta: dict[str, str], generated: int) -> Stats:

@@ -19,7 +19,7 @@ REPLACEMENT_CHAR = "\ufffd"
 class TextStream:
     tokenizer: object
     stop: Sequence[str] = ()
-    # Output token ids so far (never the prompt).
+    # Output token ids so far (never the prompt), up to the one that completed a stop string.
     ids: list[int] = field(default_factory=list)
     # Detokenized output so far, and how much of it was handed out.
     text: str = ""
@@ -29,18 +29,28 @@ class TextStream:
     # Set once a stop string was found; text is cut before it.
     stopped: bool = False
 
-    def add(self, new_ids: Sequence[int]) -> None:
-        """Append tokens; look for stop strings in the text they add. Once a stop string was
-        found the text is complete: later tokens (a cycle commits some past it) add nothing."""
+    def add(self, new_ids: Sequence[int]) -> int:
+        """Append tokens; look for stop strings in the text they add. Returns how many of
+        `new_ids` the output keeps: all of them, or those up to the one that completed a stop
+        string. Once a stop string was found the output is complete: the tokens a cycle
+        committed past it, and any added later, are not kept (nor counted, nor sent)."""
         if self.stopped:
-            return
-        self.ids.extend(new_ids)
-        self.text += self._decode_delta()
-        if self.stop and not self.stopped:
-            cut = first_stop(self.text, self.stop, max(0, self.emitted - max_len(self.stop)))
+            return 0
+        if not self.stop:
+            self.ids.extend(new_ids)
+            self.text += self._decode_delta()
+            return len(new_ids)
+        # One token at a time, to know which token completes a stop string.
+        for kept, token in enumerate(new_ids, 1):
+            searched = max(0, len(self.text) - max_len(self.stop) + 1)  # no stop string ends before
+            self.ids.append(token)
+            self.text += self._decode_delta()
+            cut = first_stop(self.text, self.stop, searched)
             if cut is not None:
                 self.text = self.text[:cut]
                 self.stopped = True
+                return kept
+        return len(new_ids)
 
     def take(self, final: bool = False) -> str:
         """Text ready to stream: all of it when final, else all that cannot begin a stop string."""

@@ -358,6 +358,25 @@ def test_stop_strings_end_the_output_before_the_stop_string(client):
     assert cut.text == full[: full.index(stop)]
 
 
+def test_a_stop_string_ends_the_output_tokens_with_the_one_that_completes_it(client, tiny_models, redis_url):
+    """A cycle commits up to K+1 tokens at once: those past the token that completed the stop
+    string are neither sent, nor counted in generated_tokens, nor sent again by a Resume (all
+    three used to hold them)."""
+    def decode(ids):
+        return tiny_models.tokenizer.decode(ids, skip_special_tokens=True)
+
+    full = client.generate(PROMPT, max_new_tokens=40, ignore_eos=True, num_speculative_tokens=4)
+    for start in range(2, 32, 3):
+        stop = full.text[start : start + 2]
+        cut = client.generate(PROMPT, max_new_tokens=40, ignore_eos=True, num_speculative_tokens=4, stop=[stop],
+                              session_id=f"cut-{start}")  # fmt: skip
+        n = len(cut.token_ids)
+        assert cut.token_ids == full.token_ids[:n] and cut.stats.generated_tokens == n
+        assert stop in decode(cut.token_ids) and stop not in decode(cut.token_ids[:-1]), (start, stop)
+        again = client.resume(f"cut-{start}")
+        assert (again.token_ids, again.text, again.stats.generated_tokens) == (cut.token_ids, cut.text, n)
+
+
 # ---------------------------------------------------------------- bad input
 
 

@@ -210,8 +210,34 @@ def test_the_text_and_its_stop_do_not_depend_on_how_the_tokens_were_chunked():
             in_chunks.take()
         expected = full[: full.find(stop)] if stop in full else full
         assert one_by_one.text == in_chunks.text == expected, (ids, stop)
+        assert one_by_one.ids == in_chunks.ids, (ids, stop)
         stopped += one_by_one.stopped
     assert stopped > 250  # the stop strings were found, nearly always
+
+
+def test_the_output_tokens_end_with_the_token_that_completes_the_stop_string():
+    """A cycle commits up to K+1 tokens at once; those after the one that completed a stop
+    string are not output (they used to be sent in token_ids, and counted)."""
+    from specdec.models import build_tiny_tokenizer
+
+    tokenizer = build_tiny_tokenizer()
+    rng = np.random.default_rng(6)
+    checked = 0
+    for _ in range(300):
+        ids = rng.integers(0, tokenizer.vocab_size, 30).tolist()
+        full = tokenizer.decode(ids, skip_special_tokens=True)
+        start = int(rng.integers(0, max(1, len(full) - 3)))
+        stop = full[start : start + 3]
+        if len(stop) < 3:
+            continue
+        stream = TextStream(tokenizer, [stop])
+        kept = [stream.add(ids[begin : begin + 4]) for begin in range(0, 30, 4)]
+        n = len(stream.ids)
+        assert ids[:n] == stream.ids and sum(kept) == n, (ids, stop)
+        assert stop in tokenizer.decode(ids[:n], skip_special_tokens=True), (ids, stop)
+        assert stop not in tokenizer.decode(ids[: n - 1], skip_special_tokens=True), (ids, stop)
+        checked += 1
+    assert checked > 250
 
 
 def test_first_stop_picks_the_earliest_of_several():
