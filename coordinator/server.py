@@ -458,9 +458,9 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             now = time.perf_counter()
             first_token_s = first_token_s or now - started
             metrics.observe_cycle(outcome.info.drafted, outcome.info.accepted)
-            metrics.observe_chunk(len(outcome.tokens), now - started, None if last_chunk_at is None else now - last_chunk_at)
-            last_chunk_at = now
             kept = text.add(outcome.tokens)
+            metrics.observe_chunk(kept, now - started, None if last_chunk_at is None else now - last_chunk_at)
+            last_chunk_at = now
             if text.stopped:
                 finish = "stop"
             elif outcome.eos:

@@ -181,36 +181,42 @@ def test_metrics_counters_equal_the_statistics_the_sdk_returned(traced_stack):
     with specdec.Client(traced_stack.address) as client:
         for k, n in ((1, 10), (3, 17), (5, 25)):
             results.append(client.generate("hello world", max_new_tokens=n, num_speculative_tokens=k, ignore_eos=True))
+        # Tokens a cycle commits past a stop string are not output, so not counted as generated.
+        stopped = [client.generate("hello world", max_new_tokens=25, num_speculative_tokens=5, ignore_eos=True,
+                                   stop=[results[-1].text[start : start + 2]])
+                   for start in range(1, len(results[-1].text) - 2)]  # fmt: skip
     after = scrape(ports["coordinator"])
+    every = results + stopped
     delta = lambda name, **labels: after.get((name, tuple(sorted(labels.items()))), 0) - before.get(
         (name, tuple(sorted(labels.items()))), 0
     )
     drafts = delta("specdec:spec_decode_num_drafts_total")
     accepted = delta("specdec:spec_decode_num_accepted_tokens_total")
-    assert drafts == sum(r.stats.draft_cycles for r in results)
-    assert delta("specdec:spec_decode_num_draft_tokens_total") == sum(r.stats.draft_tokens for r in results)
-    assert accepted == sum(r.stats.accepted_tokens for r in results)
-    per_pos = [sum(r.stats.accepted_per_position[i] for r in results if i < len(r.stats.accepted_per_position))
+    assert drafts == sum(r.stats.draft_cycles for r in every)
+    assert delta("specdec:spec_decode_num_draft_tokens_total") == sum(r.stats.draft_tokens for r in every)
+    assert accepted == sum(r.stats.accepted_tokens for r in every)
+    per_pos = [sum(r.stats.accepted_per_position[i] for r in every if i < len(r.stats.accepted_per_position))
                for i in range(5)]  # fmt: skip
     assert [delta("specdec:spec_decode_num_accepted_tokens_per_pos_total", position=str(i)) for i in range(5)] == per_pos
     assert delta("specdec:request_success_total", finished_reason="length") == 3
-    assert delta("specdec:generation_tokens_total") == 10 + 17 + 25
-    assert delta("specdec:time_to_first_token_seconds_count") == 3
-    assert delta("specdec:e2e_request_latency_seconds_count") == 3
+    assert delta("specdec:request_success_total", finished_reason="stop") == len(stopped)
+    assert delta("specdec:generation_tokens_total") == 10 + 17 + 25 + sum(len(r.token_ids) for r in stopped)
+    assert delta("specdec:time_to_first_token_seconds_count") == 3 + len(stopped)
+    assert delta("specdec:e2e_request_latency_seconds_count") == 3 + len(stopped)
     assert after[("specdec:num_requests_running", ())] == 0
     # Mean acceptance length as vLLM defines it, from the counters and from the SDK.
     single = results[-1].stats
     assert single.mean_accepted_length == pytest.approx(1 + single.accepted_tokens / single.draft_cycles)
     assert 1 + accepted / drafts == pytest.approx(
-        1 + sum(r.stats.accepted_tokens for r in results) / sum(r.stats.draft_cycles for r in results)
+        1 + sum(r.stats.accepted_tokens for r in every) / sum(r.stats.draft_cycles for r in every)
     )
     # The model services: a forward-latency histogram per step, sessions released afterwards.
     draft, target = scrape(ports["draft"]), scrape(ports["target"])
     assert draft[("specdec:forward_latency_seconds_count", (("service", "draft"),))] >= sum(
-        r.stats.draft_tokens for r in results
+        r.stats.draft_tokens for r in every
     )
     assert target[("specdec:forward_latency_seconds_count", (("service", "target"),))] >= sum(
-        r.stats.cycles for r in results
+        r.stats.cycles for r in every
     )
     assert target[("specdec:sessions_held", (("service", "target"),))] == 0
     assert ("specdec:cache_evictions_total", (("service", "draft"),)) in draft
