@@ -187,19 +187,26 @@ def test_text_without_stop_strings_streams_everything():
     assert out[:2] == ["ab", "cd"] and not stream.stopped
 
 
-def test_the_text_and_its_stop_do_not_depend_on_how_the_tokens_were_chunked():
-    """Resume replays a session's tokens one by one: it must reach the text the stream reached
-    cycle by cycle, and tokens committed past a stop string add nothing."""
+def random_stop_cases(seed: int, n: int = 300):
+    """(tokenizer, ids, their text, stop) n times: 30 random ids of the tiny tokenizer and a
+    3-character stop string taken from their text (or "zzz" when it is shorter)."""
     from specdec.models import build_tiny_tokenizer
 
     tokenizer = build_tiny_tokenizer()
-    rng = np.random.default_rng(5)
-    stopped = 0
-    for _ in range(300):
+    rng = np.random.default_rng(seed)
+    for _ in range(n):
         ids = rng.integers(0, tokenizer.vocab_size, 30).tolist()
         full = tokenizer.decode(ids, skip_special_tokens=True)
         start = int(rng.integers(0, max(1, len(full) - 3)))
-        stop = full[start : start + 3] or "zzz"
+        yield tokenizer, ids, full, full[start : start + 3] or "zzz"
+
+
+def test_the_text_and_its_stop_do_not_depend_on_how_the_tokens_were_chunked():
+    """Resume replays a session's tokens one by one: it must reach the text and tokens the
+    stream reached cycle by cycle, and tokens committed past a stop string add nothing."""
+    rng = np.random.default_rng(5)
+    stopped = 0
+    for tokenizer, ids, full, stop in random_stop_cases(5):
         one_by_one, in_chunks = TextStream(tokenizer, [stop]), TextStream(tokenizer, [stop])
         for token in ids:
             one_by_one.add([token])
@@ -218,17 +225,9 @@ def test_the_text_and_its_stop_do_not_depend_on_how_the_tokens_were_chunked():
 def test_the_output_tokens_end_with_the_token_that_completes_the_stop_string():
     """A cycle commits up to K+1 tokens at once; those after the one that completed a stop
     string are not output (they used to be sent in token_ids, and counted)."""
-    from specdec.models import build_tiny_tokenizer
-
-    tokenizer = build_tiny_tokenizer()
-    rng = np.random.default_rng(6)
     checked = 0
-    for _ in range(300):
-        ids = rng.integers(0, tokenizer.vocab_size, 30).tolist()
-        full = tokenizer.decode(ids, skip_special_tokens=True)
-        start = int(rng.integers(0, max(1, len(full) - 3)))
-        stop = full[start : start + 3]
-        if len(stop) < 3:
+    for tokenizer, ids, full, stop in random_stop_cases(6):
+        if stop not in full:
             continue
         stream = TextStream(tokenizer, [stop])
         kept = [stream.add(ids[begin : begin + 4]) for begin in range(0, 30, 4)]
