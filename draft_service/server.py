@@ -66,6 +66,7 @@ class DraftServicer(ModelService, pb_grpc.DraftServicer):
             raise InvalidArgument(f"k must be between 1 and {self.config.max_k}, got {request.k}")
         sampling = self.internal_sampling(request.sampling)
         async with self.session(request) as state:
+            await self.prefill(state)
             generator = cycle_generator(sampling.seed, request.cycle, DRAFT)
             next_proposal = self.proposals(state, request.k, sampling, generator)
             for index in range(request.k):

@@ -23,6 +23,7 @@ Draft and target:
     specdec:forward_latency_seconds{service}     one model step (draft token) or verify pass
     specdec:sessions_held{service}               sessions whose KV cache is held
     specdec:cache_evictions{service}             sessions evicted (least recently used)
+    specdec:prefill_chunks{service}              passes that fed a chunk of a long prompt (chunked prefill)
 """
 
 from __future__ import annotations
@@ -130,6 +131,10 @@ class ModelServiceMetrics:
         self.batch_size = Histogram(
             "specdec:batch_size", "Sessions one forward pass served (the target batches Verify calls, a model draft its drafting steps).",
             ["service"], buckets=BATCH_BUCKETS, registry=r,
+        ).labels(service=service)  # fmt: skip
+        self.prefill_chunks = Counter(
+            "specdec:prefill_chunks", "Passes that fed a chunk of a long prompt (or of a context rebuilt from Redis) "
+            "before the pass of its call (chunked prefill: model_service.prefill).", ["service"], registry=r,
         ).labels(service=service)  # fmt: skip
         self._evictions_seen = 0
 

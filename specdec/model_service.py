@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 from specdec import serving, telemetry
 from specdec.errors import FailedPrecondition, InvalidArgument, OutOfRange, Unavailable, grpc_handler
-from specdec.kvcache import SessionPool
+from specdec.kvcache import PREFILL_CHUNK, SessionPool, SessionState, feed_pending
 from specdec.metrics import ModelServiceMetrics
 from specdec.ranges import DEFAULT_MAX_BATCH
 from specdec.security import ServerSecurity, require_caller_credential
@@ -62,6 +62,7 @@ class ModelService:
         self.worker = serving.ModelWorker(f"{self.role}-model")
         self.metrics = ModelServiceMetrics(self.role)
         self.pool: SessionPool | None = None  # set once the model is loaded
+        self.model = None  # the loaded model (None for an n-gram draft)
 
     def load(self) -> None:
         """Load the model and make the pool (blocking; run off the event loop)."""
@@ -79,6 +80,7 @@ class ModelService:
             logging.getLogger("specdec").info("the %s model's linear kernels, %s: %s", self.role, how, loaded.kernels)
         self.info.MergeFrom(model_info_to_pb(loaded))
         self.pool = self.make_pool(lambda: new_cache(loaded.model.config))
+        self.model = loaded.model
         return loaded
 
     def make_pool(self, new_cache) -> SessionPool:
@@ -121,6 +123,11 @@ class ModelService:
                     raise session_gone(session_id) from None
                 raise
 
+    async def prefill(self, state: SessionState) -> None:
+        """See `prefill`: the session's long pending context fed to this service's model."""
+        if self.model is not None:
+            self.metrics.prefill_chunks.inc(await prefill(self.worker, self.model, state))
+
     @grpc_handler
     async def Release(self, request: pb.ReleaseRequest, context):
         return pb.ReleaseResponse(released=self.ready().release(request.session_id))
@@ -134,6 +141,20 @@ class ModelService:
             info.cache_bytes = self.pool.bytes_held
             info.cache_evictions = self.pool.evictions
         return info
+
+
+async def prefill(worker: serving.ModelWorker, model, state: SessionState) -> int:
+    """Chunked prefill: feed a session's pending tokens (a prompt, or a context rebuilt from
+    Redis) to `model` PREFILL_CHUNK a pass until at most PREFILL_CHUNK are left for the call's
+    own pass. Each chunk is queued on the worker behind the passes already waiting, so the
+    sessions decoding beside a long prompt wait for one chunk between their passes, not for
+    the whole prompt (6,000 tokens: 19 s in one pass on 2 cores). The cache and the logits
+    after are those of one pass, up to float rounding. Returns the chunks fed."""
+    chunks = 0
+    while len(state.pending) > PREFILL_CHUNK:
+        await worker.run(feed_pending, model, state, PREFILL_CHUNK)
+        chunks += 1
+    return chunks
 
 
 async def serve(servicer_class, config, service_name: str) -> None:

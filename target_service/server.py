@@ -69,6 +69,7 @@ class TargetServicer(ModelService, pb_grpc.TargetServicer):
         stop_at_ngram = ngram_stop_from_pb(request)
         drafts = [draft_from_pb(d, self.info.vocab_size) for d in request.drafts]
         async with self.session(request, COMMIT_WAIT_S if request.awaits_commit else 0.0) as state:
+            await self.prefill(state)
             generator = cycle_generator(sampling.seed, request.cycle, TARGET)
             job = Job(state, drafts, sampling, generator, request.steps, request.draft_busy, stop_at_ngram)
             verdict = await self.batcher.run(job)

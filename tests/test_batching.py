@@ -19,7 +19,8 @@ from conftest import scrape, start_stack
 from draft_service.drafters import ModelDrafter, Step
 from specdec.draft_wire import Draft
 from specdec.errors import OutOfRange
-from specdec.kvcache import SessionState, new_cache
+from specdec.kvcache import PREFILL_CHUNK, SessionState, new_cache
+from specdec.model_service import prefill
 from specdec.models import LoadedModel, build_tiny_model, build_tiny_tokenizer
 from specdec.plain_forward import enable_plain_forward
 from specdec.redis_server import free_port
@@ -151,6 +152,55 @@ def sessions_and_jobs(verifier, temperature: float):
         sampling = Sampling(temperature, 0, 1.0, seed=i)
         jobs.append(Job(state, drafts, sampling, torch.Generator().manual_seed(100 + i)))
     return jobs
+
+
+def test_a_long_prompt_is_prefilled_a_chunk_a_pass_and_another_sessions_pass_runs_between_its_chunks(verifier):
+    """A session's pending context longer than PREFILL_CHUNK is fed a chunk a pass, each queued
+    behind the passes waiting: another session's call that arrives during the first chunk is
+    verified before the long prompt's other chunks run (it used to wait for the whole prompt's
+    one pass), and the long prompt's verdict and tokens afterwards are those of one pass."""
+    vocab = verifier.loaded.vocab_size
+    prompt = torch.randint(4, vocab, (3 * PREFILL_CHUNK + 10,), generator=torch.Generator().manual_seed(3)).tolist()
+    drafts = [Draft(t, None) for t in greedy_continuation(verifier.model, prompt, 2)]
+    greedy = Sampling(0.0, 0, 1.0, seed=0)
+
+    def fresh(name: str, tokens: list[int]) -> SessionState:
+        return SessionState(name, held=[], pending=list(tokens), cache=new_cache(verifier.model.config))
+
+    one_pass = fresh("one-pass", prompt)
+    with torch.inference_mode():
+        whole = verifier.verify(one_pass, drafts, greedy, torch.Generator())
+    finished = []
+
+    async def run():
+        worker = ModelWorker("test-target")
+        batcher = Batcher(worker, verifier.verify_batch)
+        gate = threading.Event()
+        busy = asyncio.ensure_future(worker.run(gate.wait, 5))  # what comes next queues behind it
+        long = fresh("long", prompt)
+
+        async def long_call():
+            chunks = await prefill(worker, verifier.model, long)
+            finished.append(f"long prefilled in {chunks} chunks")
+            return await batcher.run(Job(long, drafts, greedy, torch.Generator()))
+
+        long_task = asyncio.create_task(long_call())
+        await asyncio.sleep(0.05)  # its first chunk is queued
+        short_task = asyncio.create_task(batcher.run(Job(fresh("short", prompt[:7]), [], greedy, torch.Generator())))
+        short_task.add_done_callback(lambda _: finished.append("short"))
+        await asyncio.sleep(0.05)
+        gate.set()
+        verdict = await long_task
+        await short_task
+        await busy
+        worker.shutdown()
+        return verdict, long
+
+    verdict, long = asyncio.run(run())
+    assert finished == ["short", "long prefilled in 3 chunks"]
+    assert (verdict.num_accepted, verdict.next_token, verdict.bonus) == (whole.num_accepted, whole.next_token, True)
+    assert (long.held, long.pending) == (one_pass.held, one_pass.pending)
+    assert long.cache.get_seq_length() == len(long.held) == len(prompt) + 2
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0], ids=["greedy", "sampled"])

@@ -222,6 +222,32 @@ def test_metrics_counters_equal_the_statistics_the_sdk_returned(traced_stack):
     assert ("specdec:cache_evictions_total", (("service", "draft"),)) in draft
 
 
+def test_a_long_prompt_is_prefilled_in_chunks_by_both_model_services_and_the_output_is_the_targets_own(
+    traced_stack, tiny_models
+):
+    """A prompt of 2 * PREFILL_CHUNK + 100 tokens: each model service feeds it in two chunks
+    before its call's own pass (counted in specdec:prefill_chunks_total), and the greedy
+    tokens are still the target's own greedy decoding."""
+    import torch
+
+    from specdec.kvcache import PREFILL_CHUNK
+    from specdec.models import load_model
+
+    vocab = tiny_models.tokenizer.vocab_size
+    prompt = torch.randint(4, vocab, (2 * PREFILL_CHUNK + 100,), generator=torch.Generator().manual_seed(8)).tolist()
+    target = load_model(tiny_models.target).model
+    with torch.inference_mode():
+        expected = target.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                                   do_sample=False, max_new_tokens=12)[0, len(prompt) :].tolist()  # fmt: skip
+    ports = traced_stack.metrics_ports
+    chunks = lambda name: scrape(ports[name]).get(("specdec:prefill_chunks_total", (("service", name),)), 0)
+    before = {name: chunks(name) for name in ("draft", "target")}
+    with specdec.Client(traced_stack.address) as client:
+        result = client.generate(prompt_token_ids=prompt, max_new_tokens=12, num_speculative_tokens=3)
+    assert result.token_ids == expected[: len(result.token_ids)] and result.stats.draft_tokens > 0
+    assert {name: chunks(name) - before[name] for name in before} == {"draft": 2, "target": 2}
+
+
 def test_a_failed_request_is_counted_by_its_status(traced_stack):
     port = traced_stack.metrics_ports["coordinator"]
     before = scrape(port).get(("specdec:request_failure_total", (("status", "INVALID_ARGUMENT"),)), 0)
