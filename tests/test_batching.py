@@ -203,6 +203,32 @@ def test_a_long_prompt_is_prefilled_a_chunk_a_pass_and_another_sessions_pass_run
     assert long.cache.get_seq_length() == len(long.held) == len(prompt) + 2
 
 
+def test_a_prefill_cancelled_stops_after_its_current_chunk_and_the_session_keeps_what_was_fed(verifier):
+    """A client that gives up during a long prompt's prefill frees the model after the chunk
+    that runs (it used to hold it for the whole prompt's pass); the session keeps the chunks
+    fed, with a cache that covers them, for a later call to go on from."""
+    prompt = torch.randint(4, verifier.loaded.vocab_size, (4 * PREFILL_CHUNK + 10,),
+                           generator=torch.Generator().manual_seed(4)).tolist()  # fmt: skip
+    state = SessionState("given-up", held=[], pending=list(prompt), cache=new_cache(verifier.model.config))
+
+    async def run():
+        worker = ModelWorker("test-target")
+        gate = threading.Event()
+        busy = asyncio.ensure_future(worker.run(gate.wait, 5))
+        task = asyncio.create_task(prefill(worker, verifier.model, state))
+        await asyncio.sleep(0.05)  # its first chunk is queued
+        task.cancel()
+        gate.set()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await busy
+        worker.shutdown()
+
+    asyncio.run(run())
+    assert (state.held, state.pending) == (prompt[:PREFILL_CHUNK], prompt[PREFILL_CHUNK:])
+    assert state.cache.get_seq_length() == PREFILL_CHUNK
+
+
 @pytest.mark.parametrize("temperature", [0.0, 1.0], ids=["greedy", "sampled"])
 def test_one_pass_over_several_sessions_gives_each_the_verdict_and_state_of_its_own_pass(verifier, temperature):
     """The same four cycles verified one at a time and in one pass, twice over (a prefill,
