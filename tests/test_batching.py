@@ -180,8 +180,9 @@ def test_a_long_prompt_is_prefilled_a_chunk_a_pass_and_another_sessions_pass_run
         long = fresh("long", prompt)
 
         async def long_call():
-            chunks = await prefill(worker, verifier.model, long)
-            finished.append(f"long prefilled in {chunks} chunks")
+            chunks = []
+            await prefill(worker, verifier.model, long, lambda: chunks.append(len(long.held)))
+            finished.append(f"long prefilled in chunks ending at {chunks}")
             return await batcher.run(Job(long, drafts, greedy, torch.Generator()))
 
         long_task = asyncio.create_task(long_call())
@@ -197,7 +198,7 @@ def test_a_long_prompt_is_prefilled_a_chunk_a_pass_and_another_sessions_pass_run
         return verdict, long
 
     verdict, long = asyncio.run(run())
-    assert finished == ["short", "long prefilled in 3 chunks"]
+    assert finished == ["short", f"long prefilled in chunks ending at {[PREFILL_CHUNK, 2 * PREFILL_CHUNK, 3 * PREFILL_CHUNK]}"]
     assert (verdict.num_accepted, verdict.next_token, verdict.bonus) == (whole.num_accepted, whole.next_token, True)
     assert (long.held, long.pending) == (one_pass.held, one_pass.pending)
     assert long.cache.get_seq_length() == len(long.held) == len(prompt) + 2
