@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
+import secrets
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
@@ -45,11 +47,47 @@ def has_chat_template(tokenizer) -> bool:
 def chat_ids(tokenizer, messages: Sequence[Mapping[str, str]]) -> list[int]:
     """Token ids of a conversation (dicts with "role" and "content") as the tokenizer's chat
     template renders it, ending with the assistant's turn opened (add_generation_prompt): the
-    prompt an instruct model answers. ValueError when the tokenizer has no chat template."""
+    prompt an instruct model answers. ValueError when the tokenizer has no chat template.
+
+    A message's content is text: where it holds the text of a special token (`<|im_end|>`,
+    `<|im_start|>`), that text is tokenized as ordinary text, not as the token, so that no
+    message can close its turn and open another (a user's text forging a system turn), as
+    OpenAI's API treats it. Such a message is rendered with a marker in its place and its
+    content tokenized on its own (split_special_tokens); every other message stays in the
+    rendered text, tokenized whole, as transformers' apply_chat_template(tokenize=True) does."""
     if not has_chat_template(tokenizer):
         raise ValueError("the tokenizer has no chat template")
-    text = tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=True)
-    return text_ids(tokenizer, text, special_tokens=False)
+    specials = special_token_texts(tokenizer)
+    markers: dict[str, str] = {}  # marker -> the content it stands for
+    shown = []
+    for message in messages:
+        message = dict(message)
+        if any(special in message["content"] for special in specials):
+            marker = f"specdec-literal-{secrets.token_hex(8)}"
+            markers[marker], message["content"] = message["content"], marker
+        shown.append(message)
+    text = tokenizer.apply_chat_template(shown, tokenize=False, add_generation_prompt=True)
+    if not markers:
+        return text_ids(tokenizer, text, special_tokens=False)
+    pieces = re.split(f"({'|'.join(markers)})", text)  # template text, marker, template text, ...
+    if sorted(pieces[1::2]) != sorted(markers):
+        raise ValueError("the chat template did not keep as it is the text of a message that holds a special "
+                         "token's text, so its text cannot be kept apart from the template's tokens")  # fmt: skip
+    ids: list[int] = []
+    for i, piece in enumerate(pieces):
+        if i % 2:
+            ids += tokenizer(markers[piece], add_special_tokens=False, split_special_tokens=True)["input_ids"]
+        elif piece:
+            ids += text_ids(tokenizer, piece, special_tokens=False)
+    return ids
+
+
+def special_token_texts(tokenizer) -> list[str]:
+    """The texts the tokenizer reads as one of its special tokens (BOS, EOS, a chat
+    template's turn markers), wherever they stand in a text it tokenizes."""
+    added = getattr(tokenizer, "added_tokens_decoder", {}) or {}
+    texts = {token.content for token in added.values() if getattr(token, "special", False)}
+    return sorted(texts | set(getattr(tokenizer, "all_special_tokens", [])))
 
 
 def text_ids(tokenizer, text: str, special_tokens: bool = True) -> list[int]:
