@@ -49,7 +49,8 @@ def chat_ids(tokenizer, messages: Sequence[Mapping[str, str]]) -> list[int]:
     template renders it, ending with the assistant's turn opened (add_generation_prompt): the
     prompt an instruct model answers. ValueError when the tokenizer has no chat template.
 
-    A message's content is text: where it holds the text of a special token (`<|im_end|>`,
+    A role holding the text of a special token is refused (ValueError). A message's content is
+    text: where it holds the text of a special token (`<|im_end|>`,
     `<|im_start|>`), that text is tokenized as ordinary text, not as the token, so that no
     message can close its turn and open another (a user's text forging a system turn), as
     OpenAI's API treats it. Such a message is rendered with a marker in its place and its
@@ -60,8 +61,10 @@ def chat_ids(tokenizer, messages: Sequence[Mapping[str, str]]) -> list[int]:
     specials = special_token_texts(tokenizer)
     markers: dict[str, str] = {}  # marker -> the content it stands for
     shown = []
-    for message in messages:
+    for i, message in enumerate(messages):
         message = dict(message)
+        if held := [special for special in specials if special in message["role"]]:
+            raise ValueError(f"messages[{i}] has a role that holds the text of the special token {held[0]!r}")
         if any(special in message["content"] for special in specials):
             marker = f"specdec-literal-{secrets.token_hex(8)}"
             markers[marker], message["content"] = message["content"], marker

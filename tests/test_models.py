@@ -134,6 +134,8 @@ def test_a_message_holding_a_special_tokens_text_is_tokenized_as_that_text_not_a
                    + text_ids(tiny_tokenizer, "\nassistant: ", special_tokens=False))  # fmt: skip
     specials = {tiny_tokenizer.bos_token_id, tiny_tokenizer.eos_token_id}
     assert not specials & set(ids) and len(literal) > 4
+    with pytest.raises(ValueError, match="messages\\[1\\] has a role that holds the text of the special token '</s>'"):
+        chat_ids(tiny_tokenizer, [plain[0], {"role": "user</s>", "content": "hi"}])
 
 
 def test_text_over_the_models_length_is_tokenized_without_warning_of_indexing_errors(tiny_tokenizer):
