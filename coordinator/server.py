@@ -335,7 +335,8 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
     async def resume(self, request: pb.ResumeRequest, context, caller: str):
         """Resume: check the request against the session as it is, take the session over (a
         run of it still going stops at its next commit), send the client what it lacks, then go
-        on generating. A finished session only gets what the client lacks."""
+        on generating. A finished session only gets what the client lacks (and a log line)."""
+        started = time.monotonic()
         session_id = check_session_id(request.session_id)
         meta = await self.store.meta(session_id)
         self.check_caller(session_id, meta, context, "resume")
@@ -359,6 +360,8 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
                                   finished=meta.get("status") == "finished")  # fmt: skip
         if meta.get("status") == "finished":
             yield catch_up
+            outcome = f"already finished ({FINISH_NAMES[catch_up.finish_reason]}): sent what the client lacked"
+            log.info(describe_request(plan, True, caller, outcome, catch_up, time.monotonic() - started))
             return
         async for chunk in self.stream(plan, context, caller, text, (committed, int(meta["cycle"]), stats), catch_up):
             yield chunk

@@ -270,6 +270,17 @@ def logged_line(stack, session_id: str, says: str = "") -> str:
     raise AssertionError(f"no log line of {session_id} saying {says!r}: {stack.log_tail('coordinator')}")
 
 
+def test_a_resume_of_a_finished_session_is_logged_too(traced_stack):
+    """Resume of a finished session only sends what the client lacks; it used to leave no line."""
+    with specdec.Client(traced_stack.address) as client:
+        done = client.generate("hello", max_new_tokens=5, ignore_eos=True, session_id="resumed-done")
+        again = client.resume("resumed-done", received_tokens=2)
+    assert again.token_ids == done.token_ids[2:]
+    line = logged_line(traced_stack, "resumed-done", "resume of session")
+    assert "resume of session 'resumed-done': already finished (length): sent what the client lacked; " in line
+    assert "5 output tokens" in line
+
+
 def test_a_request_past_its_deadline_is_counted_and_logged_as_deadline_exceeded_not_cancelled(traced_stack):
     """The call's deadline ends the stream as a client's cancel does (the handler is cancelled);
     it used to be counted and logged as CANCELLED."""
