@@ -3,8 +3,11 @@
 Incremental detokenization decodes a short window (from `prefix_offset`) twice:
 once up to what was already emitted (`read_offset`) and once to the end, and
 emits the difference; a window that ends inside a multi-byte character (decodes
-to U+FFFD) waits for the next tokens. Text that could still grow into a stop
-string is held back, so the stream never shows part of a stop string.
+to U+FFFD) waits for the next tokens. Tokens are added one at a time, so a
+character split over tokens holds back only itself, never the characters a cycle
+committed before it, and at the end (`flush`) what a last incomplete character
+held back is emitted and that character dropped. Text that could still grow into
+a stop string is held back, so the stream never shows part of a stop string.
 """
 
 from __future__ import annotations
@@ -33,33 +36,53 @@ class TextStream:
         """Append tokens; look for stop strings in the text they add. Returns how many of
         `new_ids` the output keeps: all of them, or those up to the one that completed a stop
         string. Once a stop string was found the output is complete: the tokens a cycle
-        committed past it, and any added later, are not kept (nor counted, nor sent)."""
+        committed past it, and any added later, are not kept (nor counted, nor sent).
+
+        One token at a time (see the module doc): a cycle's tokens decoded as one window that
+        ended inside a character used to hold back the whole window, and lose it when the
+        output ended there (three emojis streamed as one)."""
         if self.stopped:
             return 0
-        if not self.stop:
-            self.ids.extend(new_ids)
-            self.text += self._decode_delta()
-            return len(new_ids)
-        # One token at a time, to know which token completes a stop string.
         for kept, token in enumerate(new_ids, 1):
-            searched = max(0, len(self.text) - max_len(self.stop) + 1)  # no stop string ends before
             self.ids.append(token)
-            self.text += self._decode_delta()
-            cut = first_stop(self.text, self.stop, searched)
-            if cut is not None:
-                self.text = self.text[:cut]
-                self.stopped = True
+            if self._extend(self._decode_delta()):
                 return kept
         return len(new_ids)
 
+    def flush(self) -> None:
+        """The output ended: emit the characters a window held back for an incomplete
+        character after them, and drop that character (its other tokens never came)."""
+        if self.stopped:
+            return
+        decode = self.tokenizer.decode
+        prefix = decode(self.ids[self.prefix_offset : self.read_offset], skip_special_tokens=True)
+        full = decode(self.ids[self.prefix_offset :], skip_special_tokens=True).rstrip(REPLACEMENT_CHAR)
+        self.prefix_offset = self.read_offset = len(self.ids)
+        if len(full) > len(prefix):
+            self._extend(full[len(prefix) :])  # a stop string in it cuts the text there
+
     def take(self, final: bool = False) -> str:
-        """Text ready to stream: all of it when final, else all that cannot begin a stop string."""
+        """Text ready to stream: all of it when final (after `flush`), else all that cannot
+        begin a stop string."""
+        if final:
+            self.flush()
         end = len(self.text)
         if not final and not self.stopped and self.stop:
             end = max(self.emitted, end - partial_stop_length(self.text, self.stop))
         delta = self.text[self.emitted : end]
         self.emitted = end
         return delta
+
+    def _extend(self, delta: str) -> bool:
+        """Append decoded text and look for a stop string where it could end; True when one
+        was found (the text is cut before it)."""
+        searched = max(0, len(self.text) - max_len(self.stop) + 1)  # no stop string ends before
+        self.text += delta
+        cut = first_stop(self.text, self.stop, searched) if self.stop and delta else None
+        if cut is not None:
+            self.text = self.text[:cut]
+            self.stopped = True
+        return self.stopped
 
     def _decode_delta(self) -> str:
         decode = self.tokenizer.decode

@@ -239,6 +239,44 @@ def test_the_output_tokens_end_with_the_token_that_completes_the_stop_string():
     assert checked > 250
 
 
+def byte_level_tokenizer():
+    """A tokenizer with one token per UTF-8 byte (byte-level BPE without merges), as
+    SmolLM2's splits a character it has no token for: é is 2 tokens, 日 3, 👌 4."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {byte: i for i, byte in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    return PreTrainedTokenizerFast(tokenizer_object=backend)
+
+
+def test_characters_split_over_tokens_stream_whole_however_the_tokens_are_chunked():
+    """Streamed in chunks of 1 to 8 tokens (a cycle's), or replayed one by one (Resume), the
+    text is the tokens' decoded text, less a last character whose tokens did not all come. A
+    chunk that ended inside a character used to hold back all of the chunk, and to lose it
+    when the output ended there (three emojis streamed as one)."""
+    tokenizer = byte_level_tokenizer()
+    rng = np.random.default_rng(7)
+    pieces = ["a", " b", "é", "日本", "👌🏼", "!\n"]
+    ended_inside = 0
+    for _ in range(200):
+        ids = tokenizer("".join(rng.choice(pieces, 12)), add_special_tokens=False)["input_ids"]
+        ids = ids[: len(ids) - int(rng.integers(0, 3))]  # often ends inside a character
+        expected = tokenizer.decode(ids).rstrip("\ufffd")
+        ended_inside += expected != tokenizer.decode(ids)
+        cuts = [0, *np.cumsum(rng.integers(1, 9, len(ids))).tolist()]
+        for chunks in ([ids[a:b] for a, b in zip(cuts, cuts[1:])], [[token] for token in ids]):
+            stream, streamed = TextStream(tokenizer), []
+            for chunk in chunks:
+                stream.add(chunk)
+                streamed.append(stream.take())
+            streamed.append(stream.take(final=True))
+            assert "".join(streamed) == stream.text == expected, (ids, chunks)
+    assert ended_inside > 30  # 44 of the 200 end inside a character
+
+
 def test_first_stop_picks_the_earliest_of_several():
     assert first_stop("xx STOP yy END", ["END", "STOP"], 0) == 3
 
