@@ -18,7 +18,7 @@ from specdec.ngram import DEFAULT_K, DEFAULT_MAX_NGRAM, DEFAULT_MIN_NGRAM, NGRAM
 from specdec.ranges import (
     AT_LEAST_ONE, DEFAULT_DRAIN_S, DEFAULT_MAX_BATCH, DEFAULT_RETRIES, DEFAULT_WAIT_MS, DRAIN_S, MAX_NEW_TOKENS,
     METRICS_PORT, PER_CALLER, PORT, RETRIES, SECONDS, SEED, REPLICA_REFRESH_S, SERVICE_PORT, TEMPERATURE, THREADS,
-    TOP_K, TOP_P, UINT32, WAIT_MS, WAIT_REPLICAS, Range, grpc_address, listen_host, undecodable, utf8_text,
+    TOP_K, TOP_P, UINT32, WAIT_MS, WAIT_REPLICAS, Range, grpc_address, listen_host, stop_text, undecodable, utf8_text,
 )
 
 DEFAULT_ADDRESS = "127.0.0.1:50051"
@@ -452,8 +452,9 @@ def add_generate_flags(p: argparse.ArgumentParser) -> None:
     env_flag(p, "--seed", "SPECDEC_SEED", default=None, type=SEED, help="seed for reproducible sampling")
     env_flag(p, "--k", "SPECDEC_K", default=None, type=k_value,
              help="K, tokens drafted per cycle, or `adaptive` (server default when unset)")  # fmt: skip
-    env_flag(p, "--stop", "SPECDEC_STOP", default=None, type=utf8_text, action="append",
-             help="stop string (repeatable; the variable holds one)")  # fmt: skip
+    env_flag(p, "--stop", "SPECDEC_STOP", default=None, type=stop_text, action="append",
+             help="stop string (repeatable; the variable holds one); \\n, \\t, \\r and \\\\ in it are a newline, "
+                  "a tab, a carriage return and a backslash, e.g. --stop '\\n\\n'")  # fmt: skip
     env_flag(p, "--no-speculate", "SPECDEC_NO_SPECULATE", action="store_true", help="plain target decoding")
     env_flag(p, "--pipeline", "SPECDEC_PIPELINE", default=None, choices=["on", "off"],
              help="draft the next cycle during verification (default: the server's setting)")  # fmt: skip

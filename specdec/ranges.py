@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import re
 from dataclasses import dataclass
 
 
@@ -132,6 +133,17 @@ def utf8_text(text: str) -> str:
     if problem := text_problem("the text", text):
         raise argparse.ArgumentTypeError(problem)
     return text
+
+
+# What --stop reads as an escape: a shell passes `--stop "\n"` as a backslash and an n.
+STOP_ESCAPES = {"n": "\n", "t": "\t", "r": "\r", "\\": "\\"}
+
+
+def stop_text(text: str) -> str:
+    """argparse type of a stop string: utf8_text, with \\n, \\t, \\r and \\\\ read as a newline,
+    a tab, a carriage return and one backslash (what a user typing `--stop "\\n\\n"` means, as
+    llama.cpp reads its own strings); any other backslash stays as it is."""
+    return re.sub(r"\\([ntr\\])", lambda escape: STOP_ESCAPES[escape.group(1)], utf8_text(text))
 
 
 def sampling_problem(temperature: object, top_k: object, top_p: object, seed: object = None) -> str | None:

@@ -308,6 +308,18 @@ def test_specdec_stop_holds_one_stop_string_and_stop_flags_replace_it(monkeypatc
     assert "SPECDEC_STOP='\\udce9' is not a valid value for --stop: the text is not UTF-8: byte 0xe9" in capsys.readouterr().err
 
 
+def test_stop_flags_read_backslash_n_t_r_as_the_characters_a_shell_passes_as_two(monkeypatch):
+    """`--stop "\\n"` reaches the program as a backslash and an n, a stop string the model
+    hardly ever writes; it used to be that, where the user meant a newline."""
+    from specdec.cli import build_parser
+
+    parsed = build_parser().parse_args(["generate", "hi", "--stop", "\\n\\n", "--stop", "a\\tb\\r", "--stop", "c:\\\\n"])
+    assert parsed.stop == ["\n\n", "a\tb\r", "c:\\n"]
+    assert build_parser().parse_args(["generate", "hi", "--stop", "\\d+ é"]).stop == ["\\d+ é"]  # others stay
+    monkeypatch.setenv("SPECDEC_STOP", "\\n")
+    assert build_parser().parse_args(["trace", "hi"]).stop == ["\n"]
+
+
 def test_the_statistics_line_gives_tokens_per_drafting_cycle_only_when_something_was_drafted():
     """`--no-speculate` (20 tokens in 6 plain calls) used to print "1.00 tokens/cycle"."""
     from specdec.cli import format_stats
