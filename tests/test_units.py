@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from coordinator.text import TextStream, first_stop
+from coordinator.text import TextStream, first_stop, partial_stop_length
 from specdec.ngram import (
     LOOKUP_FILE, find_continuation, lookup_token, mix_lookup, parse_lookup_weights, read_lookup_file,
     resolve_lookup_weights, write_lookup_file,
@@ -275,6 +275,21 @@ def test_characters_split_over_tokens_stream_whole_however_the_tokens_are_chunke
             streamed.append(stream.take(final=True))
             assert "".join(streamed) == stream.text == expected, (ids, chunks)
     assert ended_inside > 30  # 44 of the 200 end inside a character
+
+
+def test_partial_stop_length_is_the_longest_end_of_the_text_that_begins_a_stop_string():
+    """Against its definition, over short texts and stop strings of two- and four-letter
+    alphabets (so that ends and beginnings overlap often)."""
+    rng = np.random.default_rng(9)
+    overlapping = 0
+    for _ in range(5000):
+        alphabet = list("ab") if rng.random() < 0.5 else list("abc ")
+        text = "".join(rng.choice(alphabet, int(rng.integers(0, 12))))
+        stop = ["".join(rng.choice(alphabet, int(rng.integers(1, 7)))) for _ in range(int(rng.integers(1, 4)))]
+        defined = max((n for s in stop for n in range(1, len(s)) if text.endswith(s[:n])), default=0)
+        assert partial_stop_length(text, stop) == defined, (text, stop)
+        overlapping += defined > 1
+    assert overlapping > 1000
 
 
 def test_first_stop_picks_the_earliest_of_several():
