@@ -315,7 +315,10 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
                     log.warning("could not renew %d places of a caller (%s)", len(held), type(exc).__name__)
 
     async def generate(self, request: pb.GenerateRequest, context, caller: str):
-        plan = self.plan(request)
+        # Tokenizing (and rendering a chat) off the event loop every stream shares: a prompt at
+        # the character limit takes ~50 ms (the tokenizer lets go of the GIL meanwhile).
+        prompt = await asyncio.to_thread(self.prompt_ids, request)
+        plan = self.plan(request, prompt)
         # Refused here (e.g. the id is taken), the request never touches the session again:
         # only a session this request created is finished and released below.
         try:
@@ -493,10 +496,10 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             )
         metrics.e2e_latency.observe(time.perf_counter() - started)
 
-    def plan(self, request: pb.GenerateRequest) -> Plan:
-        """Validate a GenerateRequest into a Plan (InvalidArgument / OutOfRange otherwise)."""
+    def plan(self, request: pb.GenerateRequest, prompt: list[int]) -> Plan:
+        """Validate a GenerateRequest, whose prompt tokenized to `prompt` (prompt_ids), into a
+        Plan (InvalidArgument / OutOfRange otherwise)."""
         cfg = self.config
-        prompt = self.prompt_ids(request)
         max_new = request.max_new_tokens if request.HasField("max_new_tokens") else cfg.default_max_new_tokens
         if max_new < 1:
             raise InvalidArgument(f"max_new_tokens must be at least 1, got {max_new}")
@@ -611,6 +614,9 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         return n, max(n, DEFAULT_MAX_NGRAM)
 
     def prompt_ids(self, request: pb.GenerateRequest) -> list[int]:
+        """The request's prompt as token ids: its prompt_token_ids, its messages through the
+        chat template, or its text tokenized; InvalidArgument / ResourceExhausted when it is
+        not one of them, empty, or over --max-prompt-tokens. Run off the event loop."""
         limit = self.config.max_prompt_tokens
         given = [name for name in ("prompt", "prompt_token_ids", "messages") if getattr(request, name)]
         if len(given) > 1:
