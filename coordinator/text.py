@@ -52,14 +52,8 @@ class TextStream:
     def flush(self) -> None:
         """The output ended: emit the characters a window held back for an incomplete
         character after them, and drop that character (its other tokens never came)."""
-        if self.stopped:
-            return
-        decode = self.tokenizer.decode
-        prefix = decode(self.ids[self.prefix_offset : self.read_offset], skip_special_tokens=True)
-        full = decode(self.ids[self.prefix_offset :], skip_special_tokens=True).rstrip(REPLACEMENT_CHAR)
-        self.prefix_offset = self.read_offset = len(self.ids)
-        if len(full) > len(prefix):
-            self._extend(full[len(prefix) :])  # a stop string in it cuts the text there
+        if not self.stopped:
+            self._extend(self._decode_delta(final=True))  # a stop string in it cuts the text there
 
     def take(self, final: bool = False) -> str:
         """Text ready to stream: all of it when final (after `flush`), else all that cannot
@@ -84,10 +78,14 @@ class TextStream:
             self.stopped = True
         return self.stopped
 
-    def _decode_delta(self) -> str:
+    def _decode_delta(self, final: bool = False) -> str:
+        """The text the tokens after `read_offset` add (module doc): "" while the window ends
+        inside a character, unless `final`, where that last character is dropped instead."""
         decode = self.tokenizer.decode
         prefix = decode(self.ids[self.prefix_offset : self.read_offset], skip_special_tokens=True)
         full = decode(self.ids[self.prefix_offset :], skip_special_tokens=True)
+        if final:
+            full = full.rstrip(REPLACEMENT_CHAR)
         if len(full) > len(prefix) and not full.endswith(REPLACEMENT_CHAR):
             self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
             return full[len(prefix) :]
