@@ -348,8 +348,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         output = committed[len(plan.prompt):]
         # ~30 µs a token with SmolLM2's tokenizer: off the event loop every session shares.
         text = await asyncio.to_thread(replay_text, self.tokenizer, plan.stop, output)
-        if meta.get("status") == "finished" or finished_as(plan, text, committed):
-            text.flush()  # the text the stream's last chunk ended with
+        finished_as(plan, text, committed, meta.get("status") == "finished")  # a finished output's text is flushed
         if request.received_tokens > len(text.ids) or request.received_chars > len(text.text):
             raise OutOfRange(f"the client says it received {request.received_tokens} tokens and "
                              f"{request.received_chars} characters, but session {session_id!r} has "
@@ -469,12 +468,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             kept = text.add(outcome.tokens)
             metrics.observe_chunk(kept, now - started, None if last_chunk_at is None else now - last_chunk_at)
             last_chunk_at = now
-            if text.stopped:
-                finish = "stop"
-            elif outcome.eos:
-                finish = "eos"
-            elif outcome.length_reached:
-                finish = "length"
+            finish = finish_of(text, outcome.eos, outcome.length_reached)
             yield pb.GenerateChunk(
                 token_ids=outcome.tokens[:kept],
                 text=text.take(final=bool(finish)),
@@ -488,9 +482,10 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
                 break
         if not finish:
             # The loop ended on the context limit without a cycle saying so.
+            finish = finish_of(text, eos=False, length_reached=True)
             yield pb.GenerateChunk(
                 text=text.take(final=True),
-                finish_reason=pb.FINISH_REASON_LENGTH,
+                finish_reason=FINISH[finish],
                 stats=stats_pb(loop.stats, len(plan.prompt), time.perf_counter() - started, first_token_s),
                 session_id=plan.session_id,
             )
@@ -782,16 +777,25 @@ def replay_tokens(text: TextStream, tokens: list[int]) -> None:
         text.take()
 
 
-def finished_as(plan: Plan, text: TextStream, committed: list[int]) -> str:
-    """How a session with these committed tokens finished ("stop", "eos", "length"), or ""."""
-    generated = len(committed) - len(plan.prompt)
+def finish_of(text: TextStream, eos: bool, length_reached: bool) -> str:
+    """How the output streamed into `text` ends: "stop", "eos", "length", or "" (it goes on).
+    An output that ends is flushed first: the characters an incomplete last character held
+    back may complete a stop string (the stream used to say "length" or "eos" there, Resume "stop")."""
+    if eos or length_reached:
+        text.flush()
     if text.stopped:
         return "stop"
-    if generated and committed[-1] in plan.eos_token_ids:
-        return "eos"
-    if generated >= plan.max_new_tokens or (plan.max_context and len(committed) >= plan.max_context):
-        return "length"
-    return ""
+    return "eos" if eos else "length" if length_reached else ""
+
+
+def finished_as(plan: Plan, text: TextStream, committed: list[int], finished: bool = False) -> str:
+    """How a session with these committed tokens finished ("stop", "eos", "length"), or "";
+    one recorded as `finished` ended at least on "length" (a context limit)."""
+    generated = len(committed) - len(plan.prompt)
+    eos = bool(generated) and committed[-1] in plan.eos_token_ids
+    at_limit = bool(plan.max_context) and len(committed) >= plan.max_context
+    length = finished or generated >= plan.max_new_tokens or at_limit
+    return finish_of(text, eos, length)
 
 
 def catch_up_chunk(plan: Plan, text: TextStream, committed: list[int], received_tokens: int, stats: Stats,
@@ -799,7 +803,7 @@ def catch_up_chunk(plan: Plan, text: TextStream, committed: list[int], received_
     """Resume's first chunk: the committed tokens after the `received_tokens` the client has, the
     text after what `text` has emitted, the session's statistics, and its finish reason when the
     tokens end it (or, for a session recorded as `finished`, "length" at least)."""
-    finish = finished_as(plan, text, committed) or ("length" if finished else "")
+    finish = finished_as(plan, text, committed, finished)
     return pb.GenerateChunk(
         token_ids=text.ids[received_tokens:],
         text=text.take(final=bool(finish)),

@@ -239,14 +239,16 @@ def test_the_output_tokens_end_with_the_token_that_completes_the_stop_string():
     assert checked > 250
 
 
-def byte_level_tokenizer():
+def byte_level_tokenizer(merges: tuple[tuple[str, str], ...] = ()):
     """A tokenizer with one token per UTF-8 byte (byte-level BPE without merges), as
-    SmolLM2's splits a character it has no token for: é is 2 tokens, 日 3, 👌 4."""
+    SmolLM2's splits a character it has no token for: é is 2 tokens, 日 3, 👌 4. `merges`
+    (in the byte-level alphabet, where 0xC3 is "Ã") add tokens that span characters."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
     vocab = {byte: i for i, byte in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
-    backend = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    vocab.update({a + b: len(vocab) + i for i, (a, b) in enumerate(merges)})
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=list(merges)))
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     backend.decoder = decoders.ByteLevel()
     return PreTrainedTokenizerFast(tokenizer_object=backend)
@@ -275,6 +277,34 @@ def test_characters_split_over_tokens_stream_whole_however_the_tokens_are_chunke
             streamed.append(stream.take(final=True))
             assert "".join(streamed) == stream.text == expected, (ids, chunks)
     assert ended_inside > 30  # 44 of the 200 end inside a character
+
+
+def test_a_stop_string_completed_by_the_text_an_incomplete_last_character_held_back_ends_the_output_on_stop():
+    """"STOPé" tokenized with a token "P" + é's first byte: a stream that ends (length or eos)
+    after "STO" and that token has held "P" back, waiting for é's second byte. Flushed at the
+    end, "P" completes the stop string "STOP": the finish reason is "stop" and no text is sent,
+    in the stream and in Resume alike (the stream used to say "length" and Resume "stop")."""
+    from coordinator.cycles import Plan
+    from coordinator.server import finish_of, finished_as, replay_text
+
+    tokenizer = byte_level_tokenizer(merges=(("P", "Ã"),))
+    ids = tokenizer("STOPé", add_special_tokens=False)["input_ids"][:4]  # S T O P+0xC3
+    assert tokenizer.decode(ids) == "STOP\ufffd"
+    tokenizer.add_special_tokens({"eos_token": "<eos>"})
+    eos = tokenizer.eos_token_id
+    for stop, eos_end, reason, sent in ((["STOP"], False, "stop", ""), (["STOP"], True, "stop", ""),
+                                        (["STOPS"], False, "length", "STOP"), (["STOPS"], True, "eos", "STOP")):  # fmt: skip
+        output = ids + [eos] if eos_end else ids
+        stream = TextStream(tokenizer, stop)
+        stream.add(output)
+        assert stream.take() == ""  # "P" held back: é may follow
+        assert finish_of(stream, eos=eos_end, length_reached=not eos_end) == reason, (stop, eos_end)
+        assert stream.take(final=True) == sent
+        plan = Plan(session_id="s", prompt=[1], max_new_tokens=9 if eos_end else len(output),
+                    sampling=Sampling(0.0, 0, 1.0, 1), k=2, eos_token_ids=frozenset({eos}), max_context=0,
+                    draft_model="", draft_fingerprint="", stop=stop)  # fmt: skip
+        replayed = replay_text(tokenizer, stop, output)
+        assert finished_as(plan, replayed, [1, *output]) == reason and replayed.text == sent, (stop, eos_end)
 
 
 def test_partial_stop_length_is_the_longest_end_of_the_text_that_begins_a_stop_string():
