@@ -168,6 +168,13 @@ def open_channel(module, address: str, credentials: grpc.ChannelCredentials | No
     return module.secure_channel(address, credentials, options=options)
 
 
+def closed_client(kind: str) -> ValueError:
+    """The error of a call on a closed client (a closed file raises ValueError alike); gRPC's
+    own was "Cannot invoke RPC on closed channel!" (Client) or a UsageError (AsyncClient)."""
+    return ValueError(f"this specdec.{kind} is closed (close() was called, or its with block ended): "
+                      f"make a new {kind} to call the coordinator again")  # fmt: skip
+
+
 def auth_metadata(token: str | None) -> tuple[tuple[str, str], ...]:
     """The call metadata that sends `token`; ValueError for one no header can carry (token_problem)."""
     if token and (problem := token_problem(token)):
@@ -581,7 +588,13 @@ class Client:
         self._metadata = auth_metadata(token)
         self.retries = retries
         self._channel = open_channel(grpc, address, channel_credentials(tls_ca, credentials), retries, load_balancing)
-        self._stub = pb_grpc.CoordinatorStub(self._channel)
+        self._open_stub: pb_grpc.CoordinatorStub | None = pb_grpc.CoordinatorStub(self._channel)
+
+    @property
+    def _stub(self) -> pb_grpc.CoordinatorStub:
+        if self._open_stub is None:
+            raise closed_client("Client")
+        return self._open_stub
 
     def __enter__(self) -> "Client":
         return self
@@ -590,6 +603,8 @@ class Client:
         self.close()
 
     def close(self) -> None:
+        """Close the channel; a call after it raises ValueError."""
+        self._open_stub = None
         self._channel.close()
 
     def generate_stream(
@@ -715,7 +730,13 @@ class AsyncClient:
         self._metadata = auth_metadata(token)
         self.retries = retries
         self._channel = open_channel(grpc.aio, address, channel_credentials(tls_ca, credentials), retries, load_balancing)
-        self._stub = pb_grpc.CoordinatorStub(self._channel)
+        self._open_stub: pb_grpc.CoordinatorStub | None = pb_grpc.CoordinatorStub(self._channel)
+
+    @property
+    def _stub(self) -> pb_grpc.CoordinatorStub:
+        if self._open_stub is None:
+            raise closed_client("AsyncClient")
+        return self._open_stub
 
     async def __aenter__(self) -> "AsyncClient":
         return self
@@ -724,6 +745,8 @@ class AsyncClient:
         await self.close()
 
     async def close(self) -> None:
+        """Close the channel; a call after it raises ValueError."""
+        self._open_stub = None
         await self._channel.close()
 
     async def generate_stream(

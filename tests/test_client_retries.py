@@ -240,3 +240,27 @@ def test_a_load_balancing_policy_grpc_is_not_given_is_a_value_error_naming_the_c
     with pytest.raises(ValueError, match="load_balancing must be one of round_robin, pick_first, got 'random'"):
         specdec.Client("127.0.0.1:1", load_balancing="random")
     assert '"loadBalancingConfig": [{"pick_first": {}}]' in service_config(2, "pick_first")
+
+
+def test_a_call_on_a_closed_client_is_a_value_error_that_says_to_make_a_new_client(serve):
+    """After close() (or its with block), every method of Client and AsyncClient raises one
+    ValueError naming the client; gRPC's own errors differed ("Cannot invoke RPC on closed
+    channel!" from Client, a cygrpc UsageError, no ValueError, from AsyncClient)."""
+    address = serve(FlakyCoordinator(failures=0))
+    with specdec.Client(address) as client:
+        assert client.generate("x").text == "ab"
+    calls = [lambda: client.generate("x"), lambda: list(client.generate_stream("x")),
+             lambda: client.resume("s"), lambda: client.delete("s"), lambda: client.info()]  # fmt: skip
+    for call in calls:
+        with pytest.raises(ValueError, match=r"this specdec\.Client is closed .*: make a new Client"):
+            call()
+
+    async def closed_async_calls():
+        async with specdec.AsyncClient(address) as client:
+            assert (await client.generate("x")).text == "ab"
+        for call in (lambda: client.generate("x"), lambda: client.resume("s"), lambda: client.delete("s"),
+                     lambda: client.info()):  # fmt: skip
+            with pytest.raises(ValueError, match=r"this specdec\.AsyncClient is closed .*: make a new AsyncClient"):
+                await call()
+
+    asyncio.run(closed_async_calls())
