@@ -657,14 +657,17 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
                 return
         except Exception as exc:  # noqa: BLE001 - Redis down: free the caches anyway
             log.warning("recording the end of session %s: %s", session_id, exc)
-        await self.release(session_id)
+        await self.release(session_id, keep_for_reuse=True)
 
-    async def release(self, session_id: str) -> None:
-        """Free the session's caches on its draft and target replicas (failures logged)."""
+    async def release(self, session_id: str, keep_for_reuse: bool = False) -> None:
+        """Free the session's caches on its draft and target replicas (failures logged); a
+        finished session's are kept there for prefix reuse (`keep_for_reuse`), a deleted one's
+        dropped."""
+        request = pb.ReleaseRequest(session_id=session_id, keep_for_reuse=keep_for_reuse)
 
         async def release_on(replicas: Replicas):
             replica = replicas.pick(session_id)  # may raise Unavailable: no replica to ask
-            return await replica.stub.Release(pb.ReleaseRequest(session_id=session_id), timeout=RELEASE_TIMEOUT_S)
+            return await replica.stub.Release(request, timeout=RELEASE_TIMEOUT_S)
 
         calls = [release_on(replicas) for replicas in (self.drafts, self.targets)]
         for result in await asyncio.gather(*calls, return_exceptions=True):

@@ -320,6 +320,11 @@ def add_model_flags(p: argparse.ArgumentParser, prefix: str, model: str) -> None
              help="sessions one forward pass takes at most: the target's Verify calls, or a model draft's "
                   "drafting steps, that wait while a pass runs share the next one, which reads the weights "
                   "once for all of them (1 = one session a pass)")  # fmt: skip
+    env_flag(p, "--no-prefix-reuse", f"{prefix}_NO_PREFIX_REUSE", action="store_true",
+             help="feed every new session's whole prompt to the model, instead of copying the beginning it "
+                  "shares with an idle session's context (a chat's earlier turns, a common system prompt) from "
+                  "that session's KV cache; reuse makes such a prompt's first token sooner, and so tells a "
+                  "caller, by timing, that another session began alike")  # fmt: skip
     env_flag(p, "--allow-unauthenticated", "SPECDEC_ALLOW_UNAUTHENTICATED", action="store_true",
              help="serve without mutual TLS and without an internal token (development only)")  # fmt: skip
 
@@ -554,7 +559,7 @@ def run_serve(args) -> NoReturn:
             model=args.model, redis_url=args.redis_url, host=args.host, port=args.port, max_k=args.max_k,
             max_sessions=args.max_sessions, dtype=args.dtype, device=args.device, metrics_port=args.metrics_port,
             max_cache_mb=args.max_cache_mb, allow_unauthenticated=args.allow_unauthenticated, security=security,
-            max_batch=args.max_batch,
+            max_batch=args.max_batch, prefix_reuse=not args.no_prefix_reuse,
         )  # fmt: skip
         if args.service == "draft":
             from draft_service.server import DraftConfig, serve

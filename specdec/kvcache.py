@@ -42,6 +42,7 @@ from transformers.cache_utils import DynamicLayer
 
 from specdec import plain_forward
 from specdec.errors import FailedPrecondition, InvalidArgument, NotFound, OutOfRange, ResourceExhausted
+from specdec.session import DEFAULT_TTL_S
 from specdec.wire import check_token_ids
 
 FetchCommitted = Callable[[str, int, int], Awaitable[list[int]]]
@@ -52,6 +53,9 @@ FetchCommitted = Callable[[str, int, int], Awaitable[list[int]]]
 PREFILL_CHUNK = 256
 # How often a read of committed tokens is repeated while a commit is awaited (`wait_s`).
 COMMIT_POLL_S = 0.002
+# Fewest leading tokens a new session copies from another session's cache (prefix reuse:
+# `find_prefix`); fewer are fed to the model as any other prompt.
+MIN_PREFIX_REUSE = 16
 
 
 @dataclass
@@ -374,7 +378,13 @@ def crop_cache(cache: DynamicCache | None, length: int) -> None:
 class SessionPool:
     """Sessions held by one service. The least recently used idle session is evicted
     when a new one would exceed `max_sessions`, or when the caches hold more than
-    `max_cache_bytes` (0 = no limit); a session in a running call is never evicted."""
+    `max_cache_bytes` (0 = no limit); a session in a running call is never evicted.
+
+    A session released as finished with `retire` is kept as a retired session: no longer
+    served, but its cache may give a later session its beginning (`find_prefix`). Retired
+    sessions count in the memory limit, at most `max_sessions` are kept, they go first
+    (oldest first) whenever room is needed, before any session still in use, and none is kept
+    longer than `retired_s` (by default as long as Redis keeps a finished session's record)."""
 
     def __init__(
         self,
@@ -382,6 +392,7 @@ class SessionPool:
         new_cache: Callable[[], DynamicCache | None],
         on_change: Callable[["SessionPool"], None] | None = None,
         max_cache_bytes: int = 0,
+        retired_s: float = DEFAULT_TTL_S,
     ):
         if max_sessions < 1:
             raise ValueError("max_sessions must be at least 1")
@@ -393,6 +404,9 @@ class SessionPool:
         # Called after the set of held sessions changed (metrics).
         self.on_change = on_change or (lambda pool: None)
         self.sessions: collections.OrderedDict[str, SessionState] = collections.OrderedDict()
+        # Finished sessions kept for prefix reuse, oldest first.
+        self.retired: collections.OrderedDict[str, SessionState] = collections.OrderedDict()
+        self.retired_s = retired_s
         self.evictions = 0
 
     def __len__(self) -> int:
@@ -405,7 +419,8 @@ class SessionPool:
     def bytes_held(self) -> int:
         """KV cache bytes of all sessions: measured now for those in a call, as of the end
         of their last call for the others."""
-        return sum(cache_bytes(s.cache) if s.busy else s.nbytes for s in self.sessions.values())
+        states = (*self.sessions.values(), *self.retired.values())
+        return sum(cache_bytes(s.cache) if s.busy else s.nbytes for s in states)
 
     async def acquire(self, session_id: str, exists: Callable[[str], Awaitable[bool]]) -> SessionState:
         """The held state of a session, or a fresh one if Redis knows the session."""
@@ -435,20 +450,31 @@ class SessionPool:
                 self._trim_memory()
                 self.on_change(self)
 
-    def release(self, session_id: str) -> bool:
-        released = self.sessions.pop(session_id, None) is not None
+    def release(self, session_id: str, retire: bool = False) -> bool:
+        """Stop serving a session; True if it was held. `retire` (it finished): keep its cache
+        for prefix reuse while room allows (class doc); else drop it, retired or not."""
+        state = self.sessions.pop(session_id, None)
+        dropped = self.retired.pop(session_id, None)
+        if retire and (kept := state or dropped) is not None and len(kept.held) >= MIN_PREFIX_REUSE:
+            kept.last_used = time.monotonic()
+            self.retired[session_id] = kept
+            self.drop_expired()
+            while len(self.retired) > self.max_sessions:
+                self.retired.popitem(last=False)
+            self._trim_memory()
         self.on_change(self)
-        return released
+        return state is not None
 
     def _over_memory(self) -> bool:
         return bool(self.max_cache_bytes) and self.bytes_held > self.max_cache_bytes
 
     def _make_room(self) -> None:
-        """Evict idle sessions until a new one fits (ResourceExhausted when none is idle)."""
+        """Drop retired sessions, then evict idle ones, until a new one fits (ResourceExhausted
+        when none is idle)."""
         while len(self.sessions) >= self.max_sessions or (
             self.max_cache_bytes and self.bytes_held >= self.max_cache_bytes
         ):
-            if not self._evict_idle():
+            if not (len(self.sessions) < self.max_sessions and self._drop_retired() or self._evict_idle()):
                 held_mb = self.bytes_held / 2**20
                 raise ResourceExhausted(
                     f"all {len(self.sessions)} held sessions ({held_mb:.1f} MiB of KV cache) are in running "
@@ -457,8 +483,20 @@ class SessionPool:
                 )
 
     def _trim_memory(self) -> None:
-        while self._over_memory() and self._evict_idle():
+        while self._over_memory() and (self._drop_retired() or self._evict_idle()):
             pass
+
+    def drop_expired(self) -> None:
+        """Drop the sessions retired more than `retired_s` ago."""
+        while self.retired and next(iter(self.retired.values())).last_used < time.monotonic() - self.retired_s:
+            self.retired.popitem(last=False)
+
+    def _drop_retired(self) -> bool:
+        """Drop the oldest retired session; False when there is none."""
+        if not self.retired:
+            return False
+        self.retired.popitem(last=False)
+        return True
 
     def _evict_idle(self) -> bool:
         """Evict the least recently used session not in a call; False when all are busy."""
@@ -468,6 +506,56 @@ class SessionPool:
         del self.sessions[idle]
         self.evictions += 1
         return True
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many leading tokens `a` and `b` share."""
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def find_prefix(pool: SessionPool, state: SessionState) -> tuple[SessionState, int] | None:
+    """Prefix reuse: (the idle or retired session of `pool` whose held tokens begin with the longest run of
+    `state`'s pending tokens, that run's length), when `state` holds nothing yet and the run is
+    at least MIN_PREFIX_REUSE tokens (never the last pending token, whose logits its call needs);
+    else None. A chat's next turn (a new session whose prompt is the conversation so far) finds
+    the previous turn's session; requests sharing a long system prompt find each other. Only
+    caches of GrowingLayers (full attention) are reused: a sliding window drops positions."""
+    limit = len(state.pending) - 1
+    if state.held or limit < MIN_PREFIX_REUSE or not growing_only(state.cache):
+        return None
+    pool.drop_expired()
+    head, wanted = state.pending[:MIN_PREFIX_REUSE], state.pending[:limit]
+    best, longest = None, MIN_PREFIX_REUSE - 1
+    for other in (*pool.sessions.values(), *pool.retired.values()):
+        if other is state or other.busy or other.lock.locked() or other.held[:MIN_PREFIX_REUSE] != head:
+            continue
+        if growing_only(other.cache) and (n := common_prefix(other.held, wanted)) > longest:
+            best, longest = other, n
+    return (best, longest) if best is not None else None
+
+
+def growing_only(cache: DynamicCache | None) -> bool:
+    return cache is not None and all(isinstance(layer, GrowingLayer) for layer in cache.layers)
+
+
+@torch.inference_mode()
+def take_prefix(source: DynamicCache, state: SessionState, n: int) -> None:
+    """Copy the first `n` positions of `source` (another session's cache, whose held tokens
+    begin with `state`'s first n pending ones) into `state`'s empty cache, and move those
+    tokens from pending to held: what feeding them would give, up to float rounding, for a
+    copy (SmolLM2-135M: 46 KB a token) instead of a forward pass. Run on the model worker,
+    where no pass of `source`'s session can run meanwhile; its buffers are read, not its
+    `keys`, whose length a crop on the event loop may shorten (a crop leaves the buffers as
+    they are, and only a pass, queued after this, writes them)."""
+    for copied, layer in zip(source.layers, state.cache.layers):
+        layer.update(copied.key_buffer[:, :, :n], copied.value_buffer[:, :, :n])  # [1, H, n, D] each
+    state.feed(state.pending[:n])
+    del state.pending[:n]
 
 
 @torch.inference_mode()

@@ -24,6 +24,7 @@ Draft and target:
     specdec:sessions_held{service}               sessions whose KV cache is held
     specdec:cache_evictions{service}             sessions evicted (least recently used)
     specdec:prefill_chunks{service}              passes that fed a chunk of a long prompt (chunked prefill)
+    specdec:prefix_reused_tokens{service}        prompt tokens copied from another session's cache
 """
 
 from __future__ import annotations
@@ -135,6 +136,11 @@ class ModelServiceMetrics:
         self.prefill_chunks = Counter(
             "specdec:prefill_chunks", "Passes that fed a chunk of a long prompt (or of a context rebuilt from Redis) "
             "before the pass of its call (chunked prefill: model_service.prefill).", ["service"], registry=r,
+        ).labels(service=service)  # fmt: skip
+        self.prefix_reused_tokens = Counter(
+            "specdec:prefix_reused_tokens", "Tokens of a new session's context copied from the KV cache of an idle "
+            "session that began alike instead of fed to the model (prefix reuse: kvcache.find_prefix).",
+            ["service"], registry=r,
         ).labels(service=service)  # fmt: skip
         self._evictions_seen = 0
 

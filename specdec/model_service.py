@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 from specdec import serving, telemetry
 from specdec.errors import FailedPrecondition, InvalidArgument, OutOfRange, Unavailable, grpc_handler
-from specdec.kvcache import PREFILL_CHUNK, SessionPool, SessionState, feed_pending
+from specdec.kvcache import PREFILL_CHUNK, SessionPool, SessionState, feed_pending, find_prefix, take_prefix
 from specdec.metrics import ModelServiceMetrics
 from specdec.ranges import DEFAULT_MAX_BATCH
 from specdec.security import ServerSecurity, require_caller_credential
@@ -42,6 +42,10 @@ class ModelServiceConfig:
     # a model draft's drafting steps, that wait while a pass runs share the next one; 1 = one
     # session a pass.
     max_batch: int = DEFAULT_MAX_BATCH
+    # Copy a new session's first tokens from the cache of an idle session that holds them
+    # (kvcache.find_prefix). Off: every session feeds its whole prompt (no timing that tells a
+    # caller another session's prompt began as theirs, where callers must not learn that).
+    prefix_reuse: bool = True
     # TLS / mutual TLS, and the internal token(s) the coordinator must send.
     security: ServerSecurity = field(default_factory=ServerSecurity)
     # Serve without mTLS and without an internal token (development only).
@@ -125,13 +129,20 @@ class ModelService:
                 raise
 
     async def prefill(self, state: SessionState) -> None:
-        """See `prefill`: the session's long pending context fed to this service's model."""
-        if self.model is not None:
-            await prefill(self.worker, self.model, state, self.metrics.prefill_chunks.inc)
+        """A session's pending context before its call's pass: its beginning copied from an
+        idle session that holds it (prefix reuse, `kvcache.find_prefix`; off with
+        --no-prefix-reuse), then what is still long fed in chunks (`prefill`)."""
+        if self.model is None:
+            return
+        if self.config.prefix_reuse and (found := find_prefix(self.ready(), state)):
+            donor, n = found
+            await self.worker.run(take_prefix, donor.cache, state, n)
+            self.metrics.prefix_reused_tokens.inc(n)
+        await prefill(self.worker, self.model, state, self.metrics.prefill_chunks.inc)
 
     @grpc_handler
     async def Release(self, request: pb.ReleaseRequest, context):
-        return pb.ReleaseResponse(released=self.ready().release(request.session_id))
+        return pb.ReleaseResponse(released=self.ready().release(request.session_id, retire=request.keep_for_reuse))
 
     @grpc_handler
     async def ModelInfo(self, request, context):

@@ -5,11 +5,15 @@ cache gives the same logits as transformers' DynamicCache through appends, crops
 rejected draft) and growth; a packed model gives the same greedy tokens and logits within
 float32 tolerance, on the single-row path of one thread bit for bit."""
 
+import time
+
 import pytest
 import torch
 from transformers import DynamicCache
 
-from specdec.kvcache import GrowingLayer, cache_bytes, crop_cache, forward, new_cache
+from specdec.kvcache import (
+    GrowingLayer, SessionPool, SessionState, cache_bytes, crop_cache, find_prefix, forward, new_cache, take_prefix,
+)  # fmt: skip
 from specdec.models import build_tiny_model, build_tiny_tokenizer, load_model, save_model
 from specdec import packed as packed_module
 from specdec.packed import (
@@ -360,3 +364,109 @@ def test_the_in_place_caches_views_follow_its_buffers_through_a_crop_and_cannot_
     assert layer.keys.data_ptr() == layer.key_buffer.data_ptr()
     with pytest.raises(AttributeError, match="follow its buffers"):
         layer.keys = layer.key_buffer
+
+
+# ---------------------------------------------------------------- prefix reuse
+
+
+def prefilled(model, session_id: str, tokens: list[int]) -> SessionState:
+    """A session as a model service holds it after its calls: `tokens` fed but the last (pending)."""
+    state = SessionState(session_id, cache=new_cache(model.config), pending=[tokens[-1]])
+    forward(model, state.cache, tokens[:-1])
+    state.feed(tokens[:-1])
+    return state
+
+
+def test_a_new_session_copies_the_beginning_an_idle_session_holds_and_its_logits_are_those_of_feeding_it(model):
+    """A prompt whose first 110 tokens another session's cache covers takes them from it
+    (find_prefix, take_prefix): the cache and the logits after are those of feeding the whole
+    prompt. The other session is cropped (as a call beginning on the event loop does) between
+    the choice and the copy: the copy reads its buffers, which a crop leaves as they are."""
+    tokens = torch.randint(1, 30, (150,), generator=torch.Generator().manual_seed(4)).tolist()
+    prompt = tokens[:110] + [31, *tokens[111:130]]  # parts at token 110
+    pool = SessionPool(8, lambda: new_cache(model.config))
+    pool.sessions["other"] = prefilled(model, "other", tokens)
+    state = pool.sessions["new"] = SessionState("new", cache=new_cache(model.config), pending=list(prompt))
+    donor, n = find_prefix(pool, state)
+    assert donor is pool.sessions["other"] and n == 110
+    crop_cache(donor.cache, 40)
+    take_prefix(donor.cache, state, n)
+    assert state.held == prompt[:110] and state.pending == prompt[110:] and state.cache.get_seq_length() == 110
+    fed = new_cache(model.config)
+    expected = forward(model, fed, prompt, keep=len(prompt) - 110)
+    torch.testing.assert_close(forward(model, state.cache, state.pending, keep=len(state.pending)), expected,
+                               rtol=0, atol=1e-5)  # fmt: skip
+
+
+def test_prefix_reuse_leaves_the_last_token_pending_and_takes_nothing_short_busy_or_held_already(model):
+    tokens = torch.randint(1, 30, (100,), generator=torch.Generator().manual_seed(5)).tolist()
+    pool = SessionPool(8, lambda: new_cache(model.config))
+    other = pool.sessions["other"] = prefilled(model, "other", tokens)
+
+    def found(pending, held=()):
+        state = SessionState("new", cache=new_cache(model.config), held=list(held), pending=list(pending))
+        return (lambda hit: hit and hit[1])(find_prefix(pool, state))
+
+    assert found(tokens[:60]) == 59  # the whole prompt is held elsewhere: its last token stays pending
+    assert found(tokens) == 99  # all the other session holds
+    assert found(tokens[:15] + [31] * 40) is None  # 15 tokens in common: fed, not copied
+    assert found(tokens[:16] + [31] * 40) == 16
+    assert found(tokens[:60], held=[1]) is None  # the session holds tokens already
+    other.busy = True
+    assert found(tokens[:60]) is None  # a session in a call is never read
+    other.busy = False
+
+
+def test_a_finished_session_is_kept_for_reuse_until_room_is_needed_or_it_expires_and_a_deleted_one_is_dropped(model):
+    """Release(keep_for_reuse) retires a finished session: still found by find_prefix, no longer
+    served; a Delete's release drops it. Retired sessions go first when memory runs short, before
+    the sessions still in use, at most max_sessions of them are kept, none past retired_s."""
+    tokens = torch.randint(1, 30, (100,), generator=torch.Generator().manual_seed(6)).tolist()
+    per_session = cache_bytes(prefilled(model, "x", tokens).cache)
+    pool = SessionPool(2, lambda: new_cache(model.config), max_cache_bytes=3 * per_session)
+    for name in ("a", "b", "c"):
+        pool.sessions[name] = prefilled(model, name, tokens)
+        pool.sessions[name].nbytes = per_session
+    assert pool.release("a", retire=True) and "a" not in pool and list(pool.retired) == ["a"]
+    assert find_prefix(pool, SessionState("new", cache=new_cache(model.config), pending=tokens[:50]))
+    assert pool.release("b", retire=True) and pool.release("c", retire=True)
+    assert list(pool.retired) == ["b", "c"]  # at most max_sessions (2) kept: the oldest dropped
+    assert pool.release("c") is False and list(pool.retired) == ["b"]  # deleted: dropped now
+    live = pool.sessions["d"] = prefilled(model, "d", tokens)
+    live.nbytes = per_session
+    pool.sessions["e"] = prefilled(model, "e", tokens)
+    pool.sessions["e"].nbytes = 2 * per_session  # 4 sessions' bytes in all, over the limit of 3
+    pool._trim_memory()
+    assert not pool.retired and list(pool.sessions) == ["d", "e"]  # the retired one went, no session in use
+    pool.retired_s = 0.05
+    assert pool.release("d", retire=True) and pool.release("e") and list(pool.retired) == ["d"]
+    time.sleep(0.1)
+    assert find_prefix(pool, SessionState("new", cache=new_cache(model.config), pending=tokens[:50])) is None
+    assert not pool.retired  # kept no longer than retired_s (Redis's TTL of the finished session's record)
+
+
+def test_a_model_service_copies_a_shared_beginning_unless_prefix_reuse_is_off(model, monkeypatch):
+    """ModelService.prefill with prefix_reuse (the default) takes a new session's beginning from
+    an idle session and counts it; with --no-prefix-reuse (or its variable) it feeds the prompt."""
+    import asyncio
+
+    from specdec.cli import build_parser
+    from specdec.model_service import ModelService, ModelServiceConfig
+    from specdec.v1 import specdec_pb2 as pb
+
+    tokens = torch.randint(1, 30, (100,), generator=torch.Generator().manual_seed(7)).tolist()
+
+    def prefilled_by(reuse: bool) -> tuple[int, float]:
+        service = ModelService(ModelServiceConfig(prefix_reuse=reuse), store=None, info=pb.ModelInfoResponse())
+        service.model, service.pool = model, SessionPool(8, lambda: new_cache(model.config))
+        service.pool.sessions["other"] = prefilled(model, "other", tokens)
+        state = service.pool.sessions["new"] = SessionState("new", cache=new_cache(model.config), pending=tokens[:80])
+        asyncio.run(service.prefill(state))
+        service.worker.shutdown()
+        return len(state.held), service.metrics.prefix_reused_tokens._value.get()
+
+    assert prefilled_by(True) == (79, 79.0) and prefilled_by(False) == (0, 0.0)
+    assert build_parser().parse_args(["serve", "target"]).no_prefix_reuse is False
+    assert build_parser().parse_args(["serve", "draft", "--no-prefix-reuse"]).no_prefix_reuse is True
+    monkeypatch.setenv("SPECDEC_TARGET_NO_PREFIX_REUSE", "1")
+    assert build_parser().parse_args(["serve", "target"]).no_prefix_reuse is True

@@ -248,6 +248,43 @@ def test_a_long_prompt_is_prefilled_in_chunks_by_both_model_services_and_the_out
     assert {name: chunks(name) - before[name] for name in before} == {"draft": 2, "target": 2}
 
 
+def test_a_prompt_that_begins_as_a_finished_sessions_context_is_copied_from_its_cache_and_the_output_is_the_targets_own(
+    traced_stack, tiny_models
+):
+    """A chat's next turn: a session of PREFILL_CHUNK + 60 tokens finishes, and a new one's
+    prompt is that prompt, its output and 40 tokens more. Both model services copy the new
+    prompt's first tokens from the finished session's cache (prefix reuse; Release keeps it),
+    so it needs no prefill chunk where it used to need one, and its greedy tokens are still the
+    target's own greedy decoding."""
+    import torch
+
+    from specdec.kvcache import PREFILL_CHUNK
+    from specdec.models import load_model
+
+    vocab = tiny_models.tokenizer.vocab_size
+    first = torch.randint(4, vocab, (PREFILL_CHUNK + 60,), generator=torch.Generator().manual_seed(9)).tolist()
+    ports = traced_stack.metrics_ports
+    count = lambda name, metric: scrape(ports[name]).get((metric, (("service", name),)), 0)
+    with specdec.Client(traced_stack.address) as client:
+        earlier = client.generate(prompt_token_ids=first, max_new_tokens=12, num_speculative_tokens=3).token_ids
+        prompt = first + earlier + torch.randint(4, vocab, (40,), generator=torch.Generator().manual_seed(10)).tolist()
+        deadline = time.monotonic() + 10
+        while any(count(name, "specdec:sessions_held") for name in ("draft", "target")):  # released, and retired
+            assert time.monotonic() < deadline, "the finished session should be released"
+            time.sleep(0.05)
+        before = {name: (count(name, "specdec:prefix_reused_tokens_total"), count(name, "specdec:prefill_chunks_total"))
+                  for name in ("draft", "target")}  # fmt: skip
+        result = client.generate(prompt_token_ids=prompt, max_new_tokens=12, num_speculative_tokens=3)
+    target = load_model(tiny_models.target).model
+    with torch.inference_mode():
+        expected = target.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                                   do_sample=False, max_new_tokens=12)[0, len(prompt) :].tolist()  # fmt: skip
+    assert result.token_ids == expected[: len(result.token_ids)] and result.stats.draft_tokens > 0
+    for name, (reused, chunks) in before.items():
+        assert len(first) <= count(name, "specdec:prefix_reused_tokens_total") - reused < len(prompt) - 40, name
+        assert count(name, "specdec:prefill_chunks_total") == chunks, name  # len(prompt) > PREFILL_CHUNK: one before
+
+
 def test_a_failed_request_is_counted_by_its_status(traced_stack):
     port = traced_stack.metrics_ports["coordinator"]
     before = scrape(port).get(("specdec:request_failure_total", (("status", "INVALID_ARGUMENT"),)), 0)

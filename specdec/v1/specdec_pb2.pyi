@@ -99,10 +99,12 @@ class ModelInfoResponse(_message.Message):
     def __init__(self, model: _Optional[str] = ..., kind: _Optional[str] = ..., vocab_size: _Optional[int] = ..., vocab_fingerprint: _Optional[str] = ..., max_context: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., max_k: _Optional[int] = ..., sessions_held: _Optional[int] = ..., cache_bytes: _Optional[int] = ..., cache_evictions: _Optional[int] = ..., min_ngram: _Optional[int] = ..., max_ngram: _Optional[int] = ..., default_k: _Optional[int] = ..., weights_fingerprint: _Optional[str] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
-    __slots__ = ("session_id",)
+    __slots__ = ("session_id", "keep_for_reuse")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    KEEP_FOR_REUSE_FIELD_NUMBER: _ClassVar[int]
     session_id: str
-    def __init__(self, session_id: _Optional[str] = ...) -> None: ...
+    keep_for_reuse: bool
+    def __init__(self, session_id: _Optional[str] = ..., keep_for_reuse: _Optional[bool] = ...) -> None: ...
 
 class ReleaseResponse(_message.Message):
     __slots__ = ("released",)
