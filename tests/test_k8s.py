@@ -173,6 +173,12 @@ def cpu_cores(quantity) -> float:
     return int(text[:-1]) / 1000 if text.endswith("m") else float(text)
 
 
+def mebibytes(quantity) -> float:
+    """A memory quantity (512Mi, 3Gi) in MiB."""
+    text = str(quantity)
+    return float(text[:-2]) * {"Mi": 1, "Gi": 1024}[text[-2:]]
+
+
 # ---------------------------------------------------------------- 1. render + strict schema
 
 
@@ -509,6 +515,13 @@ def check_model_placement(r: Render, service: str, args: argparse.Namespace, con
         assert args.device in ("cpu", "auto"), f"{service}: --device {args.device} without a GPU"
     cpu_limit = cpu_cores(container["resources"]["limits"]["cpu"])
     assert 1 <= args.threads <= math.ceil(cpu_limit), f"{service}: --threads {args.threads} vs {cpu_limit} CPUs"
+    # KV caches fill --max-cache-mb in steady use (finished sessions are kept for prefix reuse): on
+    # a CPU pod they share its memory limit with the model, so they may take half of it at most
+    if args.model != "ngram" and not gpus:
+        memory_limit = mebibytes(container["resources"]["limits"]["memory"])
+        assert 0 < args.max_cache_mb <= memory_limit / 2, (
+            f"{service}: --max-cache-mb {args.max_cache_mb} in a pod limited to {memory_limit:.0f} MiB"
+        )
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
