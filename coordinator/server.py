@@ -235,27 +235,30 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
     @grpc_handler
     async def Generate(self, request: pb.GenerateRequest, context):
         caller = caller_id(context.invocation_metadata(), self.config.security)
-        async for chunk in self.admitted(self.generate(request, context, caller), caller):
+        chunks = self.generate(request, context, caller)
+        async for chunk in self.admitted(chunks, caller, "request", request.session_id):
             yield chunk
 
     @grpc_handler
     async def Resume(self, request: pb.ResumeRequest, context):
         caller = caller_id(context.invocation_metadata(), self.config.security)
-        async for chunk in self.admitted(self.resume(request, context, caller), caller):
+        chunks = self.resume(request, context, caller)
+        async for chunk in self.admitted(chunks, caller, "resume", request.session_id):
             yield chunk
 
-    async def admitted(self, chunks, caller: str):
+    async def admitted(self, chunks, caller: str, verb: str, session_id: str):
         """`chunks` if this coordinator is ready and below its limit of requests at once, and
         `caller` (caller_id; "" = no API tokens, no limit of its own) below its limit over all
-        the coordinators of this Redis (take_place)."""
-        if (refused := self.refusal()) is not None:
-            reason, error = refused
-            self.metrics.requests_refused.labels(reason=reason).inc()
-            raise error
+        the coordinators of this Redis (take_place). A refusal is logged (the `verb` "request"
+        or "resume" of `session_id`)."""
+        with self.refusals(verb, session_id, caller):
+            if (refused := self.refusal()) is not None:
+                raise refused
         self.running += 1
         place = secrets.token_hex(16) if caller and self.config.max_requests_per_caller else ""
         try:
-            await self.take_place(caller, place)
+            with self.refusals(verb, session_id, caller):
+                await self.take_place(caller, place)
             async for chunk in chunks:
                 yield chunk
         finally:
@@ -264,15 +267,28 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
                 with contextlib.suppress(asyncio.CancelledError):
                     await asyncio.shield(self.spawn(self.give_back_place(caller, place)))
 
-    def refusal(self) -> tuple[str, Exception] | None:
-        """Why a call cannot start on this coordinator now (a reason for the metric and the
-        error to raise: starting, limit), or None."""
+    @contextlib.contextmanager
+    def refusals(self, verb: str, session_id: str, caller: str):
+        """Log a request that fails before its stream runs (its stream logs the rest:
+        describe_request), and count it in requests_refused: by its `refusal_reason` (a limit),
+        else by its status (invalid_argument, not_found, ...)."""
+        try:
+            yield
+        except Exception as exc:
+            reason = getattr(exc, "refusal_reason", "") or status_for(exc, quiet=True)[0].name.lower()
+            self.metrics.requests_refused.labels(reason=reason).inc()
+            log.info(describe_refusal(verb, session_id, caller, exc))
+            raise
+
+    def refusal(self) -> Exception | None:
+        """Why a call cannot start on this coordinator now (the error to raise, with the reason
+        requests_refused counts it under: starting, limit), or None."""
         if self.tokenizer is None:
-            return "starting", Unavailable("the coordinator is still starting; retry shortly")
+            return refusal_for("starting", Unavailable("the coordinator is still starting; retry shortly"))
         if self.running >= self.config.max_concurrent_requests:
-            return "limit", ResourceExhausted(
+            return refusal_for("limit", ResourceExhausted(
                 f"{self.running} requests are running, the limit of this coordinator; retry with back-off"
-            )
+            ))  # fmt: skip
         return None
 
     async def take_place(self, caller: str, place: str) -> None:
@@ -283,11 +299,10 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             return
         running = await self.store.admit(caller, place, self.config.max_requests_per_caller)
         if running is not None:
-            self.metrics.requests_refused.labels(reason="caller_limit").inc()
-            raise ResourceExhausted(
+            raise refusal_for("caller_limit", ResourceExhausted(
                 f"{running} requests of this API token's caller are running on the coordinators sharing this "
                 "Redis, the limit of one caller; retry with back-off once one ends"
-            )
+            ))  # fmt: skip
         self.places.setdefault(caller, set()).add(place)
         if self.renewer is None:
             self.renewer = asyncio.get_running_loop().create_task(self.renew_places())
@@ -317,20 +332,21 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
     async def generate(self, request: pb.GenerateRequest, context, caller: str):
         # Tokenizing (and rendering a chat) off the event loop every stream shares: a prompt at
         # the character limit takes ~50 ms (the tokenizer lets go of the GIL meanwhile).
-        prompt = await asyncio.to_thread(self.prompt_ids, request)
-        plan = self.plan(request, prompt)
-        # Refused here (e.g. the id is taken), the request never touches the session again:
-        # only a session this request created is finished and released below.
-        try:
-            await self.store.create(plan.session_id, plan.prompt, session_meta(plan, self, caller))
-        except NotReplicated:  # created on its Redis node, not yet on its replicas: resumable, not retried
+        with self.refusals("request", request.session_id, caller):
+            prompt = await asyncio.to_thread(self.prompt_ids, request)
+            plan = self.plan(request, prompt)
+            # Refused here (e.g. the id is taken), the request never touches the session again:
+            # only a session this request created is finished and released below.
+            try:
+                await self.store.create(plan.session_id, plan.prompt, session_meta(plan, self, caller))
+            except NotReplicated:  # created on its Redis node, not yet on its replicas: resumable, not retried
+                await context.send_initial_metadata((session_header(plan.session_id),))
+                raise
+            # The response headers commit the call: a client's retry policy (the SDK retries
+            # UNAVAILABLE) sends a call again only while no header came, that is only while no
+            # session was created for it, so a retry never finds its session id taken. They name
+            # the session: a stream that breaks after them is one the SDK may Resume.
             await context.send_initial_metadata((session_header(plan.session_id),))
-            raise
-        # The response headers commit the call: a client's retry policy (the SDK retries
-        # UNAVAILABLE) sends a call again only while no header came, that is only while no
-        # session was created for it, so a retry never finds its session id taken. They name
-        # the session: a stream that breaks after them is one the SDK may Resume.
-        await context.send_initial_metadata((session_header(plan.session_id),))
         text = TextStream(self.tokenizer, plan.stop)
         async for chunk in self.stream(plan, context, caller, text):
             yield chunk
@@ -340,28 +356,29 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         run of it still going stops at its next commit), send the client what it lacks, then go
         on generating. A finished session only gets what the client lacks (and a log line)."""
         started = time.monotonic()
-        session_id = check_session_id(request.session_id)
-        meta = await self.store.meta(session_id)
-        self.check_caller(session_id, meta, context, "resume")
-        committed = await self.store.tokens(session_id)
-        plan = self.resumed_plan(session_id, meta, committed)  # refused before the session is touched
-        output = committed[len(plan.prompt):]
-        # ~30 µs a token with SmolLM2's tokenizer: off the event loop every session shares.
-        text = await asyncio.to_thread(replay_text, self.tokenizer, plan.stop, output)
-        finished_as(plan, text, committed, meta.get("status") == "finished")  # a finished output's text is flushed
-        if request.received_tokens > len(text.ids) or request.received_chars > len(text.text):
-            raise OutOfRange(f"the client says it received {request.received_tokens} tokens and "
-                             f"{request.received_chars} characters, but session {session_id!r} has "
-                             f"{len(text.ids)} output tokens and {len(text.text)} characters so far")  # fmt: skip
-        if meta.get("status") != "finished":
-            plan.owner = secrets.token_hex(8)
-            meta, committed = await self.store.take_over(session_id, plan.owner)
-            replay_tokens(text, committed[len(plan.prompt) + len(output):])
-        text.emitted = request.received_chars
-        await context.send_initial_metadata((session_header(session_id),))
-        stats = stored_stats(meta, len(committed) - len(plan.prompt))
-        catch_up = catch_up_chunk(plan, text, committed, request.received_tokens, stats,
-                                  finished=meta.get("status") == "finished")  # fmt: skip
+        with self.refusals("resume", request.session_id, caller):
+            session_id = check_session_id(request.session_id)
+            meta = await self.store.meta(session_id)
+            self.check_caller(session_id, meta, context, "resume")
+            committed = await self.store.tokens(session_id)
+            plan = self.resumed_plan(session_id, meta, committed)  # refused before the session is touched
+            output = committed[len(plan.prompt):]
+            # ~30 µs a token with SmolLM2's tokenizer: off the event loop every session shares.
+            text = await asyncio.to_thread(replay_text, self.tokenizer, plan.stop, output)
+            finished_as(plan, text, committed, meta.get("status") == "finished")  # a finished output's text is flushed
+            if request.received_tokens > len(text.ids) or request.received_chars > len(text.text):
+                raise OutOfRange(f"the client says it received {request.received_tokens} tokens and "
+                                 f"{request.received_chars} characters, but session {session_id!r} has "
+                                 f"{len(text.ids)} output tokens and {len(text.text)} characters so far")  # fmt: skip
+            if meta.get("status") != "finished":
+                plan.owner = secrets.token_hex(8)
+                meta, committed = await self.store.take_over(session_id, plan.owner)
+                replay_tokens(text, committed[len(plan.prompt) + len(output):])
+            text.emitted = request.received_chars
+            await context.send_initial_metadata((session_header(session_id),))
+            stats = stored_stats(meta, len(committed) - len(plan.prompt))
+            catch_up = catch_up_chunk(plan, text, committed, request.received_tokens, stats,
+                                      finished=meta.get("status") == "finished")  # fmt: skip
         if meta.get("status") == "finished":
             yield catch_up
             outcome = f"already finished ({FINISH_NAMES[catch_up.finish_reason]}): sent what the client lacked"
@@ -726,6 +743,21 @@ def describe_request(plan: Plan, resumed: bool, caller: str, outcome: str, last:
         counted += " (the session's in all)"
     return (f"{'resume' if resumed else 'request'} of session {plan.session_id!r}{who}: {outcome}; "
             f"{count(len(plan.prompt), 'prompt token')}, {counted}, {seconds:.2f} s")  # fmt: skip
+
+
+def refusal_for(reason: str, error: Exception) -> Exception:
+    """`error`, marked with the reason requests_refused counts it under (CoordinatorServicer.refusals)."""
+    error.refusal_reason = reason
+    return error
+
+
+def describe_refusal(verb: str, session_id: str, caller: str, exc: Exception) -> str:
+    """The coordinator's log line of a request refused before it ran: its status and message
+    (which never hold the prompt), the session it named and the caller, as describe_request."""
+    code, message = status_for(exc, quiet=True)
+    session = f" of session {session_id!r}" if session_id else ""
+    who = f" by {caller}" if caller else ""
+    return f"{verb}{session}{who}: refused {code.name}: {message}"
 
 
 def count(n: int, noun: str) -> str:

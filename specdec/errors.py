@@ -88,8 +88,9 @@ CLUSTER_IN_FLUX = (
 )  # fmt: skip
 
 
-def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
-    """Map an exception raised while serving an RPC to (status code, message)."""
+def status_for(exc: BaseException, quiet: bool = False) -> tuple[grpc.StatusCode, str]:
+    """Map an exception raised while serving an RPC to (status code, message); an unforeseen
+    one (INTERNAL) is logged with its traceback, unless `quiet` (it will be, where it is raised)."""
     if isinstance(exc, SpecdecError):
         return exc.code, str(exc)
     if isinstance(exc, (ValueError, TypeError)):
@@ -104,7 +105,8 @@ def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
         return exc.code(), f"downstream call failed: {exc.details()}"
     if isinstance(exc, MemoryError):
         return grpc.StatusCode.RESOURCE_EXHAUSTED, "out of memory while serving the request"
-    log.exception("internal error", exc_info=exc)
+    if not quiet:
+        log.exception("internal error", exc_info=exc)
     return grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}"
 
 

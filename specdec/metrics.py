@@ -13,7 +13,8 @@ Coordinator:
     specdec:request_failure{status}              failed or cancelled requests, by gRPC status
     specdec:requests_refused{reason}             Generate / Resume calls refused before they ran:
                                                  starting, limit (--max-concurrent-requests),
-                                                 caller_limit (--max-requests-per-caller)
+                                                 caller_limit (--max-requests-per-caller), or
+                                                 their status (invalid_argument, not_found, ...)
     specdec:prompt_tokens, specdec:generation_tokens
     specdec:time_to_first_token_seconds, specdec:inter_token_latency_seconds,
     specdec:e2e_request_latency_seconds          histograms

@@ -285,15 +285,27 @@ def test_a_prompt_that_begins_as_a_finished_sessions_context_is_copied_from_its_
         assert count(name, "specdec:prefill_chunks_total") == chunks, name  # len(prompt) > PREFILL_CHUNK: one before
 
 
-def test_a_failed_request_is_counted_by_its_status(traced_stack):
+def test_a_request_refused_before_it_ran_is_counted_and_logged_by_its_status_not_as_a_failure(traced_stack):
+    """Validation fails before a request starts running: it is not a failure of a running request
+    (specdec:request_failure_total) but a refusal, counted by its status and logged with it; a
+    refused Generate or Resume used to leave no line and, but for the limits, no count."""
     port = traced_stack.metrics_ports["coordinator"]
-    before = scrape(port).get(("specdec:request_failure_total", (("status", "INVALID_ARGUMENT"),)), 0)
+    counts = lambda: {key: scrape(port).get(key, 0) for key in (
+        ("specdec:request_failure_total", (("status", "INVALID_ARGUMENT"),)),
+        ("specdec:requests_refused_total", (("reason", "invalid_argument"),)),
+        ("specdec:requests_refused_total", (("reason", "not_found"),)),
+    )}  # fmt: skip
+    before = counts()
     with specdec.Client(traced_stack.address) as client:
         with pytest.raises(specdec.SpecdecClientError):
-            client.generate("hello", temperature=-1.0)
-    # Validation fails before a request starts running: it is not a failure of a running request.
-    after = scrape(port).get(("specdec:request_failure_total", (("status", "INVALID_ARGUMENT"),)), 0)
-    assert after == before
+            client.generate("hello", temperature=-1.0, session_id="refused-1")
+        with pytest.raises(specdec.SpecdecClientError):
+            client.resume("never-made-1")
+    assert [after - before[key] for key, after in counts().items()] == [0, 1, 1]
+    line = logged_line(traced_stack, "refused-1")
+    assert "request of session 'refused-1': refused INVALID_ARGUMENT: " in line and "temperature" in line
+    line = logged_line(traced_stack, "never-made-1")
+    assert "resume of session 'never-made-1': refused NOT_FOUND: session 'never-made-1' does not exist" in line
 
 
 def logged_line(stack, session_id: str, says: str = "") -> str:
