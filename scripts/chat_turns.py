@@ -10,12 +10,20 @@ the conversation so far, and a second user's conversation begins with the same s
 Prints, for each turn, its prompt's length in tokens, its time to first token (the coordinator's
 `first_token_s`) and the whole turn's time, then a fingerprint of all the answers: greedy, so two
 stacks that differ only in prefix reuse print the same one. Used for README "Limits" (prefix reuse).
+
+With --users N, N users at once (half with one system prompt, half with another) each hold three
+conversations of three turns; before a turn, one time in five, a client gives up on it after 0.3 s
+(and asks again), and after a turn, one time in five, it deletes that turn's session. Prints the
+wall time, the failed turns and the answers' fingerprint.
 """
 
 from __future__ import annotations
 
 import argparse
 import hashlib
+import random
+import threading
+import time
 
 import specdec
 
@@ -53,13 +61,61 @@ def run_turns(client: specdec.Client, system: str, questions: list[str], max_new
     return turns
 
 
+def busy_user(address: str, user: int, systems: list[str], max_new_tokens: int, answers: dict, errors: list) -> None:
+    """One of --users: three conversations of three turns, with give-ups and deletes (module doc)."""
+    rng = random.Random(user)
+    with specdec.Client(address) as client:
+        for conversation in range(3):
+            messages = [{"role": "system", "content": systems[user % len(systems)]}]
+            for turn in range(3):
+                question = QUESTIONS[(user + conversation + turn) % len(QUESTIONS)]
+                messages.append({"role": "user", "content": f"{question} (ticket {user}-{conversation})"})
+                session_id = f"user{user}-conversation{conversation}-turn{turn}"
+                if rng.random() < 0.2:
+                    try:
+                        client.generate(messages=messages, max_new_tokens=max_new_tokens, timeout=0.3,
+                                        session_id=session_id + "-given-up")  # fmt: skip
+                    except specdec.SpecdecClientError:
+                        pass
+                try:
+                    result = client.generate(messages=messages, max_new_tokens=max_new_tokens, session_id=session_id)
+                except specdec.SpecdecClientError as exc:
+                    errors.append(f"{session_id}: {exc.code.name}: {exc.message}")
+                    break
+                answers[session_id] = result.text
+                messages.append({"role": "assistant", "content": result.text})
+                if rng.random() < 0.2:
+                    client.delete(session_id)
+
+
+def run_users(args, system: str) -> None:
+    systems = [system, system.replace("Northwind", "Southwind")]
+    answers: dict[str, str] = {}
+    errors: list[str] = []
+    threads = [threading.Thread(target=busy_user, args=(args.address, user, systems, args.max_new_tokens, answers,
+                                                       errors)) for user in range(args.users)]  # fmt: skip
+    started = time.perf_counter()
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    fingerprint = hashlib.sha256("\0".join(answers[k] for k in sorted(answers)).encode()).hexdigest()[:16]
+    print(f"{args.users} users, {len(answers)} turns answered in {time.perf_counter() - started:.1f} s; "
+          f"{len(errors)} failed{': ' + '; '.join(errors) if errors else ''}")
+    print(f"answers' sha256: {fingerprint}")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--address", default="127.0.0.1:7600", help="the coordinator (default: %(default)s)")
     p.add_argument("--entries", type=int, default=40, help="FAQ entries in the system prompt (default: %(default)s)")
     p.add_argument("--max-new-tokens", type=int, default=48, help="tokens per answer (default: %(default)s)")
+    p.add_argument("--users", type=int, default=0,
+                   help="run this many users at once instead, giving up on and deleting some turns (module doc)")
     args = p.parse_args()
     system = system_prompt(args.entries)
+    if args.users:
+        return run_users(args, system)
     answers = hashlib.sha256()
     with specdec.Client(args.address) as client:
         client.generate("warm up", max_new_tokens=2)

@@ -455,7 +455,7 @@ class SessionPool:
         for prefix reuse while room allows (class doc); else drop it, retired or not."""
         state = self.sessions.pop(session_id, None)
         dropped = self.retired.pop(session_id, None)
-        if retire and (kept := state or dropped) is not None and len(kept.held) >= MIN_PREFIX_REUSE:
+        if retire and (kept := state or dropped) is not None and self.worth_keeping(kept):
             kept.last_used = time.monotonic()
             self.retired[session_id] = kept
             self.drop_expired()
@@ -485,6 +485,23 @@ class SessionPool:
     def _trim_memory(self) -> None:
         while self._over_memory() and (self._drop_retired() or self._evict_idle()):
             pass
+
+    def worth_keeping(self, state: SessionState) -> bool:
+        """Whether a finished session's cache adds a beginning the retired ones lack: it holds
+        MIN_PREFIX_REUSE tokens or more, and no retired session holds all of them and more; the
+        retired sessions whose tokens are all a beginning of its are dropped (it covers them).
+        The same prompt sent again and again (greedy, a benchmark) keeps one cache, not one a
+        request up to `max_sessions`."""
+        held = state.held
+        if len(held) < MIN_PREFIX_REUSE:
+            return False
+        settled = [(sid, other) for sid, other in self.retired.items() if not other.busy]
+        if any(other.held[: len(held)] == held for _, other in settled):
+            return False
+        for sid, other in settled:
+            if held[: len(other.held)] == other.held:
+                del self.retired[sid]
+        return True
 
     def drop_expired(self) -> None:
         """Drop the sessions retired more than `retired_s` ago."""

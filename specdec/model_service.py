@@ -142,7 +142,8 @@ class ModelService:
 
     @grpc_handler
     async def Release(self, request: pb.ReleaseRequest, context):
-        return pb.ReleaseResponse(released=self.ready().release(request.session_id, retire=request.keep_for_reuse))
+        retire = request.keep_for_reuse and self.config.prefix_reuse  # kept only where it may be reused
+        return pb.ReleaseResponse(released=self.ready().release(request.session_id, retire=retire))
 
     @grpc_handler
     async def ModelInfo(self, request, context):

@@ -424,8 +424,8 @@ def test_a_finished_session_is_kept_for_reuse_until_room_is_needed_or_it_expires
     tokens = torch.randint(1, 30, (100,), generator=torch.Generator().manual_seed(6)).tolist()
     per_session = cache_bytes(prefilled(model, "x", tokens).cache)
     pool = SessionPool(2, lambda: new_cache(model.config), max_cache_bytes=3 * per_session)
-    for name in ("a", "b", "c"):
-        pool.sessions[name] = prefilled(model, name, tokens)
+    for i, name in enumerate("abc"):
+        pool.sessions[name] = prefilled(model, name, tokens[:60] + [i + 1] * 40)  # each a beginning of its own
         pool.sessions[name].nbytes = per_session
     assert pool.release("a", retire=True) and "a" not in pool and list(pool.retired) == ["a"]
     assert find_prefix(pool, SessionState("new", cache=new_cache(model.config), pending=tokens[:50]))
@@ -445,9 +445,27 @@ def test_a_finished_session_is_kept_for_reuse_until_room_is_needed_or_it_expires
     assert not pool.retired  # kept no longer than retired_s (Redis's TTL of the finished session's record)
 
 
+def test_a_finished_session_whose_tokens_a_kept_one_holds_is_not_kept_twice(model):
+    """The same prompt sent again (greedy: the same tokens) keeps one retired cache, not one a
+    request; a longer one that begins with a kept one's tokens replaces it; one that parts from
+    it is kept beside it."""
+    tokens = torch.randint(1, 30, (100,), generator=torch.Generator().manual_seed(8)).tolist()
+    pool = SessionPool(8, lambda: new_cache(model.config))
+    kept_after = {
+        "a": ["a"], "again": ["a"], "shorter": ["a"],  # the same tokens, or fewer: "a" holds them
+        "longer": ["longer"],  # holds all of "a"'s and more: replaces it
+        "parted": ["longer", "parted"], "tiny": ["longer", "parted"],  # parts from it; too short to keep
+    }  # fmt: skip
+    for name, held in (("a", tokens[:60]), ("again", tokens[:60]), ("shorter", tokens[:40]), ("longer", tokens[:80]),
+                       ("parted", tokens[:50] + [31] * 20), ("tiny", tokens[:10])):  # fmt: skip
+        pool.sessions[name] = prefilled(model, name, held + [1])
+        assert pool.release(name, retire=True) and list(pool.retired) == kept_after[name], name
+
+
 def test_a_model_service_copies_a_shared_beginning_unless_prefix_reuse_is_off(model, monkeypatch):
     """ModelService.prefill with prefix_reuse (the default) takes a new session's beginning from
-    an idle session and counts it; with --no-prefix-reuse (or its variable) it feeds the prompt."""
+    an idle session and counts it, and Release(keep_for_reuse) keeps a finished session's cache;
+    with --no-prefix-reuse (or its variable) it feeds the prompt and keeps nothing."""
     import asyncio
 
     from specdec.cli import build_parser
@@ -456,16 +474,17 @@ def test_a_model_service_copies_a_shared_beginning_unless_prefix_reuse_is_off(mo
 
     tokens = torch.randint(1, 30, (100,), generator=torch.Generator().manual_seed(7)).tolist()
 
-    def prefilled_by(reuse: bool) -> tuple[int, float]:
+    def prefilled_by(reuse: bool) -> tuple[int, float, list[str]]:
         service = ModelService(ModelServiceConfig(prefix_reuse=reuse), store=None, info=pb.ModelInfoResponse())
         service.model, service.pool = model, SessionPool(8, lambda: new_cache(model.config))
         service.pool.sessions["other"] = prefilled(model, "other", tokens)
         state = service.pool.sessions["new"] = SessionState("new", cache=new_cache(model.config), pending=tokens[:80])
         asyncio.run(service.prefill(state))
+        asyncio.run(service.Release(pb.ReleaseRequest(session_id="other", keep_for_reuse=True), None))
         service.worker.shutdown()
-        return len(state.held), service.metrics.prefix_reused_tokens._value.get()
+        return len(state.held), service.metrics.prefix_reused_tokens._value.get(), list(service.pool.retired)
 
-    assert prefilled_by(True) == (79, 79.0) and prefilled_by(False) == (0, 0.0)
+    assert prefilled_by(True) == (79, 79.0, ["other"]) and prefilled_by(False) == (0, 0.0, [])
     assert build_parser().parse_args(["serve", "target"]).no_prefix_reuse is False
     assert build_parser().parse_args(["serve", "draft", "--no-prefix-reuse"]).no_prefix_reuse is True
     monkeypatch.setenv("SPECDEC_TARGET_NO_PREFIX_REUSE", "1")
