@@ -536,9 +536,9 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
 
 
 def find_prefix(pool: SessionPool, state: SessionState) -> tuple[SessionState, int] | None:
-    """Prefix reuse: (the idle or retired session of `pool` whose held tokens begin with the longest run of
-    `state`'s pending tokens, that run's length), when `state` holds nothing yet and the run is
-    at least MIN_PREFIX_REUSE tokens (never the last pending token, whose logits its call needs);
+    """Prefix reuse: (the idle or retired session of `pool` whose held tokens begin with the
+    longest run of `state`'s pending tokens, that run's length), when `state` holds nothing yet
+    and the run is at least MIN_PREFIX_REUSE tokens (never the last pending token, whose logits its call needs);
     else None. A chat's next turn (a new session whose prompt is the conversation so far) finds
     the previous turn's session; requests sharing a long system prompt find each other. Only
     caches of GrowingLayers (full attention) are reused: a sliding window drops positions."""
