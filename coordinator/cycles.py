@@ -171,6 +171,13 @@ class Plan:
     # The run that owns the session (SessionStore.take_over): its commits name it, so a
     # run whose session was resumed elsewhere stops at its next commit. "" = no check.
     owner: str = ""
+    # Sessions of one affinity key go to the same replicas (GenerateRequest.affinity_key).
+    affinity_key: str = ""
+
+    @property
+    def route(self) -> str:
+        """What picks the session's draft and target replicas (Replicas.pick)."""
+        return self.affinity_key or self.session_id
 
 
 @dataclass
@@ -679,7 +686,7 @@ class CycleLoop:
         )
         remaining = None if self.deadline is None else self.deadline - time.monotonic()
         try:
-            replica = self.drafts.pick(self.plan.session_id)
+            replica = self.drafts.pick(self.plan.route)
         except Unavailable:  # no draft replica to ask (none checked yet, or every one refused: logged then)
             return NoDrafts(k)
         return DraftCall(replica, request, draft_budget(self.draft_timeout_s, remaining), self.plan.eos_token_ids)
@@ -783,7 +790,7 @@ class CycleLoop:
         attempt = 0
         while True:
             # Each attempt asks the session's replica as of now: one that failed is skipped.
-            replica = self.targets.pick(self.plan.session_id)
+            replica = self.targets.pick(self.plan.route)
             try:
                 with self.tracer.start_as_current_span(telemetry.VERIFY_SPAN) as span:
                     span.set_attribute("specdec.drafts", len(drafts))

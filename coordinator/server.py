@@ -401,7 +401,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         try:
             await self.store.delete(session_id)
         finally:  # gone from its Redis node even when its replicas did not acknowledge it in time
-            self.spawn(self.release(session_id))
+            self.spawn(self.release(session_id, stored_route(session_id, meta)))
         return pb.DeleteResponse(deleted=True)
 
     def check_caller(self, session_id: str, meta: dict, context, verb: str) -> None:
@@ -452,7 +452,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             metrics.requests_running.dec()
             span.end()
             # Runs on cancellation too; the release must outlive the cancelled handler task.
-            self.spawn(self.finish(plan.session_id, plan.owner, status))
+            self.spawn(self.finish(plan, status))
             log.info(describe_request(plan, resume_at is not None, caller, outcome, last, time.monotonic() - started))
 
     async def generate_chunks(self, plan: Plan, text: TextStream, deadline: float | None, trace_context,
@@ -541,6 +541,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
                                     f"{MAX_STOP_CHARS} characters each; got {len(request.stop)}, the longest "
                                     f"{max(map(len, request.stop))} characters")  # fmt: skip
         session_id = check_session_id(request.session_id) if request.session_id else new_session_id()
+        affinity_key = check_session_id(request.affinity_key, "affinity_key") if request.affinity_key else ""
         eos = frozenset() if request.ignore_eos else frozenset(self.target_info.eos_token_ids)
         # A request that asks for pipelining gets it in every cycle; the server default, only
         # where it is likely to pay (pipeline_min_keep).
@@ -563,6 +564,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             adaptive=adaptive,
             stop=tuple(request.stop),
             owner=secrets.token_hex(8),
+            affinity_key=affinity_key,
             target=self.target_info,
             **self.draft_fields(),
         )
@@ -598,6 +600,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             pipeline_min_keep=saved["pipeline_min_keep"],
             adaptive=saved["adaptive"],
             stop=tuple(saved["stop"]),
+            affinity_key=saved.get("affinity_key", ""),
             target=target,
             **self.draft_fields(),
         )
@@ -666,24 +669,24 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         except (jinja2.TemplateError, ValueError, TypeError) as exc:  # a template may refuse roles or their order
             raise InvalidArgument(f"the chat template refused the messages: {exc}") from None
 
-    async def finish(self, session_id: str, owner: str, status: str) -> None:
+    async def finish(self, plan: Plan, status: str) -> None:
         """Record how the session ended and free it on both model services, unless another
         request resumed it meanwhile (it owns the session then, and uses the services' caches)."""
         try:
-            if not await self.store.set_if_owner(session_id, owner, {"status": status}):
+            if not await self.store.set_if_owner(plan.session_id, plan.owner, {"status": status}):
                 return
         except Exception as exc:  # noqa: BLE001 - Redis down: free the caches anyway
-            log.warning("recording the end of session %s: %s", session_id, exc)
-        await self.release(session_id, keep_for_reuse=True)
+            log.warning("recording the end of session %s: %s", plan.session_id, exc)
+        await self.release(plan.session_id, plan.route, keep_for_reuse=True)
 
-    async def release(self, session_id: str, keep_for_reuse: bool = False) -> None:
-        """Free the session's caches on its draft and target replicas (failures logged); a
-        finished session's are kept there for prefix reuse (`keep_for_reuse`), a deleted one's
-        dropped."""
+    async def release(self, session_id: str, route: str, keep_for_reuse: bool = False) -> None:
+        """Free the session's caches on its draft and target replicas, those `route` picks
+        (Plan.route; failures logged); a finished session's are kept there for prefix reuse
+        (`keep_for_reuse`), a deleted one's dropped."""
         request = pb.ReleaseRequest(session_id=session_id, keep_for_reuse=keep_for_reuse)
 
         async def release_on(replicas: Replicas):
-            replica = replicas.pick(session_id)  # may raise Unavailable: no replica to ask
+            replica = replicas.pick(route)  # may raise Unavailable: no replica to ask
             return await replica.stub.Release(request, timeout=RELEASE_TIMEOUT_S)
 
         calls = [release_on(replicas) for replicas in (self.drafts, self.targets)]
@@ -796,7 +799,16 @@ def session_meta_plan(plan: Plan) -> str:
         "pipeline": plan.pipeline,
         "pipeline_min_keep": plan.pipeline_min_keep,
         "adaptive": plan.adaptive,
+        "affinity_key": plan.affinity_key,
     })  # fmt: skip
+
+
+def stored_route(session_id: str, meta: dict[str, str]) -> str:
+    """Plan.route of a session as its Redis record (session_meta) stores it."""
+    try:
+        return json.loads(meta.get("plan", "{}")).get("affinity_key") or session_id
+    except (ValueError, AttributeError):  # a record this coordinator cannot read: its own id
+        return session_id
 
 
 def replay_text(tokenizer, stop, output: list[int]) -> TextStream:

@@ -35,9 +35,9 @@ def system_prompt(entries: int) -> str:
     lines = ["You are the support assistant of Northwind Home. Answer briefly and politely, using only "
              "the facts below. If the answer is not there, say that a human agent will follow up."]  # fmt: skip
     for i in range(entries):
-        product = PRODUCTS[i % len(PRODUCTS)]
+        product, colour = PRODUCTS[i % len(PRODUCTS)], ["blue", "green", "white"][i % 3]
         lines.append(f"Q: How do I reset the Northwind {product} model {i + 100}? A: Hold the button on its "
-                     f"back for {i % 9 + 3} seconds until the light blinks {['blue', 'green', 'white'][i % 3]}.")  # fmt: skip
+                     f"back for {i % 9 + 3} seconds until the light blinks {colour}.")  # fmt: skip
     return "\n".join(lines)
 
 
@@ -48,13 +48,16 @@ QUESTIONS = [
 ]
 
 
-def run_turns(client: specdec.Client, system: str, questions: list[str], max_new_tokens: int) -> list[tuple]:
-    """Ask `questions` in one conversation, one session a turn: [(prompt tokens, first token s, turn s, text)]."""
+def run_turns(client: specdec.Client, system: str, questions: list[str], max_new_tokens: int,
+              conversation: str) -> list[tuple]:  # fmt: skip
+    """Ask `questions` in one conversation, one session a turn, all of one affinity key (with
+    several replicas, the turns go where the turn before's caches are): [(prompt tokens, first
+    token s, turn s, text)]."""
     messages = [{"role": "system", "content": system}]
     turns = []
     for question in questions:
         messages.append({"role": "user", "content": question})
-        result = client.generate(messages=messages, max_new_tokens=max_new_tokens)
+        result = client.generate(messages=messages, max_new_tokens=max_new_tokens, affinity_key=conversation)
         stats = result.stats
         turns.append((stats.prompt_tokens, stats.first_token_s, stats.elapsed_s, result.text))
         messages.append({"role": "assistant", "content": result.text})
@@ -74,11 +77,13 @@ def busy_user(address: str, user: int, systems: list[str], max_new_tokens: int, 
                 if rng.random() < 0.2:
                     try:
                         client.generate(messages=messages, max_new_tokens=max_new_tokens, timeout=0.3,
-                                        session_id=session_id + "-given-up")  # fmt: skip
+                                        session_id=session_id + "-given-up",
+                                        affinity_key=f"user{user}-conversation{conversation}")  # fmt: skip
                     except specdec.SpecdecClientError:
                         pass
                 try:
-                    result = client.generate(messages=messages, max_new_tokens=max_new_tokens, session_id=session_id)
+                    result = client.generate(messages=messages, max_new_tokens=max_new_tokens, session_id=session_id,
+                                             affinity_key=f"user{user}-conversation{conversation}")  # fmt: skip
                 except specdec.SpecdecClientError as exc:
                     errors.append(f"{session_id}: {exc.code.name}: {exc.message}")
                     break
@@ -121,8 +126,8 @@ def main() -> None:
         client.generate("warm up", max_new_tokens=2)
         print(f"{'conversation':<14} {'turn':>4} {'prompt tokens':>13} {'first token s':>13} {'turn s':>7}")
         for who, questions in (("first user", QUESTIONS), ("second user", QUESTIONS[:1])):
-            for turn, (prompt, first_token, total, text) in enumerate(run_turns(client, system, questions,
-                                                                                args.max_new_tokens), 1):  # fmt: skip
+            turns = run_turns(client, system, questions, args.max_new_tokens, conversation=who)
+            for turn, (prompt, first_token, total, text) in enumerate(turns, 1):
                 answers.update(text.encode())
                 print(f"{who:<14} {turn:>4} {prompt:>13} {first_token:>13.2f} {total:>7.2f}")
     print(f"answers' sha256: {answers.hexdigest()[:16]}")

@@ -409,6 +409,7 @@ def build_request(
     pipeline: bool | None = None,
     adaptive_k: bool = False,
     messages: Sequence[Mapping[str, str]] | None = None,
+    affinity_key: str | None = None,
 ) -> pb.GenerateRequest:
     if sum(given is not None for given in (prompt, prompt_token_ids, messages)) != 1:
         raise ValueError("pass exactly one of prompt, prompt_token_ids and messages")
@@ -422,6 +423,7 @@ def build_request(
             raise ValueError(f"{name} holds {outside}, which no request carries (a 32-bit integer field)")
     check_text("prompt", prompt)
     check_text("session_id", session_id)
+    check_text("affinity_key", affinity_key)
     for i, message in enumerate(messages or []):
         check_text(f"messages[{i}] role", message["role"])
         check_text(f"messages[{i}] content", message["content"])
@@ -437,6 +439,7 @@ def build_request(
         speculation=pb.SpeculationParams(disabled=not speculate, adaptive=adaptive_k),
         session_id=session_id or "",
         ignore_eos=ignore_eos,
+        affinity_key=affinity_key or "",
     )
     if seed is not None:
         if problem := SEED.problem("seed", seed):  # the server's own range; protobuf's is wider
@@ -524,6 +527,7 @@ class GenerateOptions(TypedDict, total=False):
     ignore_eos: bool
     pipeline: bool | None
     adaptive_k: bool
+    affinity_key: str | None
 
 
 class ResumeOptions(TypedDict, total=False):
@@ -555,10 +559,14 @@ _GENERATE_DOC = """
             pipeline: draft the next cycle while the target verifies (None = server default).
             adaptive_k: choose K per cycle to maximise expected tokens/s (0 when drafting
                 loses); num_speculative_tokens is then the largest K.
+            affinity_key: requests with the same key are served by the same draft and target
+                replicas: pass a conversation's id with each of its turns, so that each finds
+                the caches of the turn before (prefix reuse). None: spread by session id.
 
         ValueError, before anything is sent, for arguments no server would take: a seed out
         of range, not exactly one of prompt, prompt_token_ids and messages, a malformed message,
-        or text (a prompt, message, stop string or session_id) holding a byte that is not UTF-8.
+        or text (a prompt, message, stop string, session_id or affinity_key) holding a byte that
+        is not UTF-8.
         """
 
 
@@ -626,12 +634,13 @@ class Client:
         ignore_eos: bool = False,
         pipeline: bool | None = None,
         adaptive_k: bool = False,
+        affinity_key: str | None = None,
     ) -> Iterator[Chunk]:
         request = build_request(
             prompt, prompt_token_ids=prompt_token_ids, max_new_tokens=max_new_tokens, temperature=temperature,
             top_k=top_k, top_p=top_p, seed=seed, num_speculative_tokens=num_speculative_tokens,
             speculate=speculate, stop=stop, session_id=session_id, ignore_eos=ignore_eos, pipeline=pipeline,
-            adaptive_k=adaptive_k, messages=messages,
+            adaptive_k=adaptive_k, messages=messages, affinity_key=affinity_key,
         )  # fmt: skip
         request.session_id = request.session_id or uuid.uuid4().hex
         resumption = _Resumption(request.session_id, self.retries, timeout)
@@ -768,12 +777,13 @@ class AsyncClient:
         ignore_eos: bool = False,
         pipeline: bool | None = None,
         adaptive_k: bool = False,
+        affinity_key: str | None = None,
     ) -> AsyncIterator[Chunk]:
         request = build_request(
             prompt, prompt_token_ids=prompt_token_ids, max_new_tokens=max_new_tokens, temperature=temperature,
             top_k=top_k, top_p=top_p, seed=seed, num_speculative_tokens=num_speculative_tokens,
             speculate=speculate, stop=stop, session_id=session_id, ignore_eos=ignore_eos, pipeline=pipeline,
-            adaptive_k=adaptive_k, messages=messages,
+            adaptive_k=adaptive_k, messages=messages, affinity_key=affinity_key,
         )  # fmt: skip
         request.session_id = request.session_id or uuid.uuid4().hex
         resumption = _Resumption(request.session_id, self.retries, timeout)

@@ -219,14 +219,15 @@ def new_session_id() -> str:
     return uuid.uuid4().hex
 
 
-def check_session_id(session_id: str) -> str:
-    """Refuse ids that would break the key layout or are unreasonably long."""
+def check_session_id(session_id: str, name: str = "session_id") -> str:
+    """Refuse ids that would break the key layout or are unreasonably long (`name`: what the
+    request calls it; an affinity key follows the same rules)."""
     if not session_id:
-        raise InvalidArgument("session_id is empty")
+        raise InvalidArgument(f"{name} is empty")
     if len(session_id) > MAX_SESSION_ID_LEN:
-        raise InvalidArgument(f"session_id is {len(session_id)} characters; the limit is {MAX_SESSION_ID_LEN}")
+        raise InvalidArgument(f"{name} is {len(session_id)} characters; the limit is {MAX_SESSION_ID_LEN}")
     if any(c in session_id for c in "{}") or not session_id.isprintable():
-        raise InvalidArgument("session_id may not contain braces or unprintable characters")
+        raise InvalidArgument(f"{name} may not contain braces or unprintable characters")
     return session_id
 
 

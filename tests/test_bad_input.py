@@ -436,6 +436,15 @@ def test_a_session_id_of_any_printable_text_is_served_by_generate_resume_and_del
     assert client.delete(session_id) is True and client.delete(session_id) is False
 
 
+@pytest.mark.parametrize("key, says", [("{conv}", "affinity_key may not contain braces"),
+                                       ("c" * 129, "affinity_key is 129 characters; the limit is 128")])
+def test_an_affinity_key_that_is_no_session_id_is_refused_and_a_good_one_served(client, key, says):
+    """An affinity key follows the session id's rules (it picks replicas as an id does)."""
+    code, message = code_of(lambda: client.generate(PROMPT, max_new_tokens=2, affinity_key=key))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and says in message
+    assert len(client.generate(PROMPT, max_new_tokens=2, ignore_eos=True, affinity_key="日本 conv").token_ids) == 2
+
+
 def test_max_new_tokens_over_the_limit_is_resource_exhausted(client):
     code, message = code_of(lambda: client.generate(PROMPT, max_new_tokens=MAX_NEW_TOKENS_LIMIT + 1))
     assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and f"at most {MAX_NEW_TOKENS_LIMIT}" in message

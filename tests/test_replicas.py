@@ -481,6 +481,38 @@ def test_each_session_keeps_to_the_one_target_replica_its_id_picks_and_sessions_
         assert held.sessions_held == 0, f"{name} still holds {held.sessions_held} session(s)"
 
 
+def test_sessions_of_one_affinity_key_go_to_the_replica_it_picks_and_a_delete_releases_them_there(two_of_each, tiny_models):
+    """Two sessions whose ids pick the other target replica, both with affinity_key
+    "conversation-7": every forward pass of both runs on the replica the key picks (so a
+    conversation's turns find each other's caches), the second copies the first's prompt from its
+    kept cache there, and deleting them releases the kept cache on that replica."""
+    stack, address, metrics_ports = two_of_each.stack, two_of_each.address, two_of_each.targets
+    chosen = owner("conversation-7", metrics_ports)
+    (name,) = [n for n in ("target", "second-target") if chosen.endswith(f":{stack.ports[n]}")]
+    cache_bytes = lambda: internal_stub(stack, name).ModelInfo(pb.ModelInfoRequest(), timeout=10).cache_bytes
+    reused = lambda: by_service(metrics_ports[chosen], "specdec:prefix_reused_tokens_total", "target")
+    prompt = tiny_models.tokenizer.encode("one conversation, its turns on one replica")
+    options = dict(max_new_tokens=24, affinity_key="conversation-7", **OPTIONS)
+    (other,) = set(metrics_ports) - {chosen}
+    session_ids = [picker(metrics_ports, other, "affinity"), picker(metrics_ports, other, "affinity-turn-2")]
+    kept_before, reused_before = cache_bytes(), reused()
+    with specdec.Client(address) as client:
+        before = {t: forward_passes(p) for t, p in metrics_ports.items()}
+        first = client.generate(session_id=session_ids[0], prompt_token_ids=prompt, **options).token_ids
+        client.generate(session_id=session_ids[1], prompt_token_ids=prompt + first, **options)
+        ran = {t for t, p in metrics_ports.items() if forward_passes(p) > before[t]}
+        assert ran == {chosen}, f"forward passes on {ran}, expected only {chosen}"
+        assert reused() - reused_before >= len(prompt)
+        deadline = time.monotonic() + 10
+        while cache_bytes() == kept_before:  # the finished sessions' release, in the background
+            assert time.monotonic() < deadline, "the finished sessions' caches should be kept"
+            time.sleep(0.1)
+        assert all(client.delete(session_id) for session_id in session_ids)
+    while cache_bytes() != kept_before:
+        assert time.monotonic() < deadline + 10, "a delete should drop the kept cache where the key put it"
+        time.sleep(0.1)
+
+
 def test_replicas_serving_another_target_model_or_draft_vocabulary_are_refused_and_get_no_session(
     two_of_each, tiny_models, tmp_path
 ):
