@@ -365,7 +365,8 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             output = committed[len(plan.prompt):]
             # ~30 µs a token with SmolLM2's tokenizer: off the event loop every session shares.
             text = await asyncio.to_thread(replay_text, self.tokenizer, plan.stop, output)
-            finished_as(plan, text, committed, meta.get("status") == "finished")  # a finished output's text is flushed
+            # An output that ended is flushed, as its stream's last chunk was (finish_of).
+            finished_as(plan, text, committed, meta.get("status") == "finished")
             if request.received_tokens > len(text.ids) or request.received_chars > len(text.text):
                 raise OutOfRange(f"the client says it received {request.received_tokens} tokens and "
                                  f"{request.received_chars} characters, but session {session_id!r} has "

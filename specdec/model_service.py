@@ -142,7 +142,8 @@ class ModelService:
 
     @grpc_handler
     async def Release(self, request: pb.ReleaseRequest, context):
-        retire = request.keep_for_reuse and self.config.prefix_reuse  # kept only where it may be reused
+        # Kept only where it may be reused: an n-gram draft has no cache to copy.
+        retire = request.keep_for_reuse and self.config.prefix_reuse and self.model is not None
         return pb.ReleaseResponse(released=self.ready().release(request.session_id, retire=retire))
 
     @grpc_handler

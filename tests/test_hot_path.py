@@ -465,7 +465,8 @@ def test_a_finished_session_whose_tokens_a_kept_one_holds_is_not_kept_twice(mode
 def test_a_model_service_copies_a_shared_beginning_unless_prefix_reuse_is_off(model, monkeypatch):
     """ModelService.prefill with prefix_reuse (the default) takes a new session's beginning from
     an idle session and counts it, and Release(keep_for_reuse) keeps a finished session's cache;
-    with --no-prefix-reuse (or its variable) it feeds the prompt and keeps nothing."""
+    with --no-prefix-reuse (or its variable), or without a model, it feeds the prompt and keeps
+    nothing."""
     import asyncio
 
     from specdec.cli import build_parser
@@ -474,9 +475,9 @@ def test_a_model_service_copies_a_shared_beginning_unless_prefix_reuse_is_off(mo
 
     tokens = torch.randint(1, 30, (100,), generator=torch.Generator().manual_seed(7)).tolist()
 
-    def prefilled_by(reuse: bool) -> tuple[int, float, list[str]]:
+    def prefilled_by(reuse: bool, with_model=model) -> tuple[int, float, list[str]]:
         service = ModelService(ModelServiceConfig(prefix_reuse=reuse), store=None, info=pb.ModelInfoResponse())
-        service.model, service.pool = model, SessionPool(8, lambda: new_cache(model.config))
+        service.model, service.pool = with_model, SessionPool(8, lambda: new_cache(model.config))
         service.pool.sessions["other"] = prefilled(model, "other", tokens)
         state = service.pool.sessions["new"] = SessionState("new", cache=new_cache(model.config), pending=tokens[:80])
         asyncio.run(service.prefill(state))
@@ -485,6 +486,7 @@ def test_a_model_service_copies_a_shared_beginning_unless_prefix_reuse_is_off(mo
         return len(state.held), service.metrics.prefix_reused_tokens._value.get(), list(service.pool.retired)
 
     assert prefilled_by(True) == (79, 79.0, ["other"]) and prefilled_by(False) == (0, 0.0, [])
+    assert prefilled_by(True, with_model=None) == (0, 0.0, [])  # an n-gram draft: no cache to copy or keep
     assert build_parser().parse_args(["serve", "target"]).no_prefix_reuse is False
     assert build_parser().parse_args(["serve", "draft", "--no-prefix-reuse"]).no_prefix_reuse is True
     monkeypatch.setenv("SPECDEC_TARGET_NO_PREFIX_REUSE", "1")
