@@ -322,9 +322,10 @@ def add_model_flags(p: argparse.ArgumentParser, prefix: str, model: str) -> None
                   "once for all of them (1 = one session a pass)")  # fmt: skip
     env_flag(p, "--no-prefix-reuse", f"{prefix}_NO_PREFIX_REUSE", action="store_true",
              help="feed every new session's whole prompt to the model, instead of copying the beginning it "
-                  "shares with an idle session's context (a chat's earlier turns, a common system prompt) from "
-                  "that session's KV cache; reuse makes such a prompt's first token sooner, and so tells a "
-                  "caller, by timing, that another session began alike")  # fmt: skip
+                  "shares with an idle or finished session's context (a chat's earlier turns, a common system "
+                  "prompt) from that session's KV cache, and keep no finished session's cache; reuse makes such "
+                  "a prompt's first token sooner, and so tells a caller, by timing, that another session began "
+                  "alike")  # fmt: skip
     env_flag(p, "--allow-unauthenticated", "SPECDEC_ALLOW_UNAUTHENTICATED", action="store_true",
              help="serve without mutual TLS and without an internal token (development only)")  # fmt: skip
 

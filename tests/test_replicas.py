@@ -7,6 +7,7 @@ own /metrics endpoint."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 import os
 import signal
 import subprocess
@@ -511,6 +512,27 @@ def test_sessions_of_one_affinity_key_go_to_the_replica_it_picks_and_a_delete_re
     while cache_bytes() != kept_before:
         assert time.monotonic() < deadline + 10, "a delete should drop the kept cache where the key put it"
         time.sleep(0.1)
+
+
+def test_a_resumed_session_keeps_to_the_replica_its_affinity_key_picks(two_of_each, tiny_models):
+    """A stream with an affinity key, given up after two chunks and resumed: the Resume reads the
+    key from the session's record, so every pass, before and after, runs on the key's replica
+    (its id picks the other), and the tokens are those of an unbroken run."""
+    address, metrics_ports = two_of_each.address, two_of_each.targets
+    chosen = owner("conversation-8", metrics_ports)
+    (other,) = set(metrics_ports) - {chosen}
+    session_id = picker(metrics_ports, other, "affinity-resumed")
+    options = dict(prompt_token_ids=tiny_models.tokenizer.encode(PROMPT), max_new_tokens=40, **OPTIONS)
+    with specdec.Client(address, retries=0) as client:
+        expected = client.generate(affinity_key="conversation-8", **options).token_ids
+        before = {t: forward_passes(p) for t, p in metrics_ports.items()}
+        stream = client.generate_stream(session_id=session_id, affinity_key="conversation-8", **options)
+        received = [token for chunk in itertools.islice(stream, 2) for token in chunk.token_ids]
+        stream.close()
+        rest = client.resume(session_id, received_tokens=len(received)).token_ids
+    assert received + rest == expected
+    ran = {t for t, p in metrics_ports.items() if forward_passes(p) > before[t]}
+    assert ran == {chosen}, f"forward passes on {ran}, expected only {chosen}"
 
 
 def test_replicas_serving_another_target_model_or_draft_vocabulary_are_refused_and_get_no_session(
