@@ -142,8 +142,14 @@ class ModelService:
 
     @grpc_handler
     async def Release(self, request: pb.ReleaseRequest, context):
-        # Kept only where it may be reused: an n-gram draft has no cache to copy.
+        # Kept only where it may be reused (an n-gram draft has no cache to copy), and only while
+        # Redis has the session: a Delete's release may have come first (it drops the cache).
         retire = request.keep_for_reuse and self.config.prefix_reuse and self.model is not None
+        if retire:
+            try:
+                retire = await self.store.exists(request.session_id)
+            except Exception:  # noqa: BLE001 - Redis away: drop the cache rather than keep a deleted one's
+                retire = False
         return pb.ReleaseResponse(released=self.ready().release(request.session_id, retire=retire))
 
     @grpc_handler

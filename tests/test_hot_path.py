@@ -464,9 +464,9 @@ def test_a_finished_session_whose_tokens_a_kept_one_holds_is_not_kept_twice(mode
 
 def test_a_model_service_copies_a_shared_beginning_unless_prefix_reuse_is_off(model, monkeypatch):
     """ModelService.prefill with prefix_reuse (the default) takes a new session's beginning from
-    an idle session and counts it, and Release(keep_for_reuse) keeps a finished session's cache;
-    with --no-prefix-reuse (or its variable), or without a model, it feeds the prompt and keeps
-    nothing."""
+    an idle session and counts it, and Release(keep_for_reuse) keeps a finished session's cache
+    (not one Redis no longer has: its Delete's release may come first); with --no-prefix-reuse
+    (or its variable), or without a model, it feeds the prompt and keeps nothing."""
     import asyncio
 
     from specdec.cli import build_parser
@@ -475,13 +475,19 @@ def test_a_model_service_copies_a_shared_beginning_unless_prefix_reuse_is_off(mo
 
     tokens = torch.randint(1, 30, (100,), generator=torch.Generator().manual_seed(7)).tolist()
 
+    class Redis:  # the sessions Redis has
+        async def exists(self, session_id: str) -> bool:
+            return session_id != "deleted"
+
     def prefilled_by(reuse: bool, with_model=model) -> tuple[int, float, list[str]]:
-        service = ModelService(ModelServiceConfig(prefix_reuse=reuse), store=None, info=pb.ModelInfoResponse())
+        service = ModelService(ModelServiceConfig(prefix_reuse=reuse), store=Redis(), info=pb.ModelInfoResponse())
         service.model, service.pool = with_model, SessionPool(8, lambda: new_cache(model.config))
         service.pool.sessions["other"] = prefilled(model, "other", tokens)
+        service.pool.sessions["deleted"] = prefilled(model, "deleted", tokens[::-1])
         state = service.pool.sessions["new"] = SessionState("new", cache=new_cache(model.config), pending=tokens[:80])
         asyncio.run(service.prefill(state))
-        asyncio.run(service.Release(pb.ReleaseRequest(session_id="other", keep_for_reuse=True), None))
+        for session_id in ("other", "deleted"):  # "deleted": its Delete's release came first, Redis lacks it
+            asyncio.run(service.Release(pb.ReleaseRequest(session_id=session_id, keep_for_reuse=True), None))
         service.worker.shutdown()
         return len(state.held), service.metrics.prefix_reused_tokens._value.get(), list(service.pool.retired)
 
