@@ -168,11 +168,20 @@ def open_channel(module, address: str, credentials: grpc.ChannelCredentials | No
     return module.secure_channel(address, credentials, options=options)
 
 
-def closed_client(kind: str) -> ValueError:
-    """The error of a call on a closed client (a closed file raises ValueError alike); gRPC's
-    own was "Cannot invoke RPC on closed channel!" (Client) or a UsageError (AsyncClient)."""
-    return ValueError(f"this specdec.{kind} is closed (close() was called, or its with block ended): "
-                      f"make a new {kind} to call the coordinator again")  # fmt: skip
+class _Stub:
+    """What Client and AsyncClient share: their stub while open. A call on a closed client raises
+    ValueError (as a closed file does); gRPC's own error was "Cannot invoke RPC on closed
+    channel!" from Client and a cygrpc UsageError, no ValueError, from AsyncClient."""
+
+    _open_stub: pb_grpc.CoordinatorStub | None  # None once closed
+
+    @property
+    def _stub(self) -> pb_grpc.CoordinatorStub:
+        if self._open_stub is None:
+            kind = type(self).__name__
+            raise ValueError(f"this specdec.{kind} is closed (close() was called, or its with block ended): "
+                             f"make a new {kind} to call the coordinator again")  # fmt: skip
+        return self._open_stub
 
 
 def auth_metadata(token: str | None) -> tuple[tuple[str, str], ...]:
@@ -570,7 +579,7 @@ _GENERATE_DOC = """
         """
 
 
-class Client:
+class Client(_Stub):
     """Blocking client of the Coordinator service; also a context manager."""
 
     def __init__(
@@ -596,13 +605,7 @@ class Client:
         self._metadata = auth_metadata(token)
         self.retries = retries
         self._channel = open_channel(grpc, address, channel_credentials(tls_ca, credentials), retries, load_balancing)
-        self._open_stub: pb_grpc.CoordinatorStub | None = pb_grpc.CoordinatorStub(self._channel)
-
-    @property
-    def _stub(self) -> pb_grpc.CoordinatorStub:
-        if self._open_stub is None:
-            raise closed_client("Client")
-        return self._open_stub
+        self._open_stub = pb_grpc.CoordinatorStub(self._channel)
 
     def __enter__(self) -> "Client":
         return self
@@ -721,7 +724,7 @@ class Client:
             raise SpecdecClientError(exc.code(), exc.details() or "") from None
 
 
-class AsyncClient:
+class AsyncClient(_Stub):
     """asyncio client of the Coordinator service; the same methods as Client, awaited."""
 
     def __init__(
@@ -739,13 +742,7 @@ class AsyncClient:
         self._metadata = auth_metadata(token)
         self.retries = retries
         self._channel = open_channel(grpc.aio, address, channel_credentials(tls_ca, credentials), retries, load_balancing)
-        self._open_stub: pb_grpc.CoordinatorStub | None = pb_grpc.CoordinatorStub(self._channel)
-
-    @property
-    def _stub(self) -> pb_grpc.CoordinatorStub:
-        if self._open_stub is None:
-            raise closed_client("AsyncClient")
-        return self._open_stub
+        self._open_stub = pb_grpc.CoordinatorStub(self._channel)
 
     async def __aenter__(self) -> "AsyncClient":
         return self
