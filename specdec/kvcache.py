@@ -209,12 +209,7 @@ class SessionState:
         has passed (a commit on its way)."""
         start = min(self.confirmed, len(self.held), position)
         stored = await self.check_committed(fetch, start, position, new_tokens, wait_s)
-        agree = 0
-        for held, committed in zip(self.held[start:position], stored):
-            if held != committed:
-                break
-            agree += 1
-        return self.held[:start] + stored, start + agree
+        return self.held[:start] + stored, start + common_prefix(self.held[start:position], stored)
 
     async def check_committed(
         self, fetch: FetchCommitted, start: int, position: int, new_tokens: list[int], wait_s: float = 0.0
