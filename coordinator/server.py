@@ -33,7 +33,7 @@ from specdec.errors import (
 )
 from specdec.metrics import CoordinatorMetrics
 from specdec.ngram import DEFAULT_K, DEFAULT_MAX_NGRAM, DEFAULT_MIN_NGRAM, NGRAM_DRAFT
-from specdec.ranges import DEFAULT_DRAIN_S, DEFAULT_WAIT_MS
+from specdec.ranges import DEFAULT_DRAIN_S, DEFAULT_STALL_TIMEOUT_S, DEFAULT_WAIT_MS
 from specdec.security import ChannelSecurity, ServerSecurity, caller_id, is_caller
 from specdec.session import CALLER_LEASE_S, NotReplicated, SessionStore, check_session_id, new_session_id
 from specdec.vocab import chat_ids, describe_model, has_chat_template, text_ids
@@ -66,6 +66,48 @@ MODEL_INFO_TIMEOUT_S = 5.0  # one ModelInfo call while waiting for a model servi
 # A stream cancelled this close to its call's deadline, or later, was ended by the deadline
 # (gRPC cancels the handler for both; the server's deadline timer and our clock differ a little).
 DEADLINE_SLACK_S = 0.01
+
+
+class StallWatch:
+    """Ends the stream of a client that reads nothing.
+
+    A chunk's write waits while the client's HTTP/2 flow-control window is full. A gRPC client
+    that does not read still takes a lot (Python's took a whole 4,096-token stream, 250 kB),
+    but one with a small window (64 kB, say), or a reader that hangs, held its slot, and the
+    services' caches of its session, for as long as it stayed connected. A write that waits
+    longer than `timeout_s` (`--stall-timeout`; 0 = never) ends the call UNAVAILABLE and
+    cancels its handler, which frees both at once. Every chunk sent is committed in Redis:
+    once the client reads again it gets the chunks sent before, then the status, and the SDK
+    resumes the session."""
+
+    def __init__(self, context, timeout_s: float, session_id: str):
+        self.context = context
+        self.timeout_s = timeout_s
+        self.session_id = session_id
+        self.handler = asyncio.current_task()  # the call's task: it drives every generator of the stream
+        self.tripped = False
+
+    @contextlib.contextmanager
+    def writing(self):
+        """Around a `yield` of a chunk: gRPC writes it meanwhile."""
+        if self.timeout_s <= 0:
+            yield
+            return
+        timer = asyncio.get_running_loop().call_later(self.timeout_s, self.trip)
+        try:
+            yield
+        finally:
+            timer.cancel()
+
+    def trip(self) -> None:
+        self.tripped = True
+        message = (f"session {self.session_id!r}: this client read nothing of its stream for {self.timeout_s:g} s "
+                   "(the coordinator's --stall-timeout), so the stream ended to free its place; every chunk "
+                   "sent stands committed: resume the session (the SDK does)")  # fmt: skip
+        ending = asyncio.ensure_future(self.context.abort(grpc.StatusCode.UNAVAILABLE, message))
+        # It sends the status behind the chunks the client has yet to read, then raises AbortError.
+        ending.add_done_callback(lambda done: done.cancelled() or done.exception())
+        self.handler.cancel()
 
 
 @dataclass
@@ -127,6 +169,9 @@ class CoordinatorConfig:
     draft_timeout_s: float = DRAFT_TIMEOUT_S
     # On SIGTERM, how long running requests may go on before they are cancelled (serving.run).
     drain_s: float = DEFAULT_DRAIN_S
+    # How long one chunk's write may wait for a client that reads nothing before its stream
+    # ends UNAVAILABLE and frees its slot (StallWatch; 0 = never).
+    stall_timeout_s: float = DEFAULT_STALL_TIMEOUT_S
     # With an n-gram draft, call the draft service for drafts instead of looking them up
     # here (coordinator.cycles.NgramLookup: the same tokens, no network hop).
     ngram_via_draft_service: bool = False
@@ -423,6 +468,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         metrics = self.metrics
         metrics.requests_running.inc()
         status, outcome, last, started = "cancelled", "cancelled", None, time.monotonic()
+        watch = StallWatch(context, self.config.stall_timeout_s, plan.session_id)
         try:
             chunks = self.generate_chunks(plan, text, deadline, trace.set_span_in_context(span), resume_at, catch_up)
             async for chunk in chunks:
@@ -432,7 +478,8 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
                     await self.store.set_if_owner(plan.session_id, plan.owner, {"status": "finished"})
                     status = "finished"
                 last = chunk
-                yield chunk
+                with watch.writing():
+                    yield chunk
             finish_reason = FINISH_NAMES[chunk.finish_reason]  # generate_chunks always yields a last chunk
             span.set_attribute("specdec.output_tokens", chunk.stats.generated_tokens)
             span.set_attribute("specdec.finish_reason", finish_reason)
@@ -441,11 +488,15 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         except BaseException as exc:
             if isinstance(exc, Exception):
                 code = status_for(exc)[0].name
+            elif watch.tripped:
+                code = "UNAVAILABLE"
             else:  # the call ended under the stream: its deadline passed, or the client cancelled it
                 past_deadline = deadline is not None and time.monotonic() >= deadline - DEADLINE_SLACK_S
                 code = "DEADLINE_EXCEEDED" if past_deadline else "CANCELLED"
             status = "cancelled" if code == "CANCELLED" else "failed"
             outcome = "cancelled" if code == "CANCELLED" else f"failed {code}"
+            if watch.tripped:
+                outcome += f" (its client read nothing for {watch.timeout_s:g} s: --stall-timeout)"
             metrics.request_failure.labels(status=code).inc()
             span.set_status(StatusCode.ERROR, code)
             raise

@@ -16,9 +16,10 @@ from typing import NoReturn
 from specdec import __version__
 from specdec.ngram import DEFAULT_K, DEFAULT_MAX_NGRAM, DEFAULT_MIN_NGRAM, NGRAM_DRAFT
 from specdec.ranges import (
-    AT_LEAST_ONE, DEFAULT_DRAIN_S, DEFAULT_MAX_BATCH, DEFAULT_RETRIES, DEFAULT_WAIT_MS, DRAIN_S, MAX_NEW_TOKENS,
-    METRICS_PORT, PER_CALLER, PORT, RETRIES, SECONDS, SEED, REPLICA_REFRESH_S, SERVICE_PORT, TEMPERATURE, THREADS,
-    TOP_K, TOP_P, UINT32, WAIT_MS, WAIT_REPLICAS, Range, grpc_address, listen_host, stop_text, undecodable, utf8_text,
+    AT_LEAST_ONE, DEFAULT_DRAIN_S, DEFAULT_MAX_BATCH, DEFAULT_RETRIES, DEFAULT_STALL_TIMEOUT_S, DEFAULT_WAIT_MS,
+    DRAIN_S, MAX_NEW_TOKENS, METRICS_PORT, PER_CALLER, PORT, RETRIES, SECONDS, SEED, REPLICA_REFRESH_S,
+    SERVICE_PORT, STALL_TIMEOUT_S, TEMPERATURE, THREADS, TOP_K, TOP_P, UINT32, WAIT_MS, WAIT_REPLICAS, Range,
+    grpc_address, listen_host, stop_text, undecodable, utf8_text,
 )
 
 DEFAULT_ADDRESS = "127.0.0.1:50051"
@@ -416,6 +417,9 @@ def add_coordinator_flags(p: argparse.ArgumentParser) -> None:
              help="on SIGTERM, seconds running requests may go on before they are cancelled (UNAVAILABLE; "
                   "the SDK resumes them through another coordinator); keep it below the pod's "
                   "terminationGracePeriodSeconds minus its preStop wait")  # fmt: skip
+    env_flag(p, "--stall-timeout", "SPECDEC_STALL_TIMEOUT", default=DEFAULT_STALL_TIMEOUT_S, type=STALL_TIMEOUT_S,
+             help="seconds a chunk may wait for a client that reads nothing of its stream before the stream "
+                  "ends UNAVAILABLE, freeing its place (the SDK resumes it once it reads again; 0 = never)")  # fmt: skip
 
 
 def add_stack_flags(p: argparse.ArgumentParser) -> None:
@@ -543,6 +547,7 @@ def run_serve(args) -> NoReturn:
             default_max_new_tokens=args.default_max_new_tokens, max_new_tokens_limit=args.max_new_tokens_limit,
             metrics_port=args.metrics_port, pipeline=not args.no_pipeline, adaptive_k=args.adaptive_k,
             pipeline_min_keep=args.pipeline_min_keep, draft_timeout_s=args.draft_timeout, drain_s=args.drain_s,
+            stall_timeout_s=args.stall_timeout,
             ngram_via_draft_service=args.ngram_via_draft_service, ngram_first=args.ngram_first,
             max_prompt_tokens=args.max_prompt_tokens, max_concurrent_requests=args.max_concurrent_requests,
             max_requests_per_caller=args.max_requests_per_caller, redis_wait_replicas=args.redis_wait_replicas,

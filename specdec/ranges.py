@@ -100,6 +100,10 @@ DEFAULT_WAIT_MS = 500
 # Seconds a stopping service lets running calls go on (serving.run's grace; `--drain-s`).
 DRAIN_S = Range(float, 0)
 DEFAULT_DRAIN_S = 5.0
+# Seconds one chunk's write to a client may wait before the coordinator ends its stream
+# (coordinator.server.StallWatch; `--stall-timeout`).
+STALL_TIMEOUT_S = Range(float, 0, note="0 = never")
+DEFAULT_STALL_TIMEOUT_S = 30.0
 # Seconds between two resolutions of a dns:/// replica address (coordinator.replicas).
 REPLICA_REFRESH_S = 10.0
 # Sessions one forward pass of the target or the draft takes at most (specdec.batching; `--max-batch`).

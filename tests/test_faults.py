@@ -195,6 +195,46 @@ def test_a_stalled_draft_is_abandoned_and_the_stream_goes_on_target_only(stack):
 # ---------------------------------------------------------------- Redis
 
 
+def test_a_client_that_reads_nothing_frees_its_place_after_the_stall_timeout_and_resumes_with_the_same_tokens(stack):
+    """A client whose flow-control window is full (it reads nothing) stops the coordinator's
+    writes; after --stall-timeout its stream ends UNAVAILABLE, which frees the coordinator's only
+    place for another request, and the client, reading again, gets what was sent, the status,
+    and by Resume the rest: together an unbroken run's tokens and text."""
+    address = stack.add_coordinator("stalls", "--stall-timeout", "1", "--max-concurrent-requests", "1")
+    options = dict(prompt=PROMPT, max_new_tokens=300, **OPTIONS)
+    # About 1 kB of window and no growing it: a dozen chunks, then the coordinator's writes wait.
+    small_window = [("grpc.http2.bdp_probe", 0), ("grpc.http2.lookahead_bytes", 1024)]
+    with grpc.insecure_channel(address, options=small_window) as channel, specdec.Client(address) as client:
+        request = specdec.client.build_request(
+            PROMPT, prompt_token_ids=None, max_new_tokens=300, temperature=0.0, top_k=0, top_p=1.0, seed=None,
+            num_speculative_tokens=3, speculate=True, stop=None, session_id="reads-nothing", ignore_eos=True,
+        )  # fmt: skip; the request client.generate(**options) sends
+        call = pb_grpc.CoordinatorStub(channel).Generate(request)
+        call.initial_metadata()  # its headers: it holds the place, its session exists
+        started, waited_s = time.monotonic(), None
+        while waited_s is None and time.monotonic() - started < 30:
+            try:
+                client.generate(PROMPT, max_new_tokens=2)
+                waited_s = time.monotonic() - started
+            except specdec.SpecdecClientError as exc:
+                assert exc.code == grpc.StatusCode.RESOURCE_EXHAUSTED, exc
+                time.sleep(0.2)
+        assert waited_s is not None, "the client that reads nothing still holds the only place after 30 s"
+        received = []
+        with pytest.raises(grpc.RpcError) as ended:
+            for chunk in call:
+                received.append(chunk)
+        expected = client.generate(**options)
+        tokens = [t for c in received for t in c.token_ids]
+        text = "".join(c.text for c in received)
+        rest = client.resume("reads-nothing", received_tokens=len(tokens), received_chars=len(text))
+    print(f"\nanother request ran {waited_s:.1f} s after the stalled one began; {len(tokens)} tokens had been sent")
+    assert ended.value.code() == grpc.StatusCode.UNAVAILABLE and "--stall-timeout" in ended.value.details()
+    assert 0 < len(tokens) < 300
+    assert tokens + rest.token_ids == expected.token_ids
+    assert text + rest.text == expected.text and rest.finish_reason == "length"
+
+
 def test_with_redis_down_a_request_fails_fast_with_unavailable_and_recovers_when_redis_returns(
     redis_stack, own_redis
 ):
