@@ -694,9 +694,21 @@ def client_error(exc, args) -> str:
     if exc.code == grpc.StatusCode.DEADLINE_EXCEEDED and getattr(args, "timeout", None):
         line += f"\n(the call's --timeout of {args.timeout:g} s ran out; a longer one, or none, lets it finish)"
     if exc.code == grpc.StatusCode.UNAVAILABLE:
-        line += (f"\n(is a coordinator serving at {args.address or DEFAULT_ADDRESS}? `specdec up` starts one; "
+        address = args.address or DEFAULT_ADDRESS
+        line += (f"\n(is a coordinator serving at {address}? `specdec up` starts one; "
                  "without --address, generate and trace start one for the command)")  # fmt: skip
+        if names_no_port(address):
+            line += (f"\n({address!r} names no port, so gRPC dialled 443; a coordinator listens on "
+                     f"{DEFAULT_ADDRESS.rpartition(':')[2]} unless its --port says otherwise: "
+                     f"--address {address.rstrip('/')}:{DEFAULT_ADDRESS.rpartition(':')[2]})")  # fmt: skip
     return line
+
+
+def names_no_port(address: str) -> bool:
+    """True for one host without a port (`myhost`, `10.0.0.5`, `[::1]`, `dns:///myhost`), to
+    which gRPC connects on 443, the HTTPS port, not on a coordinator's."""
+    host = address.rpartition("///")[2]
+    return "," not in host and (":" not in host or host.endswith("]"))
 
 
 def generate_options(args) -> dict:

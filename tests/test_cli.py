@@ -8,7 +8,9 @@ import subprocess
 import sys
 import time
 from concurrent import futures
+from types import SimpleNamespace
 
+import grpc
 import psutil
 import pytest
 
@@ -364,6 +366,19 @@ def test_generate_against_an_address_nothing_serves_says_unavailable_where_it_lo
     out = run_cli("generate", "hi", "--address", address, "--timeout", "20")
     assert out.returncode == 1 and "error: UNAVAILABLE" in out.stderr
     assert f"is a coordinator serving at {address}? `specdec up` starts one" in out.stderr
+    assert "names no port" not in out.stderr
+
+
+@pytest.mark.parametrize("address", ["myhost", "10.0.0.5", "[::1]", "dns:///coordinator"])
+def test_an_unavailable_address_without_a_port_is_told_that_grpc_dialled_443_and_the_port_to_add(address):
+    from specdec import SpecdecClientError
+    from specdec.cli import client_error
+
+    line = client_error(SpecdecClientError(grpc.StatusCode.UNAVAILABLE, "connection refused"), SimpleNamespace(address=address))
+    assert f"{address!r} names no port, so gRPC dialled 443" in line
+    assert line.endswith(f"--address {address}:50051)")
+    for with_port in (f"{address}:50051", "h1:1,h2:2", "dns:///coordinator:50051"):
+        assert "names no port" not in client_error(SpecdecClientError(grpc.StatusCode.UNAVAILABLE, ""), SimpleNamespace(address=with_port))
 
 
 def test_flags_take_their_default_from_the_environment():
