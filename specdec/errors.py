@@ -88,6 +88,21 @@ CLUSTER_IN_FLUX = (
 )  # fmt: skip
 
 
+# What a write refused by a full Redis (maxmemory reached, policy noeviction, as the k8s manifests
+# run it) tells the caller. Redis refuses a script at its first write, so nothing of it is written.
+REDIS_FULL = (
+    "the session store (Redis) is full: past its maxmemory it refuses new sessions and new tokens until "
+    "sessions expire (an hour after they end) or are deleted, or its maxmemory is raised; the tokens a "
+    "session committed stand, so resume it then"
+)
+
+
+def redis_full(exc: BaseException) -> bool:
+    """Whether `exc` is Redis refusing a write for its maxmemory: redis-py's OutOfMemoryError, or
+    that error inside a script's ResponseError ("... -OOM command not allowed ...")."""
+    return isinstance(exc, redis.exceptions.ResponseError) and "OOM command not allowed" in str(exc)
+
+
 def status_for(exc: BaseException, quiet: bool = False) -> tuple[grpc.StatusCode, str]:
     """Map an exception raised while serving an RPC to (status code, message); an unforeseen
     one (INTERNAL) is logged with its traceback, unless `quiet` (it will be, where it is raised)."""
@@ -103,6 +118,8 @@ def status_for(exc: BaseException, quiet: bool = False) -> tuple[grpc.StatusCode
     if isinstance(exc, grpc.aio.AioRpcError):
         # A downstream call failed: pass its code on, say which hop it was.
         return exc.code(), f"downstream call failed: {exc.details()}"
+    if redis_full(exc):
+        return grpc.StatusCode.RESOURCE_EXHAUSTED, REDIS_FULL
     if isinstance(exc, MemoryError):
         return grpc.StatusCode.RESOURCE_EXHAUSTED, "out of memory while serving the request"
     if not quiet:

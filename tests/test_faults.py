@@ -282,6 +282,39 @@ def test_redis_lost_mid_request_fails_the_stream_with_unavailable_and_later_requ
         assert again.token_ids == expected
 
 
+def test_a_full_redis_refuses_sessions_and_tokens_resource_exhausted_and_the_session_resumes_once_room_is_made(
+    redis_stack, own_redis
+):
+    """Redis at its maxmemory with policy noeviction (as the k8s manifests run it) refuses writes:
+    the stream whose commit it refuses ends RESOURCE_EXHAUSTED saying the store is full, and so
+    does a new request (not INTERNAL with a traceback); a Delete, which frees room, still works.
+    Once there is room the session resumes to an unbroken run's tokens and text."""
+    db = redis.Redis.from_url(own_redis.url)
+    options = dict(max_new_tokens=400, **OPTIONS)
+
+    def fill_redis():  # a maxmemory below what it holds: full, whatever its buffers do meanwhile
+        db.config_set("maxmemory-policy", "noeviction")
+        db.config_set("maxmemory", db.info("memory")["used_memory"] // 2)
+
+    with specdec.Client(redis_stack.address, retries=0) as client:  # the failure is under test: no Resume
+        expected = client.generate(PROMPT, **options)
+        client.generate(PROMPT, max_new_tokens=5, session_id="to-delete", **OPTIONS)
+        try:
+            chunks, error, _ = stream_until_failure(client, fill_redis, prompt=PROMPT, session_id="redis-full", **options)
+            with pytest.raises(specdec.SpecdecClientError) as refused:
+                client.generate(PROMPT, max_new_tokens=5, **OPTIONS)
+            deleted = client.delete("to-delete")
+        finally:
+            db.config_set("maxmemory", 0)
+        tokens, text = generated(chunks), "".join(c.text for c in chunks)
+        rest = client.resume("redis-full", received_tokens=len(tokens), received_chars=len(text))
+    print(f"\nRedis full after {len(tokens)} tokens: {error}")
+    for failure in (error, refused.value):
+        assert failure.code == grpc.StatusCode.RESOURCE_EXHAUSTED and "(Redis) is full" in failure.message
+    assert deleted and 0 < len(tokens) < 400
+    assert tokens + rest.token_ids == expected.token_ids and text + rest.text == expected.text
+
+
 def test_a_frozen_redis_fails_the_stream_with_unavailable_and_leaves_a_consistent_session(
     redis_stack, own_redis, tiny_models
 ):
