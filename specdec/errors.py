@@ -88,19 +88,30 @@ CLUSTER_IN_FLUX = (
 )  # fmt: skip
 
 
-# What a write refused by a full Redis (maxmemory reached, policy noeviction, as the k8s manifests
-# run it) tells the caller. Redis refuses a script at its first write, so nothing of it is written.
-REDIS_FULL = (
-    "the session store (Redis) is full: past its maxmemory it refuses new sessions and new tokens until "
-    "sessions expire (an hour after they end) or are deleted, or its maxmemory is raised; the tokens a "
-    "session committed stand, so resume it then"
-)
+# Writes Redis refuses, found by the words of its error (redis-py's OutOfMemoryError or
+# ReadOnlyError, or the same error inside a script's ResponseError: "... -OOM command not
+# allowed ..."), and what the caller is told. Redis refuses a script at its first write, so
+# nothing of a refused one is written: a session stays as its last commit left it.
+REDIS_REFUSALS = (
+    # maxmemory reached with policy noeviction, as the k8s manifests run it.
+    ("OOM command not allowed", grpc.StatusCode.RESOURCE_EXHAUSTED,
+     "the session store (Redis) is full: past its maxmemory it refuses new sessions and new tokens until "
+     "sessions expire (an hour after they end) or are deleted, or its maxmemory is raised; the tokens a "
+     "session committed stand, so resume it then"),
+    # A master demoted while a failover runs, or a --redis-url naming a replica.
+    ("You can't write against a read only replica", grpc.StatusCode.UNAVAILABLE,
+     "the session store (Redis) answering is a read-only replica: a failover is under way (retry shortly), "
+     "or the coordinator's --redis-url names a replica instead of its master"),
+)  # fmt: skip
 
 
-def redis_full(exc: BaseException) -> bool:
-    """Whether `exc` is Redis refusing a write for its maxmemory: redis-py's OutOfMemoryError, or
-    that error inside a script's ResponseError ("... -OOM command not allowed ...")."""
-    return isinstance(exc, redis.exceptions.ResponseError) and "OOM command not allowed" in str(exc)
+def redis_refusal(exc: BaseException) -> tuple[grpc.StatusCode, str] | None:
+    """(status code, message) when `exc` is Redis refusing a write (REDIS_REFUSALS), else None."""
+    if isinstance(exc, redis.exceptions.ResponseError):
+        for words, code, message in REDIS_REFUSALS:
+            if words in str(exc):
+                return code, message
+    return None
 
 
 def status_for(exc: BaseException, quiet: bool = False) -> tuple[grpc.StatusCode, str]:
@@ -118,8 +129,8 @@ def status_for(exc: BaseException, quiet: bool = False) -> tuple[grpc.StatusCode
     if isinstance(exc, grpc.aio.AioRpcError):
         # A downstream call failed: pass its code on, say which hop it was.
         return exc.code(), f"downstream call failed: {exc.details()}"
-    if redis_full(exc):
-        return grpc.StatusCode.RESOURCE_EXHAUSTED, REDIS_FULL
+    if (refused := redis_refusal(exc)) is not None:
+        return refused
     if isinstance(exc, MemoryError):
         return grpc.StatusCode.RESOURCE_EXHAUSTED, "out of memory while serving the request"
     if not quiet:

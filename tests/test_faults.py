@@ -315,6 +315,20 @@ def test_a_full_redis_refuses_sessions_and_tokens_resource_exhausted_and_the_ses
     assert tokens + rest.token_ids == expected.token_ids and text + rest.text == expected.text
 
 
+def test_a_coordinator_whose_redis_is_a_read_only_replica_refuses_a_request_unavailable_saying_so(redis_stack, own_redis):
+    """A --redis-url naming a replica (or a master demoted by a failover): reads work, every
+    write is refused, and a request is refused UNAVAILABLE naming the replica, not INTERNAL."""
+    with EmbeddedRedis(replica_of=own_redis.port) as replica:
+        address = redis_stack.add_coordinator("on-replica", "--redis-url", replica.url)
+        try:
+            with specdec.Client(address, retries=0) as client:
+                with pytest.raises(specdec.SpecdecClientError) as refused:
+                    client.generate(PROMPT, max_new_tokens=5, **OPTIONS)
+        finally:
+            redis_stack.processes["on-replica"].terminate()  # before its Redis goes
+    assert refused.value.code == grpc.StatusCode.UNAVAILABLE and "read-only replica" in refused.value.message
+
+
 def test_a_frozen_redis_fails_the_stream_with_unavailable_and_leaves_a_consistent_session(
     redis_stack, own_redis, tiny_models
 ):
