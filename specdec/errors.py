@@ -98,6 +98,11 @@ REDIS_REFUSALS = (
      "the session store (Redis) is full: past its maxmemory it refuses new sessions and new tokens until "
      "sessions expire (an hour after they end) or are deleted, or its maxmemory is raised; the tokens a "
      "session committed stand, so resume it then"),
+    # The last snapshot failed (its disk full or unwritable) and stop-writes-on-bgsave-error is on.
+    ("MISCONF", grpc.StatusCode.UNAVAILABLE,
+     "the session store (Redis) refuses writes because it could not save its snapshot to disk (MISCONF: "
+     "see its log; a full or unwritable disk, say) until a save succeeds; the tokens a session committed "
+     "stand, so resume it then"),
     # A master demoted while a failover runs, or a --redis-url naming a replica.
     ("You can't write against a read only replica", grpc.StatusCode.UNAVAILABLE,
      "the session store (Redis) answering is a read-only replica: a failover is under way (retry shortly), "

@@ -282,6 +282,26 @@ def test_redis_lost_mid_request_fails_the_stream_with_unavailable_and_later_requ
         assert again.token_ids == expected
 
 
+def refused_then_resumed(client, refuse, allow, session_id, while_refused=lambda: None):
+    """Stream a 400-token session and call `refuse()`, which makes Redis refuse writes, after 3
+    chunks; ask for a new request and call `while_refused()`; `allow()`; resume the session and
+    check that what was streamed and what the Resume sent make an unbroken run. Returns (the
+    error that ended the stream, the new request's, while_refused's result, tokens streamed)."""
+    options = dict(prompt=PROMPT, max_new_tokens=400, **OPTIONS)
+    expected = client.generate(**options)
+    try:
+        chunks, error, _ = stream_until_failure(client, refuse, session_id=session_id, **options)
+        with pytest.raises(specdec.SpecdecClientError) as refused:
+            client.generate(PROMPT, max_new_tokens=5, **OPTIONS)
+        result = while_refused()
+    finally:
+        allow()
+    tokens, text = generated(chunks), "".join(c.text for c in chunks)
+    rest = client.resume(session_id, received_tokens=len(tokens), received_chars=len(text))
+    assert tokens + rest.token_ids == expected.token_ids and text + rest.text == expected.text
+    return error, refused.value, result, len(tokens)
+
+
 def test_a_full_redis_refuses_sessions_and_tokens_resource_exhausted_and_the_session_resumes_once_room_is_made(
     redis_stack, own_redis
 ):
@@ -290,29 +310,49 @@ def test_a_full_redis_refuses_sessions_and_tokens_resource_exhausted_and_the_ses
     does a new request (not INTERNAL with a traceback); a Delete, which frees room, still works.
     Once there is room the session resumes to an unbroken run's tokens and text."""
     db = redis.Redis.from_url(own_redis.url)
-    options = dict(max_new_tokens=400, **OPTIONS)
 
     def fill_redis():  # a maxmemory below what it holds: full, whatever its buffers do meanwhile
         db.config_set("maxmemory-policy", "noeviction")
         db.config_set("maxmemory", db.info("memory")["used_memory"] // 2)
 
     with specdec.Client(redis_stack.address, retries=0) as client:  # the failure is under test: no Resume
-        expected = client.generate(PROMPT, **options)
         client.generate(PROMPT, max_new_tokens=5, session_id="to-delete", **OPTIONS)
-        try:
-            chunks, error, _ = stream_until_failure(client, fill_redis, prompt=PROMPT, session_id="redis-full", **options)
-            with pytest.raises(specdec.SpecdecClientError) as refused:
-                client.generate(PROMPT, max_new_tokens=5, **OPTIONS)
-            deleted = client.delete("to-delete")
-        finally:
-            db.config_set("maxmemory", 0)
-        tokens, text = generated(chunks), "".join(c.text for c in chunks)
-        rest = client.resume("redis-full", received_tokens=len(tokens), received_chars=len(text))
-    print(f"\nRedis full after {len(tokens)} tokens: {error}")
-    for failure in (error, refused.value):
+        error, refused, deleted, streamed = refused_then_resumed(
+            client, fill_redis, lambda: db.config_set("maxmemory", 0), "redis-full", lambda: client.delete("to-delete")
+        )  # fmt: skip
+    print(f"\nRedis full after {streamed} tokens: {error}")
+    for failure in (error, refused):
         assert failure.code == grpc.StatusCode.RESOURCE_EXHAUSTED and "(Redis) is full" in failure.message
-    assert deleted and 0 < len(tokens) < 400
-    assert tokens + rest.token_ids == expected.token_ids and text + rest.text == expected.text
+    assert deleted and 0 < streamed < 400
+
+
+def test_a_redis_that_cannot_save_its_snapshot_refuses_writes_unavailable_saying_so_and_the_session_resumes_after(
+    redis_stack, own_redis
+):
+    """Redis that failed to save its RDB snapshot (a full or unwritable disk) refuses writes
+    (MISCONF, stop-writes-on-bgsave-error): the stream and a new request end UNAVAILABLE saying
+    so; once it may write again the session resumes to an unbroken run's tokens and text."""
+    db = redis.Redis.from_url(own_redis.url)
+    kept = {name: db.config_get(name)[name] for name in ("dir", "save")}
+
+    def break_saving():  # a directory Redis cannot write, a save point, and a save that fails
+        db.config_set("dir", "/proc")
+        db.config_set("save", "3600 1")
+        db.bgsave()
+        while db.info("persistence")["rdb_bgsave_in_progress"]:
+            time.sleep(0.05)
+        assert db.info("persistence")["rdb_last_bgsave_status"] == "err"
+
+    def restore():
+        for name, value in kept.items():
+            db.config_set(name, value)
+
+    with specdec.Client(redis_stack.address, retries=0) as client:
+        error, refused, _, streamed = refused_then_resumed(client, break_saving, restore, "redis-cannot-save")
+    print(f"\nRedis unable to save after {streamed} tokens: {error}")
+    for failure in (error, refused):
+        assert failure.code == grpc.StatusCode.UNAVAILABLE and "could not save its snapshot" in failure.message
+    assert 0 < streamed < 400
 
 
 def test_a_coordinator_whose_redis_is_a_read_only_replica_refuses_a_request_unavailable_saying_so(redis_stack, own_redis):
