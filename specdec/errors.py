@@ -127,6 +127,11 @@ def status_for(exc: BaseException, quiet: bool = False) -> tuple[grpc.StatusCode
     if isinstance(exc, (ValueError, TypeError)):
         # Validation in the core raises ValueError; its message is meant for users.
         return grpc.StatusCode.INVALID_ARGUMENT, str(exc)
+    if isinstance(exc, redis.exceptions.AuthenticationError):  # Redis's words, never the URL's password
+        return grpc.StatusCode.UNAVAILABLE, (
+            f"the session store (Redis) refused this service's credentials ({exc}): its Redis URL "
+            "(--redis-url, SPECDEC_REDIS_URL) must carry them, redis://[USER]:PASSWORD@HOST:PORT/DB"
+        )
     if isinstance(exc, (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError)):
         return grpc.StatusCode.UNAVAILABLE, f"session store (Redis) unreachable: {exc}"
     if isinstance(exc, CLUSTER_IN_FLUX):

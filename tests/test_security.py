@@ -612,16 +612,21 @@ def test_sessions_work_through_a_password_protected_redis_over_tls(private_redis
         terminator.close()
 
 
-def test_a_wrong_redis_password_fails_requests_with_unavailable_and_names_no_secret(private_redis, tiny_models):
+def test_a_wrong_or_missing_redis_password_fails_requests_unavailable_saying_how_to_give_it_and_names_no_secret(
+    private_redis, tiny_models
+):
     wrong = "wrong-pw-9d8e7f"
     stack = start_stack(
         f"redis://:{wrong}@127.0.0.1:{private_redis.port}/0", tiny_models.target, tiny_models.draft
     )
     try:
-        with specdec.Client(stack.address) as client:
-            code, message = code_of(lambda: client.generate(PROMPT, max_new_tokens=2))
-        assert code == grpc.StatusCode.UNAVAILABLE and "Redis" in message
-        assert wrong not in message and REDIS_PASSWORD not in message
+        without = stack.add_coordinator("no-password", "--redis-url", f"redis://127.0.0.1:{private_redis.port}/0")
+        for address in (stack.address, without):
+            with specdec.Client(address) as client:
+                code, message = code_of(lambda: client.generate(PROMPT, max_new_tokens=2))
+            assert code == grpc.StatusCode.UNAVAILABLE and "(Redis) refused this service's credentials" in message
+            assert "redis://[USER]:PASSWORD@HOST:PORT/DB" in message, message
+            assert wrong not in message and REDIS_PASSWORD not in message
     finally:
         stack.stop()
 
