@@ -88,11 +88,16 @@ CLUSTER_IN_FLUX = (
 )  # fmt: skip
 
 
-# Writes Redis refuses, found by the words of its error (redis-py's OutOfMemoryError or
-# ReadOnlyError, or the same error inside a script's ResponseError: "... -OOM command not
-# allowed ..."), and what the caller is told. Redis refuses a script at its first write, so
-# nothing of a refused one is written: a session stays as its last commit left it.
+# Calls Redis refuses for its own state or settings, not for ours, found by the words of its
+# error (redis-py's OutOfMemoryError or ReadOnlyError, or the same error inside a script's
+# ResponseError: "... -OOM command not allowed ..."), and what the caller is told. Redis refuses
+# a script at its first write, so nothing of a refused one is written: a session stays as its
+# last commit left it.
 REDIS_REFUSALS = (
+    # The URL's /DB is not below the server's `databases`: every call fails.
+    ("DB index is out of range", grpc.StatusCode.UNAVAILABLE,
+     "the session store (Redis) has no database of the number its URL ends in: the number after the last / "
+     "of the URL (--redis-url, SPECDEC_REDIS_URL) must be below Redis's `databases` setting (16 by default)"),
     # maxmemory reached with policy noeviction, as the k8s manifests run it.
     ("OOM command not allowed", grpc.StatusCode.RESOURCE_EXHAUSTED,
      "the session store (Redis) is full: past its maxmemory it refuses new sessions and new tokens until "
@@ -111,7 +116,7 @@ REDIS_REFUSALS = (
 
 
 def redis_refusal(exc: BaseException) -> tuple[grpc.StatusCode, str] | None:
-    """(status code, message) when `exc` is Redis refusing a write (REDIS_REFUSALS), else None."""
+    """(status code, message) when `exc` is one of REDIS_REFUSALS, else None."""
     if isinstance(exc, redis.exceptions.ResponseError):
         for words, code, message in REDIS_REFUSALS:
             if words in str(exc):

@@ -26,6 +26,24 @@ def test_keys_share_one_hash_tag_so_a_session_lives_in_one_cluster_slot():
     assert tokens_key("abc") == "specdec:{abc}:tokens"
 
 
+def test_a_redis_url_naming_a_database_redis_lacks_is_unavailable_saying_which_part_of_the_url_to_fix(redis_url):
+    import grpc
+
+    from specdec.errors import status_for
+
+    async def go():
+        store = SessionStore(redis_url.rsplit("/", 1)[0] + "/99", ttl_s=100)  # Redis has 16 databases
+        try:
+            with pytest.raises(Exception) as refused:
+                await store.meta("s-any")
+        finally:
+            await store.close()
+        return status_for(refused.value, quiet=True)
+
+    code, message = run(go())
+    assert code == grpc.StatusCode.UNAVAILABLE and "no database of the number its URL ends in" in message
+
+
 def test_create_stores_prompt_and_meta(redis_url):
     async def go():
         store = SessionStore(redis_url, ttl_s=100)
