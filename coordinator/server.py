@@ -80,10 +80,11 @@ class StallWatch:
     once the client reads again it gets the chunks sent before, then the status, and the SDK
     resumes the session."""
 
-    def __init__(self, context, timeout_s: float, session_id: str):
+    def __init__(self, context, timeout_s: float, session_id: str, spawn):
         self.context = context
         self.timeout_s = timeout_s
         self.session_id = session_id
+        self.spawn = spawn  # runs a coroutine as a task kept until it ends (Coordinator.spawn)
         self.handler = asyncio.current_task()  # the call's task: it drives every generator of the stream
         self.tripped = False
 
@@ -104,8 +105,9 @@ class StallWatch:
         message = (f"session {self.session_id!r}: this client read nothing of its stream for {self.timeout_s:g} s "
                    "(the coordinator's --stall-timeout), so the stream ended to free its place; every chunk "
                    "sent stands committed: resume the session (the SDK does)")  # fmt: skip
-        ending = asyncio.ensure_future(self.context.abort(grpc.StatusCode.UNAVAILABLE, message))
-        # It sends the status behind the chunks the client has yet to read, then raises AbortError.
+        # The status goes out behind the chunks the client has yet to read (the task waits until it
+        # has, or the call ends), then abort raises AbortError, which is the task's to swallow.
+        ending = self.spawn(self.context.abort(grpc.StatusCode.UNAVAILABLE, message))
         ending.add_done_callback(lambda done: done.cancelled() or done.exception())
         self.handler.cancel()
 
@@ -468,7 +470,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         metrics = self.metrics
         metrics.requests_running.inc()
         status, outcome, last, started = "cancelled", "cancelled", None, time.monotonic()
-        watch = StallWatch(context, self.config.stall_timeout_s, plan.session_id)
+        watch = StallWatch(context, self.config.stall_timeout_s, plan.session_id, self.spawn)
         try:
             chunks = self.generate_chunks(plan, text, deadline, trace.set_span_in_context(span), resume_at, catch_up)
             async for chunk in chunks:
