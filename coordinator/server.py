@@ -72,11 +72,11 @@ class StallWatch:
     """Ends the stream of a client that reads nothing.
 
     A chunk's write waits while the client's HTTP/2 flow-control window is full. A gRPC client
-    that does not read still takes a lot (Python's took a whole 4,096-token stream, 250 kB),
-    but one with a small window (64 kB, say), or a reader that hangs, held its slot, and the
-    services' caches of its session, for as long as it stayed connected. A write that waits
-    longer than `timeout_s` (`--stall-timeout`; 0 = never) ends the call UNAVAILABLE and
-    cancels its handler, which frees both at once. Every chunk sent is committed in Redis:
+    that does not read still takes a lot (Python's takes a whole 4,096-token stream, 250 kB),
+    but one with a small window (a few kB), or a reader that hangs, would hold the request's
+    place, and the services' caches of its session, for as long as it stays connected. A write
+    that waits longer than `timeout_s` (`--stall-timeout`; 0 = never) ends the call UNAVAILABLE
+    and cancels its handler, which frees both at once. Every chunk sent is committed in Redis:
     once the client reads again it gets the chunks sent before, then the status, and the SDK
     resumes the session."""
 

@@ -698,9 +698,9 @@ def client_error(exc, args) -> str:
         line += (f"\n(is a coordinator serving at {address}? `specdec up` starts one; "
                  "without --address, generate and trace start one for the command)")  # fmt: skip
         if names_no_port(address):
-            line += (f"\n({address!r} names no port, so gRPC dialled 443; a coordinator listens on "
-                     f"{DEFAULT_ADDRESS.rpartition(':')[2]} unless its --port says otherwise: "
-                     f"--address {address.rstrip('/')}:{DEFAULT_ADDRESS.rpartition(':')[2]})")  # fmt: skip
+            port = DEFAULT_ADDRESS.rpartition(":")[2]
+            line += (f"\n({address!r} names no port, so gRPC dialled 443; a coordinator listens on {port} "
+                     f"unless its --port says otherwise: --address {address}:{port})")  # fmt: skip
     return line
 
 
