@@ -43,9 +43,26 @@ FINISH_NAMES = {
     pb.FINISH_REASON_STOP: "stop",
     pb.FINISH_REASON_EOS: "eos",
 }
+# Keepalive of every specdec channel (this SDK's, and the coordinator's to the model services):
+# a channel whose connection carried nothing for 10 s pings it, also in the middle of a long
+# call, and drops the connection when no answer comes within 5 s. A peer that is frozen
+# (SIGSTOP, a hung host) or cut off by a network that leaves TCP open then fails its calls
+# UNAVAILABLE within ~15 s, and they go on elsewhere (the SDK resumes a stream through another
+# coordinator; the coordinator verifies on another target replica). They used to wait ~60 s
+# (the coordinator: a ping after 30 s, which gRPC gives a minute, `ping_timeout_ms`, to be
+# answered; `keepalive_timeout_ms` is the older gRPCs' name) or, without a deadline, forever (the
+# SDK). A peer that is only busy answers: gRPC's own threads acknowledge pings. specdec's
+# servers accept pings this often (serving.SERVER_OPTIONS).
+KEEPALIVE_OPTIONS = [
+    ("grpc.keepalive_time_ms", 10_000),
+    ("grpc.http2.ping_timeout_ms", 5_000),
+    ("grpc.keepalive_timeout_ms", 5_000),
+    ("grpc.http2.max_pings_without_data", 0),
+]
 _CHANNEL_OPTIONS = [
     ("grpc.max_receive_message_length", 64 * 1024 * 1024),
     ("grpc.max_send_message_length", 64 * 1024 * 1024),
+    *KEEPALIVE_OPTIONS,
 ]
 # The coordinator's response headers name the session once it exists (Generate and Resume):
 # a stream that fails after them can be resumed; one that fails before them never began.

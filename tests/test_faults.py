@@ -18,6 +18,7 @@ import redis
 import specdec
 from conftest import start_stack
 from coordinator.cycles import DRAFT_DEADLINE_SHARE, draft_budget
+from coordinator.replicas import score
 from specdec.errors import Aborted
 from specdec.redis_server import EmbeddedRedis
 from specdec.session import REDIS_SOCKET_TIMEOUT_S, SessionStore, meta_key, tokens_key
@@ -233,6 +234,33 @@ def test_a_client_that_reads_nothing_frees_its_place_after_the_stall_timeout_and
     assert 0 < len(tokens) < 300
     assert tokens + rest.token_ids == expected.token_ids
     assert text + rest.text == expected.text and rest.finish_reason == "length"
+
+
+def test_a_session_on_a_frozen_target_replica_goes_on_on_the_other_once_the_keepalive_ping_goes_unanswered(stack):
+    """Two target replicas; the one a session hashes to is frozen (SIGSTOP: a hung host, or a
+    network that leaves TCP open). Its Verify gets no answer and no error, but the coordinator's
+    keepalive ping goes unanswered, the connection drops within ~15 s, and the cycle is verified
+    on the other replica: the request ends well inside a 40 s deadline with the no-fault output.
+    (Before, the ping came after 30 s and gRPC waited a minute for its answer: ~60 s.)"""
+    first = f"127.0.0.1:{stack.ports['target']}"
+    second = stack.add_replica("frozen-target", "target")
+    address = stack.add_coordinator("two-targets", "--target-address", f"{first},{second}")
+    on_second = [f"on-second-{i}" for i in range(40) if score(f"on-second-{i}", second) > score(f"on-second-{i}", first)]
+    options = dict(max_new_tokens=30, **OPTIONS)
+    frozen = stack.processes["frozen-target"]
+    try:
+        with specdec.Client(address, retries=0) as client:
+            expected = client.generate(PROMPT, session_id=on_second[0], **options)  # served by the second
+            os.kill(frozen.pid, signal.SIGSTOP)
+            started = time.monotonic()
+            result = client.generate(PROMPT, session_id=on_second[1], timeout=40, **options)
+            took = time.monotonic() - started
+    finally:
+        os.kill(frozen.pid, signal.SIGCONT)
+        for name in ("two-targets", "frozen-target"):
+            stack.processes[name].terminate()
+    print(f"\na session on a frozen target replica finished in {took:.1f} s")
+    assert result.token_ids == expected.token_ids
 
 
 def test_with_redis_down_a_request_fails_fast_with_unavailable_and_recovers_when_redis_returns(

@@ -3,6 +3,8 @@ with the tokens and text it would have had. Real processes: two coordinators in 
 one draft and one target, a real redis-server, the SDK over loopback gRPC."""
 
 import json
+import os
+import signal
 import time
 
 import grpc
@@ -108,6 +110,34 @@ def test_a_stream_whose_coordinator_is_killed_goes_on_through_the_other_with_the
     finally:
         stack.restart("coordinator")
         stack.wait_ready(("coordinator",))
+
+
+def test_a_stream_whose_coordinator_freezes_goes_on_through_the_other_once_its_keepalive_ping_goes_unanswered(stack):
+    """SIGSTOP the coordinator mid-stream (a hung host, or a network that leaves TCP open): no
+    chunk and no error comes, but the SDK's keepalive ping goes unanswered, its connection drops
+    within ~15 s, and the SDK resumes the session on the other coordinator with an unbroken
+    run's tokens and text. Without keepalive the stream waited until its deadline."""
+    options = dict(prompt="hello world", max_new_tokens=LONG, **PROMPT_OPTIONS)
+    with specdec.Client(spare(stack)) as client:
+        expected = client.generate(**options)
+    chunks, arrived = [], []
+    coordinator = stack.processes["coordinator"]
+    try:
+        with specdec.Client(both(stack), **FIRST_THEN_OTHER) as client:
+            for chunk in client.generate_stream(**options, timeout=90):
+                chunks.append(chunk)
+                arrived.append(time.monotonic())
+                if len(chunks) == 3:
+                    os.kill(coordinator.pid, signal.SIGSTOP)
+                    frozen_at = time.monotonic()
+    finally:
+        os.kill(coordinator.pid, signal.SIGCONT)
+        stack.restart("coordinator")
+        stack.wait_ready(("coordinator",))
+    resumed = next(i for i, c in enumerate(chunks) if c.cycle is None)
+    print(f"\ncoordinator frozen: the catch-up chunk came {arrived[resumed] - frozen_at:.1f} s later")
+    assert [t for c in chunks for t in c.token_ids] == expected.token_ids
+    assert "".join(c.text for c in chunks) == expected.text and chunks[-1].finish_reason == "length"
 
 
 def test_a_stream_running_past_its_stopping_coordinators_drain_is_resumed_through_the_other(stack):
