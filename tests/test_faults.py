@@ -1,4 +1,5 @@
-"""Faults with real processes: a stalled draft (SIGSTOP), Redis stopped or frozen and
+"""Faults with real processes: a stalled draft (SIGSTOP), a client that reads nothing, a
+frozen target replica, Redis stopped, frozen, full, unable to save or a read-only replica, and
 brought back, a replayed cycle, the coordinator SIGKILLed mid-request. Each test checks
 the greedy output against the no-fault output token for token, and the status code
 where a request must fail. Timings are printed (pytest -s) and bounded generously: the
@@ -193,7 +194,7 @@ def test_a_stalled_draft_is_abandoned_and_the_stream_goes_on_target_only(stack):
     stack.wait_ready(("draft",))
 
 
-# ---------------------------------------------------------------- Redis
+# ---------------------------------------------------------------- a client that reads nothing, a frozen target
 
 
 def test_a_client_that_reads_nothing_frees_its_place_after_the_stall_timeout_and_resumes_with_the_same_tokens(stack):
@@ -261,6 +262,9 @@ def test_a_session_on_a_frozen_target_replica_goes_on_on_the_other_once_the_keep
             stack.processes[name].terminate()
     print(f"\na session on a frozen target replica finished in {took:.1f} s")
     assert result.token_ids == expected.token_ids
+
+
+# ---------------------------------------------------------------- Redis
 
 
 def test_with_redis_down_a_request_fails_fast_with_unavailable_and_recovers_when_redis_returns(
