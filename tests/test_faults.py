@@ -1,4 +1,4 @@
-"""Faults with real processes: a stalled draft (SIGSTOP), a client that reads nothing, a
+"""Faults with real processes: a stalled draft (SIGSTOP), a client that reads nothing or vanishes, a
 frozen target replica, Redis stopped, frozen, full, unable to save or a read-only replica, and
 brought back, a replayed cycle, the coordinator SIGKILLed mid-request. Each test checks
 the greedy output against the no-fault output token for token, and the status code
@@ -262,6 +262,61 @@ def test_a_session_on_a_frozen_target_replica_goes_on_on_the_other_once_the_keep
             stack.processes[name].terminate()
     print(f"\na session on a frozen target replica finished in {took:.1f} s")
     assert result.token_ids == expected.token_ids
+
+
+FROZEN_CLIENT = """
+import sys, grpc
+from specdec.v1 import specdec_pb2 as pb, specdec_pb2_grpc as pb_grpc
+call = pb_grpc.CoordinatorStub(grpc.insecure_channel(sys.argv[1])).Generate(pb.GenerateRequest(prompt="x"))
+next(call)
+print("streaming", flush=True)
+for _ in call:
+    pass
+"""
+
+
+def test_a_client_that_vanishes_mid_stream_has_its_call_cancelled_once_the_servers_keepalive_ping_goes_unanswered():
+    """A client process frozen mid-stream (SIGSTOP: a laptop closed, a network cut that leaves
+    TCP open) reads nothing and answers nothing. specdec's servers (serving.create_server) ping
+    it during the call, and drop the connection when the ping goes unanswered: the handler is
+    cancelled within ~15 s, which in a coordinator stops the request's generation and frees its
+    place. (Before, a stream of small chunks went on until the kernel's buffers filled.)"""
+    import subprocess
+    import sys
+
+    from specdec.serving import create_server
+
+    async def run() -> float:
+        cancelled = asyncio.Event()
+
+        class Endless(pb_grpc.CoordinatorServicer):
+            async def Generate(self, request, context):
+                try:
+                    while True:
+                        yield pb.GenerateChunk(text="x")
+                        await asyncio.sleep(0.05)
+                except BaseException:
+                    cancelled.set()
+                    raise
+
+        server = create_server()
+        pb_grpc.add_CoordinatorServicer_to_server(Endless(), server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        client = subprocess.Popen([sys.executable, "-c", FROZEN_CLIENT, f"127.0.0.1:{port}"], stdout=subprocess.PIPE)
+        try:
+            assert await asyncio.to_thread(client.stdout.readline) == b"streaming\n"
+            os.kill(client.pid, signal.SIGSTOP)
+            frozen_at = time.monotonic()
+            await asyncio.wait_for(cancelled.wait(), 60)
+            return time.monotonic() - frozen_at
+        finally:
+            client.kill()
+            client.wait()
+            await server.stop(0)
+
+    took = asyncio.run(run())
+    print(f"\nthe frozen client's call was cancelled {took:.1f} s after the freeze")
 
 
 # ---------------------------------------------------------------- Redis

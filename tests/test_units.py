@@ -1236,6 +1236,7 @@ def test_every_channel_pings_its_peer_and_specdecs_servers_take_those_pings_as_o
     assert set(KEEPALIVE_OPTIONS) <= set(_CHANNEL_OPTIONS) and set(KEEPALIVE_OPTIONS) <= set(CLIENT_OPTIONS)
     assert keepalive["grpc.http2.ping_timeout_ms"] < keepalive["grpc.keepalive_time_ms"] <= 15_000
     assert dict(SERVER_OPTIONS)["grpc.http2.min_ping_interval_without_data_ms"] <= keepalive["grpc.keepalive_time_ms"]
+    assert set(KEEPALIVE_OPTIONS) <= set(SERVER_OPTIONS)  # the servers ping their clients too
 
 
 def test_an_address_is_host_port_or_a_grpc_target_and_the_sdk_refuses_one_that_names_no_server():
