@@ -706,8 +706,11 @@ def client_error(exc, args) -> str:
 
 def names_no_port(address: str) -> bool:
     """True for one host without a port (`myhost`, `10.0.0.5`, `[::1]`, `dns:///myhost`), to
-    which gRPC connects on 443, the HTTPS port, not on a coordinator's."""
-    host = address.rpartition("///")[2]
+    which gRPC connects on 443, the HTTPS port, not on a coordinator's; False for a host:port,
+    a list, or a target of another scheme (`unix:///run/specdec.sock`)."""
+    host = address.removeprefix("dns:///")
+    if "/" in host:
+        return False
     return "," not in host and (":" not in host or host.endswith("]"))
 
 

@@ -377,8 +377,9 @@ def test_an_unavailable_address_without_a_port_is_told_that_grpc_dialled_443_and
     line = client_error(SpecdecClientError(grpc.StatusCode.UNAVAILABLE, "connection refused"), SimpleNamespace(address=address))
     assert f"{address!r} names no port, so gRPC dialled 443" in line
     assert line.endswith(f"--address {address}:50051)")
-    for with_port in (f"{address}:50051", "h1:1,h2:2", "dns:///coordinator:50051"):
-        assert "names no port" not in client_error(SpecdecClientError(grpc.StatusCode.UNAVAILABLE, ""), SimpleNamespace(address=with_port))
+    for not_a_bare_host in (f"{address}:50051", "h1:1,h2:2", "dns:///coordinator:50051", "unix:///run/specdec.sock"):
+        error = SpecdecClientError(grpc.StatusCode.UNAVAILABLE, "")
+        assert "names no port" not in client_error(error, SimpleNamespace(address=not_a_bare_host))
 
 
 def test_flags_take_their_default_from_the_environment():
