@@ -59,9 +59,12 @@ KEEPALIVE_OPTIONS = [
     ("grpc.keepalive_timeout_ms", 5_000),
     ("grpc.http2.max_pings_without_data", 0),
 ]
-_CHANNEL_OPTIONS = [
-    ("grpc.max_receive_message_length", 64 * 1024 * 1024),
-    ("grpc.max_send_message_length", 64 * 1024 * 1024),
+# q for a 150k vocabulary as dense float32 over K=16 drafts is ~10 MB; leave room.
+MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+# What every specdec channel and server is opened with (serving adds each side's own).
+GRPC_OPTIONS = [
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     *KEEPALIVE_OPTIONS,
 ]
 # The coordinator's response headers name the session once it exists (Generate and Resume):
@@ -179,7 +182,7 @@ def open_channel(module, address: str, credentials: grpc.ChannelCredentials | No
     if problem := address_problem(address):
         raise ValueError(problem)
     config = service_config(retries, load_balancing)
-    options = [*_CHANNEL_OPTIONS, ("grpc.enable_retries", 1), ("grpc.service_config", config)]
+    options = [*GRPC_OPTIONS, ("grpc.enable_retries", 1), ("grpc.service_config", config)]
     if credentials is None:
         return module.insecure_channel(address, options=options)
     return module.secure_channel(address, credentials, options=options)

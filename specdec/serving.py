@@ -21,7 +21,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from specdec import telemetry
-from specdec.client import KEEPALIVE_OPTIONS
+from specdec.client import GRPC_OPTIONS
 from specdec.errors import MalformedRequest
 from specdec.metrics import serve_metrics
 from specdec.ranges import DEFAULT_DRAIN_S, join_host_port
@@ -30,13 +30,7 @@ from specdec.v1 import specdec_pb2 as pb
 
 log = logging.getLogger("specdec")
 
-# q for a 150k vocabulary as dense float32 over K=16 drafts is ~10 MB; leave room.
-MAX_MESSAGE_BYTES = 64 * 1024 * 1024
-GRPC_OPTIONS = [
-    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-]
-CLIENT_OPTIONS = GRPC_OPTIONS + KEEPALIVE_OPTIONS + [
+CLIENT_OPTIONS = GRPC_OPTIONS + [
     ("grpc.enable_retries", 1),
     # A replaced service is picked up within a second of serving: gRPC's default backoff
     # grows to minutes, and while it waits every call fails fast with UNAVAILABLE.
@@ -75,11 +69,12 @@ class ModelWorker:
 # gRPC sets SO_REUSEPORT on Linux by default, so a second server on a port already served
 # binds without error and the kernel splits the connections between the two (a second
 # `specdec up` on 50051 would take half of the first one's clients); off, it is refused.
-# A client's keepalive pings (KEEPALIVE_OPTIONS: every 10 s) are welcome even while no data
-# flows; gRPC's default, one each 5 minutes, counts more as abuse and drops the connection. The
-# servers ping their clients as often, while a call runs: a client that vanished (a laptop
-# closed, a network cut) has its calls cancelled within ~15 s, which stops their generation.
-SERVER_OPTIONS = GRPC_OPTIONS + KEEPALIVE_OPTIONS + [
+# A client's keepalive pings (specdec.client.KEEPALIVE_OPTIONS, in GRPC_OPTIONS: every 10 s) are
+# welcome even while no data flows; gRPC's default, one each 5 minutes, counts more as abuse and
+# drops the connection. The servers ping their clients as often, while a call runs: a client that
+# vanished (a laptop closed, a network cut) has its calls cancelled within ~15 s, which stops
+# their generation.
+SERVER_OPTIONS = GRPC_OPTIONS + [
     ("grpc.so_reuseport", 0),
     ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
 ]

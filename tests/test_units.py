@@ -1229,11 +1229,11 @@ def test_every_channel_pings_its_peer_and_specdecs_servers_take_those_pings_as_o
     """A frozen peer is found by keepalive (test_faults, test_resume); a server that took the
     pings as abuse (gRPC's default: one each 5 minutes while no data flows) would drop a long
     quiet call after two strikes (measured: 49 s into a call with 10 s pings)."""
-    from specdec.client import _CHANNEL_OPTIONS, KEEPALIVE_OPTIONS
+    from specdec.client import GRPC_OPTIONS, KEEPALIVE_OPTIONS
     from specdec.serving import CLIENT_OPTIONS, SERVER_OPTIONS
 
     keepalive = dict(KEEPALIVE_OPTIONS)
-    assert set(KEEPALIVE_OPTIONS) <= set(_CHANNEL_OPTIONS) and set(KEEPALIVE_OPTIONS) <= set(CLIENT_OPTIONS)
+    assert set(KEEPALIVE_OPTIONS) <= set(GRPC_OPTIONS) and set(KEEPALIVE_OPTIONS) <= set(CLIENT_OPTIONS)
     assert keepalive["grpc.http2.ping_timeout_ms"] < keepalive["grpc.keepalive_time_ms"] <= 15_000
     assert dict(SERVER_OPTIONS)["grpc.http2.min_ping_interval_without_data_ms"] <= keepalive["grpc.keepalive_time_ms"]
     assert set(KEEPALIVE_OPTIONS) <= set(SERVER_OPTIONS)  # the servers ping their clients too
