@@ -31,6 +31,7 @@ from coordinator.replicas import (
 )
 from specdec.errors import Unavailable
 from specdec.redis_server import free_port
+from specdec.serving import CLIENT_OPTIONS
 from specdec.v1 import specdec_pb2 as pb
 from specdec.v1 import specdec_pb2_grpc as pb_grpc
 
@@ -667,6 +668,11 @@ def test_a_target_replica_restarted_with_other_weights_at_its_model_path_refuses
     deadline = time.monotonic() + 30  # until the coordinator calls it again (DOWN_S after the kill)
     while by_service(two_of_each.metrics, "specdec:replicas_usable", "target") < 2 and time.monotonic() < deadline:
         time.sleep(0.2)
+    # The gauge reads no channel state, but a session goes to a replica only while the channel to
+    # it is not failing (Replica.usable): the one to the killed replica is back once it retries,
+    # within its reconnect backoff (at most 1 s, +20% jitter). Sent sooner, a session went to the
+    # other replica and nothing was refused (a CI run, once).
+    time.sleep(2 * dict(CLIENT_OPTIONS)["grpc.max_reconnect_backoff_ms"] / 1000)
     options = dict(prompt_token_ids=tiny_models.tokenizer.encode(PROMPT), max_new_tokens=24, **OPTIONS)
     with specdec.Client(stack.address) as client:
         expected = client.generate(**options).token_ids
