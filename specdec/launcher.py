@@ -31,6 +31,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from specdec.catalog import DEFAULT_TARGET
+from specdec.children import ending_with_parent
 from specdec.ngram import NGRAM_DRAFT
 from specdec.ranges import join_host_port
 from specdec.redis_server import EmbeddedRedis, free_port
@@ -290,7 +291,8 @@ class Stack:
         env["OTEL_SERVICE_NAME"] = f"{env.get('OTEL_SERVICE_NAME') or 'specdec'}-{name}"
         self.envs[name] = env
         self.kinds[name] = service
-        self.processes[name] = subprocess.Popen(command, env=env, **self.output(name))
+        # Ended by the kernel should this process be killed before it stops them (specdec.children).
+        self.processes[name] = subprocess.Popen(ending_with_parent(command, os.getpid()), env=env, **self.output(name))
 
     def restart(self, name: str, *args: str, kill: bool = False) -> None:
         """Stop one service (SIGKILL when kill; one that has exited already stays so) and start

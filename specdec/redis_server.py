@@ -16,6 +16,8 @@ import subprocess
 import tempfile
 import time
 
+from specdec.children import ending_with_parent
+
 READY_TIMEOUT_S = 10.0
 
 
@@ -76,7 +78,8 @@ class EmbeddedRedis:
             args += ["--requirepass", self.password, "--masterauth", self.password]
         if self.replica_of:
             args += ["--replicaof", "127.0.0.1", str(self.replica_of)]
-        self.process = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        # Ended by the kernel should our process be killed before it stops it (specdec.children).
+        self.process = subprocess.Popen(ending_with_parent(args, os.getpid()), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         self._wait_ready()
         return self
 

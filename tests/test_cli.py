@@ -14,7 +14,7 @@ import grpc
 import psutil
 import pytest
 
-from specdec.launcher import is_serving
+from specdec.launcher import is_listening, is_serving
 from specdec.redis_server import free_port
 
 SPECDEC = [sys.executable, "-m", "specdec.cli"]
@@ -690,6 +690,30 @@ def test_specdec_up_stops_its_stack_on_sighup_as_on_sigterm(tiny_models):
                 child.kill()
 
 
+def test_a_killed_specdec_up_takes_its_stack_with_it_and_its_port_is_free_again(tiny_models):
+    """SIGKILL (the out-of-memory killer, `kill -9`) leaves no handler to run: redis-server and
+    the three services used to go on, the coordinator on the stack's port, so the next `specdec
+    up` there failed "Address already in use". The kernel now ends them (specdec.children)."""
+    port, children = free_port(), []
+    up = subprocess.Popen([*SPECDEC, "up", "--port", str(port), "--metrics-port-base", "0", "--target",
+                           tiny_models.target, "--draft", tiny_models.draft],
+                          stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)  # fmt: skip
+    try:
+        assert up.stdout.readline().strip() == f"ready 127.0.0.1:{port}"
+        children = descendants(up.pid)
+        assert len(children) == 4 and any("redis-server" in c.name() for c in children)  # exec'd, not wrapped
+        up.kill()
+        up.wait(timeout=10)
+        gone, alive = psutil.wait_procs(children, timeout=30)
+        assert not [c for c in alive if c.status() != psutil.STATUS_ZOMBIE], alive
+        assert not is_listening("127.0.0.1", port)
+    finally:
+        up.kill()
+        for child in children:  # orphans, where the kernel did not end them
+            with contextlib.suppress(psutil.NoSuchProcess):
+                child.kill()
+
+
 def test_generate_does_not_start_a_stack_where_another_program_holds_the_default_port_and_says_what_to_do(monkeypatch, capsys):
     """A local stack's coordinator used to fail to bind there and advise `--port`, which generate
     does not take."""
@@ -747,7 +771,7 @@ def test_ctrl_c_the_moment_a_service_is_forked_stops_it_with_the_rest(tiny_model
     try:
         with pytest.raises(KeyboardInterrupt):
             stack.start()
-        assert len(started) == 4 and "redis" in started[0].args[0]  # redis, target, draft, coordinator
+        assert len(started) == 4 and "redis" in " ".join(started[0].args)  # redis, target, draft, coordinator
         assert [p.poll() is not None for p in started] == [True] * 4, "a process of the stack still runs"
         assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
     finally:

@@ -1378,3 +1378,17 @@ def test_a_stopping_coordinator_lets_its_requests_background_work_finish_then_cl
 
     asyncio.run(go())
     assert "stopping with 1 request(s) still recording their end or releasing their caches" in caplog.text
+
+
+def test_a_child_started_to_end_with_its_parent_runs_its_command_in_its_own_process_unless_the_parent_is_gone():
+    import os
+    import subprocess
+
+    from specdec.children import ending_with_parent
+
+    child = subprocess.Popen(ending_with_parent(["sh", "-c", "echo $$ $PPID"], os.getpid()), stdout=subprocess.PIPE, text=True)
+    out, _ = child.communicate(timeout=30)
+    assert child.returncode == 0 and out.split() == [str(child.pid), str(os.getpid())]  # exec'd in the child: no wrapper
+    # A parent that ended before the child could ask for its signal: the command never runs.
+    gone = subprocess.run(ending_with_parent(["echo", "ran"], parent_pid=1), capture_output=True, text=True)
+    assert gone.returncode == 1 and gone.stdout == ""
