@@ -1346,6 +1346,28 @@ def test_a_conversation_for_a_tokenizer_without_a_chat_template_is_a_failed_prec
         CoordinatorServicer.chat_ids(server, [SimpleNamespace(role="user", content="abc")])
 
 
+def test_a_conversation_the_chat_template_refuses_is_an_invalid_argument_with_the_templates_reason():
+    """Templates such as Mistral's and Llama 2's refuse roles that do not alternate user /
+    assistant (raise_exception): the user's to fix, not a server fault."""
+    from types import SimpleNamespace
+
+    from coordinator.server import CoordinatorServicer
+    from specdec.models import build_tiny_tokenizer
+
+    tokenizer = build_tiny_tokenizer()
+    tokenizer.chat_template = (
+        "{% for message in messages %}{% if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+        "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{% endif %}"
+        "{{ message['role'] }}: {{ message['content'] }}\n{% endfor %}"
+    )
+    server = SimpleNamespace(tokenizer=tokenizer, config=SimpleNamespace(tokenizer=""), target_info=SimpleNamespace(model="tiny"))
+    alternating = [SimpleNamespace(role="user", content="ab"), SimpleNamespace(role="assistant", content="c")]
+    assert tokenizer.decode(CoordinatorServicer.chat_ids(server, alternating)) == "user: ab\nassistant: c\n"
+    twice = [SimpleNamespace(role="user", content="ab"), SimpleNamespace(role="user", content="c")]
+    with pytest.raises(InvalidArgument, match=r"the chat template refused the messages: Conversation roles must alternate user/assistant"):
+        CoordinatorServicer.chat_ids(server, twice)
+
+
 def test_a_stopping_coordinator_lets_its_requests_background_work_finish_then_closes_within_its_bound(
     redis_url, monkeypatch, caplog
 ):
