@@ -124,6 +124,15 @@ def redis_refusal(exc: BaseException) -> tuple[grpc.StatusCode, str] | None:
     return None
 
 
+def is_out_of_memory(exc: BaseException) -> bool:
+    """Python's MemoryError, or an allocation torch could not make: torch.OutOfMemoryError on a
+    GPU, and on a CPU a plain RuntimeError from its allocator ("DefaultCPUAllocator: can't
+    allocate memory: you tried to allocate N bytes"), which used to end a call INTERNAL."""
+    if isinstance(exc, MemoryError) or type(exc).__name__ == "OutOfMemoryError":
+        return True
+    return isinstance(exc, RuntimeError) and "can't allocate memory" in str(exc)
+
+
 def status_for(exc: BaseException, quiet: bool = False) -> tuple[grpc.StatusCode, str]:
     """Map an exception raised while serving an RPC to (status code, message); an unforeseen
     one (INTERNAL) is logged with its traceback, unless `quiet` (it will be, where it is raised)."""
@@ -146,8 +155,9 @@ def status_for(exc: BaseException, quiet: bool = False) -> tuple[grpc.StatusCode
         return exc.code(), f"downstream call failed: {exc.details()}"
     if (refused := redis_refusal(exc)) is not None:
         return refused
-    if isinstance(exc, MemoryError):
-        return grpc.StatusCode.RESOURCE_EXHAUSTED, "out of memory while serving the request"
+    if is_out_of_memory(exc):
+        log.warning("out of memory while serving a request: %s", exc)
+        return grpc.StatusCode.RESOURCE_EXHAUSTED, f"out of memory while serving the request: {exc}"
     if not quiet:
         log.exception("internal error", exc_info=exc)
     return grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}"

@@ -1414,3 +1414,23 @@ def test_a_child_started_to_end_with_its_parent_runs_its_command_in_its_own_proc
     # A parent that ended before the child could ask for its signal: the command never runs.
     gone = subprocess.run(ending_with_parent(["echo", "ran"], parent_pid=1), capture_output=True, text=True)
     assert gone.returncode == 1 and gone.stdout == ""
+
+
+def test_an_allocation_torch_cannot_make_is_resource_exhausted_with_its_size_not_an_internal_error(caplog):
+    """On a CPU torch's allocator raises a plain RuntimeError, which used to end the call INTERNAL
+    with a traceback; on a GPU torch.OutOfMemoryError."""
+    import grpc
+
+    from specdec.errors import status_for
+
+    with pytest.raises(RuntimeError) as cpu:
+        torch.empty(2**62, dtype=torch.uint8)  # past any address space: refused whatever the overcommit policy
+    with caplog.at_level("WARNING", logger="specdec"):
+        code, message = status_for(cpu.value)
+    assert code == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert message.startswith("out of memory while serving the request") and "4611686018427387904 bytes" in message
+    assert "out of memory while serving a request" in caplog.text and "Traceback" not in caplog.text
+    gpu = torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
+    assert status_for(gpu)[0] == grpc.StatusCode.RESOURCE_EXHAUSTED and "20.00 GiB" in status_for(gpu)[1]
+    assert status_for(MemoryError())[0] == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert status_for(RuntimeError("shape mismatch"), quiet=True)[0] == grpc.StatusCode.INTERNAL  # a bug stays one
