@@ -362,12 +362,16 @@ def cache_bytes(cache: DynamicCache | None) -> int:
 
 
 def crop_cache(cache: DynamicCache | None, length: int) -> None:
-    """Shorten a KV cache to its first `length` positions."""
+    """Shorten a KV cache to its first `length` positions, each layer on its own: after a pass
+    that failed partway (out of memory in layer i), the layers before i hold its positions and
+    the rest do not. Cutting every layer by the first layer's excess, as DynamicCache.crop does,
+    cut positions the later layers needed, and the next pass computed wrong logits."""
     if cache is None:
         return
-    excess = cache.get_seq_length() - length
-    if excess > 0:
-        cache.crop(-excess)  # negative: remove that many positions from the end
+    for layer in cache.layers:
+        excess = layer.get_seq_length() - length
+        if excess > 0:
+            layer.crop(-excess)  # negative: remove that many positions from the end
 
 
 class SessionPool:

@@ -497,3 +497,28 @@ def test_a_model_service_copies_a_shared_beginning_unless_prefix_reuse_is_off(mo
     assert build_parser().parse_args(["serve", "draft", "--no-prefix-reuse"]).no_prefix_reuse is True
     monkeypatch.setenv("SPECDEC_TARGET_NO_PREFIX_REUSE", "1")
     assert build_parser().parse_args(["serve", "target"]).no_prefix_reuse is True
+
+
+def test_a_pass_that_fails_partway_through_its_layers_is_cropped_back_and_the_next_pass_is_exact(model):
+    """Out of memory in the second layer: the first layer's cache holds the failed pass's
+    positions, the second's does not. Cropping back to the held tokens must leave every layer
+    as it was, so the session's next pass gives the logits of a cache that never failed."""
+    prompt, fed = [5, 9, 2, 7, 11, 3], [8, 4, 6]
+    cache = new_cache(model.config)
+    forward(model, cache, prompt)
+
+    def out_of_memory(module, args):
+        raise RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 1 bytes")
+
+    hook = model.model.layers[1].input_layernorm.register_forward_pre_hook(out_of_memory)
+    try:
+        with pytest.raises(RuntimeError, match="can't allocate memory"):
+            forward(model, cache, fed)
+    finally:
+        hook.remove()
+    assert [layer.get_seq_length() for layer in cache.layers] == [9, 6], "the failure must come partway"
+    crop_cache(cache, len(prompt))
+    assert [layer.get_seq_length() for layer in cache.layers] == [6, 6]
+    clean = new_cache(model.config)
+    forward(model, clean, prompt)
+    torch.testing.assert_close(forward(model, cache, fed, keep=3), forward(model, clean, fed, keep=3), rtol=0, atol=0)
