@@ -87,8 +87,6 @@ log = logging.getLogger("specdec.coordinator")
 
 # Target calls that fail with these codes are retried (restart, rollout, overload).
 RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED}
-# Draft calls that fail with these codes make the cycle run target-only.
-DRAFT_FAULTS = RETRYABLE | {grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.OUT_OF_RANGE}
 TARGET_RETRY_BACKOFF_S = (0.05, 0.2, 0.5, 1.0, 2.0, 2.0, 4.0, 4.0, 8.0, 8.0)
 # After a failed draft call, cycles run without drafting for this many cycles (doubling).
 DRAFT_BACKOFF_CYCLES = (1, 2, 4, 8, 16, 32)
@@ -537,6 +535,17 @@ class CycleLoop:
         try:
             verdict = await self.verify(drafts, steps, draft_busy=guess is not None,
                                         stop_at_ngram=self.ngram_stop() if steps > 1 else None)  # fmt: skip
+        except grpc.aio.AioRpcError as exc:
+            if guess is not None:
+                discard(guess)
+            if not drafts or exc.code() != grpc.StatusCode.INVALID_ARGUMENT:
+                raise
+            # The target refused the drafts themselves (a q that is no distribution: a draft's
+            # bug, or a draft of a newer version sending what this target does not read). The
+            # cycle goes on without them, as after a failed draft call; the request used to end.
+            guess, drafts = None, []
+            self.pause_drafting(exc)
+            verdict = await self.verify(drafts, steps)
         except BaseException:
             if guess is not None:
                 discard(guess)
@@ -701,12 +710,13 @@ class CycleLoop:
                     span.add_event("draft_token", {"index": token.index, "token_id": token.token_id})
                 span.set_attribute("specdec.drafted", len(drafts))
         except grpc.aio.AioRpcError as exc:
-            if exc.code() not in DRAFT_FAULTS:
-                raise
+            # Whatever the draft's failure (down, slow, out of memory, a broken model, a bug),
+            # it costs this cycle its drafts, never the request: the target alone gives the
+            # same output. It used to end the request for any code but a few.
             if exc.code() == grpc.StatusCode.UNAVAILABLE and isinstance(call, DraftCall):
                 call.replica.failed()
             call.cancel()
-            self.pause_drafting(exc.code())
+            self.pause_drafting(exc)
             return []
         self.draft_failures = 0
         # Nothing after an end token can be kept.
@@ -715,13 +725,14 @@ class CycleLoop:
                 return drafts[: i + 1]
         return drafts
 
-    def pause_drafting(self, code: grpc.StatusCode) -> None:
+    def pause_drafting(self, error: grpc.aio.AioRpcError) -> None:
         """Run the next cycles target-only: 1, 2, 4, ... 32 of them after consecutive draft
         faults; a draft call that succeeds resets the count."""
         backoff = DRAFT_BACKOFF_CYCLES[min(self.draft_failures, len(DRAFT_BACKOFF_CYCLES) - 1)]
         self.draft_failures += 1
         self.draft_paused_until = self.cycle + backoff
-        log.warning("draft failed or too slow (%s); target-only for %d cycle(s)", code.name, backoff)
+        log.warning("draft failed or too slow (%s: %s); target-only for %d cycle(s)", error.code().name,
+                    error.details(), backoff)  # fmt: skip
 
     async def speculate(self, call: DraftCall, drafts: list[pb.DraftToken]) -> Speculation | None:
         """Wait for the guess, then start drafting the next cycle as if all drafts and the

@@ -68,6 +68,15 @@ class PermissionDenied(SpecdecError):
     code = grpc.StatusCode.PERMISSION_DENIED
 
 
+class UnusableLogits(SpecdecError, ValueError):
+    """Logits no token can be drawn from (NaN, +inf, or -inf everywhere). Passed in by a library
+    caller, a ValueError like any bad argument; computed by a service's own model (broken
+    weights, or values past its dtype's range), the service's fault, not the request's: INTERNAL,
+    where a ValueError would have told the caller to fix its request (INVALID_ARGUMENT)."""
+
+    code = grpc.StatusCode.INTERNAL
+
+
 class MalformedRequest:
     """What a request deserializer returns for bytes that are not the expected message;
     `grpc_handler` turns it into INVALID_ARGUMENT (gRPC itself would answer INTERNAL)."""
@@ -137,6 +146,8 @@ def status_for(exc: BaseException, quiet: bool = False) -> tuple[grpc.StatusCode
     """Map an exception raised while serving an RPC to (status code, message); an unforeseen
     one (INTERNAL) is logged with its traceback, unless `quiet` (it will be, where it is raised)."""
     if isinstance(exc, SpecdecError):
+        if exc.code == grpc.StatusCode.INTERNAL:
+            log.error("%s", exc)  # this service's own fault: its log says so, without a traceback
         return exc.code, str(exc)
     if isinstance(exc, (ValueError, TypeError)):
         # Validation in the core raises ValueError; its message is meant for users.

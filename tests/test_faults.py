@@ -194,6 +194,107 @@ def test_a_stalled_draft_is_abandoned_and_the_stream_goes_on_target_only(stack):
     stack.wait_ready(("draft",))
 
 
+def make_nan_model_dir(tokenizer, directory) -> str:
+    """The tiny target with one layer's weights NaN: a broken checkpoint (or an fp16 overflow),
+    whose every logit is NaN."""
+    import torch
+
+    from conftest import TINY_INIT_RANGE
+    from specdec.models import build_tiny_model, save_model
+
+    model = build_tiny_model(tokenizer, hidden_size=64, num_layers=2, seed=1, initializer_range=TINY_INIT_RANGE)
+    with torch.no_grad():
+        model.model.layers[1].mlp.down_proj.weight.fill_(float("nan"))
+    save_model(model, tokenizer, directory)
+    return str(directory)
+
+
+def test_a_draft_model_that_computes_nan_costs_the_drafts_never_the_request(redis_url, tiny_models, tmp_path):
+    """Every Propose of a broken draft fails (its logits are NaN): each such cycle runs target-only,
+    so greedy requests get the target's own output and sampled ones an answer. They used to fail,
+    every one, INVALID_ARGUMENT, for a draft only there to make them faster."""
+    broken = make_nan_model_dir(tiny_models.tokenizer, tmp_path / "nan-draft")
+    stack = start_stack(redis_url, tiny_models.target, broken, quiet=True)
+    try:
+        with specdec.Client(stack.address) as client:
+            greedy = client.generate(PROMPT, max_new_tokens=24, **OPTIONS)
+            assert greedy.token_ids == client.generate(PROMPT, max_new_tokens=24, speculate=False, ignore_eos=True).token_ids
+            assert greedy.stats.draft_tokens == 0 and len(greedy.token_ids) == 24
+            sampled = client.generate(PROMPT, max_new_tokens=24, temperature=1.0, seed=7, **OPTIONS)
+            assert len(sampled.token_ids) == 24 and sampled.stats.draft_tokens == 0
+        assert "draft failed or too slow (INTERNAL: logits contain NaN or +inf" in stack.log_tail("coordinator")
+    finally:
+        stack.stop()
+
+
+def test_a_target_model_that_computes_nan_fails_requests_internal_saying_so_not_invalid_argument(
+    redis_url, tiny_models, tmp_path
+):
+    broken = make_nan_model_dir(tiny_models.tokenizer, tmp_path / "nan-target")
+    stack = start_stack(redis_url, broken, tiny_models.draft, quiet=True)
+    try:
+        with specdec.Client(stack.address) as client:
+            for options in (dict(OPTIONS), dict(speculate=False)):
+                with pytest.raises(specdec.SpecdecClientError) as failed:
+                    client.generate(PROMPT, max_new_tokens=8, **options)
+                assert failed.value.code == grpc.StatusCode.INTERNAL, failed.value
+                assert "logits contain NaN or +inf (from a model: broken weights" in str(failed.value)
+        assert "logits contain NaN or +inf" in stack.log_tail("target")  # the target's own log says so
+    finally:
+        stack.stop()
+
+
+class DraftSendingNoDistribution(pb_grpc.DraftServicer):
+    """A draft replica that speaks the protocol but sends each draft with a q summing to 0.5 (a
+    draft's bug, or a draft of another version whose q this target does not read); ModelInfo is
+    the real draft's, so a coordinator takes it for that draft."""
+
+    def __init__(self, info: pb.ModelInfoResponse):
+        self.info = info
+        self.proposed = 0
+
+    def Propose(self, request, context):
+        for index in range(request.k):
+            self.proposed += 1
+            yield pb.DraftToken(token_id=5, index=index, sparse=pb.SparseProbs(ids=[5], probs=[0.5]))
+
+    def ModelInfo(self, request, context):
+        return self.info
+
+    def Release(self, request, context):
+        return pb.ReleaseResponse(released=True)
+
+
+def test_drafts_the_target_refuses_cost_the_cycle_its_drafts_never_the_request(stack):
+    """Each Verify carrying such drafts is refused INVALID_ARGUMENT ("q ... sums to 0.5"): the
+    coordinator verifies that cycle again without them and goes on, so the output is the
+    target's own. Every such request used to fail INVALID_ARGUMENT."""
+    from concurrent import futures
+
+    from conftest import internal_stub
+
+    info = internal_stub(stack, "draft").ModelInfo(pb.ModelInfoRequest())
+    bad_draft = DraftSendingNoDistribution(info)
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+    pb_grpc.add_DraftServicer_to_server(bad_draft, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        address = stack.add_coordinator("bad-drafts", "--draft-address", f"127.0.0.1:{port}")
+        with specdec.Client(address) as bad, specdec.Client(stack.address) as good:
+            for options in (dict(OPTIONS), dict(OPTIONS, temperature=1.0, seed=3)):
+                result = bad.generate(PROMPT, max_new_tokens=20, **options)
+                assert len(result.token_ids) == 20 and result.stats.draft_tokens == 0
+            expected = good.generate(PROMPT, max_new_tokens=20, **OPTIONS).token_ids
+            assert bad.generate(PROMPT, max_new_tokens=20, **OPTIONS).token_ids == expected
+        assert bad_draft.proposed > 0, "the coordinator never asked the bad draft"
+    finally:
+        if (coordinator := stack.processes.pop("bad-drafts", None)) is not None:
+            coordinator.terminate()
+            coordinator.wait(timeout=30)
+        server.stop(0)
+
+
 # ---------------------------------------------------------------- a client that reads nothing, a frozen target
 
 
