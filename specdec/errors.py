@@ -146,7 +146,7 @@ def status_for(exc: BaseException, quiet: bool = False) -> tuple[grpc.StatusCode
     """Map an exception raised while serving an RPC to (status code, message); an unforeseen
     one (INTERNAL) is logged with its traceback, unless `quiet` (it will be, where it is raised)."""
     if isinstance(exc, SpecdecError):
-        if exc.code == grpc.StatusCode.INTERNAL:
+        if exc.code == grpc.StatusCode.INTERNAL and not quiet:
             log.error("%s", exc)  # this service's own fault: its log says so, without a traceback
         return exc.code, str(exc)
     if isinstance(exc, (ValueError, TypeError)):

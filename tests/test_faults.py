@@ -1,4 +1,5 @@
-"""Faults with real processes: a stalled draft (SIGSTOP), a client that reads nothing or vanishes, a
+"""Faults with real processes: a stalled draft (SIGSTOP), a draft or target model that computes NaN,
+a draft replica whose drafts the target refuses, a client that reads nothing or vanishes, a
 frozen target replica, Redis stopped, frozen, full, unable to save or a read-only replica, and
 brought back, a replayed cycle, the coordinator SIGKILLed mid-request. Each test checks
 the greedy output against the no-fault output token for token, and the status code

@@ -1412,7 +1412,7 @@ def test_a_child_started_to_end_with_its_parent_runs_its_command_in_its_own_proc
     out, _ = child.communicate(timeout=30)
     assert child.returncode == 0 and out.split() == [str(child.pid), str(os.getpid())]  # exec'd in the child: no wrapper
     # A parent that ended before the child could ask for its signal: the command never runs.
-    gone = subprocess.run(ending_with_parent(["echo", "ran"], parent_pid=1), capture_output=True, text=True)
+    gone = subprocess.run(ending_with_parent(["echo", "ran"], parent_pid=2**22 + 1), capture_output=True, text=True)  # past pid_max
     assert gone.returncode == 1 and gone.stdout == ""
 
 
