@@ -29,7 +29,7 @@ EXEC_SHIM = """\
 import ctypes, os, signal, sys
 try:
     ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM, 0, 0, 0)  # 1: PR_SET_PDEATHSIG
-except (OSError, AttributeError):  # no prctl (not Linux): the command outlives a killed parent
+except (OSError, AttributeError, TypeError):  # no prctl (not Linux): the command outlives a killed parent
     pass
 if os.getppid() != int(sys.argv[1]):  # the parent ended before the line above: so does the child
     sys.exit(1)
