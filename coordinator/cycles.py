@@ -535,10 +535,11 @@ class CycleLoop:
         try:
             verdict = await self.verify(drafts, steps, draft_busy=guess is not None,
                                         stop_at_ngram=self.ngram_stop() if steps > 1 else None)  # fmt: skip
-        except grpc.aio.AioRpcError as exc:
+        except BaseException as exc:
             if guess is not None:
                 discard(guess)
-            if not drafts or exc.code() != grpc.StatusCode.INVALID_ARGUMENT:
+            refused = isinstance(exc, grpc.aio.AioRpcError) and exc.code() == grpc.StatusCode.INVALID_ARGUMENT
+            if not (drafts and refused):
                 raise
             # The target refused the drafts themselves (a q that is no distribution: a draft's
             # bug, or a draft of a newer version sending what this target does not read). The
@@ -546,10 +547,6 @@ class CycleLoop:
             guess, drafts = None, []
             self.pause_drafting(exc)
             verdict = await self.verify(drafts, steps)
-        except BaseException:
-            if guess is not None:
-                discard(guess)
-            raise
         if guess is not None:
             await self.settle_speculation(guess, verdict, len(drafts))
         if call is not None:
