@@ -137,9 +137,10 @@ def is_out_of_memory(exc: BaseException) -> bool:
     """Python's MemoryError, or an allocation torch could not make: torch.OutOfMemoryError on a
     GPU, and on a CPU a plain RuntimeError from its allocator ("DefaultCPUAllocator: can't
     allocate memory: you tried to allocate N bytes"), which used to end a call INTERNAL."""
-    if isinstance(exc, MemoryError) or type(exc).__name__ == "OutOfMemoryError":
+    if isinstance(exc, MemoryError):
         return True
-    return isinstance(exc, RuntimeError) and "can't allocate memory" in str(exc)
+    # torch's OutOfMemoryError is a RuntimeError; redis-py's of the same name is not (a full Redis).
+    return isinstance(exc, RuntimeError) and (type(exc).__name__ == "OutOfMemoryError" or "can't allocate memory" in str(exc))
 
 
 def status_for(exc: BaseException, quiet: bool = False) -> tuple[grpc.StatusCode, str]:
