@@ -670,19 +670,19 @@ def test_a_process_running_a_local_stack_stops_it_on_sigterm_or_sighup_as_on_ctr
                 child.kill()
 
 
-def test_specdec_up_stops_its_stack_on_sighup_as_on_sigterm(tiny_models):
+@contextlib.contextmanager
+def specdec_up_ready(tiny_models, stderr=subprocess.PIPE):
+    """`specdec up` on a free port with the tiny models, once it printed `ready`: yields (its
+    process, its port, its children); after, kills whatever is left of them (orphans, where the
+    stack was not stopped)."""
     port, children = free_port(), []
     up = subprocess.Popen([*SPECDEC, "up", "--port", str(port), "--metrics-port-base", "0", "--target",
                            tiny_models.target, "--draft", tiny_models.draft],
-                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+                          stdout=subprocess.PIPE, stderr=stderr, text=True)  # fmt: skip
     try:
         assert up.stdout.readline().strip() == f"ready 127.0.0.1:{port}"
         children = descendants(up.pid)
-        up.send_signal(signal.SIGHUP)
-        _, err = up.communicate(timeout=60)
-        assert up.returncode == 0 and "stopping" in err and "Traceback" not in err, err
-        psutil.wait_procs(children, timeout=30)
-        assert not [c for c in children if c.is_running() and c.status() != psutil.STATUS_ZOMBIE]
+        yield up, port, children
     finally:
         up.kill()
         for child in children:
@@ -690,28 +690,26 @@ def test_specdec_up_stops_its_stack_on_sighup_as_on_sigterm(tiny_models):
                 child.kill()
 
 
+def test_specdec_up_stops_its_stack_on_sighup_as_on_sigterm(tiny_models):
+    with specdec_up_ready(tiny_models) as (up, _, children):
+        up.send_signal(signal.SIGHUP)
+        _, err = up.communicate(timeout=60)
+        assert up.returncode == 0 and "stopping" in err and "Traceback" not in err, err
+        psutil.wait_procs(children, timeout=30)
+        assert not [c for c in children if c.is_running() and c.status() != psutil.STATUS_ZOMBIE]
+
+
 def test_a_killed_specdec_up_takes_its_stack_with_it_and_its_port_is_free_again(tiny_models):
     """SIGKILL (the out-of-memory killer, `kill -9`) leaves no handler to run: redis-server and
     the three services used to go on, the coordinator on the stack's port, so the next `specdec
     up` there failed "Address already in use". The kernel now ends them (specdec.children)."""
-    port, children = free_port(), []
-    up = subprocess.Popen([*SPECDEC, "up", "--port", str(port), "--metrics-port-base", "0", "--target",
-                           tiny_models.target, "--draft", tiny_models.draft],
-                          stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)  # fmt: skip
-    try:
-        assert up.stdout.readline().strip() == f"ready 127.0.0.1:{port}"
-        children = descendants(up.pid)
+    with specdec_up_ready(tiny_models, stderr=subprocess.DEVNULL) as (up, port, children):
         assert len(children) == 4 and any("redis-server" in c.name() for c in children)  # exec'd, not wrapped
         up.kill()
         up.wait(timeout=10)
-        gone, alive = psutil.wait_procs(children, timeout=30)
+        _, alive = psutil.wait_procs(children, timeout=30)
         assert not [c for c in alive if c.status() != psutil.STATUS_ZOMBIE], alive
         assert not is_listening("127.0.0.1", port)
-    finally:
-        up.kill()
-        for child in children:  # orphans, where the kernel did not end them
-            with contextlib.suppress(psutil.NoSuchProcess):
-                child.kill()
 
 
 def test_generate_does_not_start_a_stack_where_another_program_holds_the_default_port_and_says_what_to_do(monkeypatch, capsys):

@@ -195,18 +195,18 @@ def test_a_stalled_draft_is_abandoned_and_the_stream_goes_on_target_only(stack):
     stack.wait_ready(("draft",))
 
 
-def make_nan_model_dir(tokenizer, directory) -> str:
-    """The tiny target with one layer's weights NaN: a broken checkpoint (or an fp16 overflow),
-    whose every logit is NaN."""
-    import torch
+def make_nan_model_dir(source: str, directory) -> str:
+    """A copy of the model directory `source` with one layer's weights NaN: a broken checkpoint
+    (or an fp16 overflow), whose every logit is NaN."""
+    import shutil
 
-    from conftest import TINY_INIT_RANGE
-    from specdec.models import build_tiny_model, save_model
+    from safetensors.torch import load_file, save_file
 
-    model = build_tiny_model(tokenizer, hidden_size=64, num_layers=2, seed=1, initializer_range=TINY_INIT_RANGE)
-    with torch.no_grad():
-        model.model.layers[1].mlp.down_proj.weight.fill_(float("nan"))
-    save_model(model, tokenizer, directory)
+    shutil.copytree(source, directory)
+    weights = directory / "model.safetensors"
+    tensors = load_file(weights)
+    tensors["model.layers.1.mlp.down_proj.weight"].fill_(float("nan"))
+    save_file(tensors, weights, metadata={"format": "pt"})
     return str(directory)
 
 
@@ -214,7 +214,7 @@ def test_a_draft_model_that_computes_nan_costs_the_drafts_never_the_request(redi
     """Every Propose of a broken draft fails (its logits are NaN): each such cycle runs target-only,
     so greedy requests get the target's own output and sampled ones an answer. They used to fail,
     every one, INVALID_ARGUMENT, for a draft only there to make them faster."""
-    broken = make_nan_model_dir(tiny_models.tokenizer, tmp_path / "nan-draft")
+    broken = make_nan_model_dir(tiny_models.target, tmp_path / "nan-draft")
     stack = start_stack(redis_url, tiny_models.target, broken, quiet=True)
     try:
         with specdec.Client(stack.address) as client:
@@ -231,7 +231,7 @@ def test_a_draft_model_that_computes_nan_costs_the_drafts_never_the_request(redi
 def test_a_target_model_that_computes_nan_fails_requests_internal_saying_so_not_invalid_argument(
     redis_url, tiny_models, tmp_path
 ):
-    broken = make_nan_model_dir(tiny_models.tokenizer, tmp_path / "nan-target")
+    broken = make_nan_model_dir(tiny_models.target, tmp_path / "nan-target")
     stack = start_stack(redis_url, broken, tiny_models.draft, quiet=True)
     try:
         with specdec.Client(stack.address) as client:
