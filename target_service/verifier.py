@@ -91,9 +91,9 @@ class Verifier:
 
     def verify_batch(self, jobs: Sequence[Job]) -> list[Verdict | Exception]:
         """Verify each job's cycle, all in one forward pass (module doc); a job that cannot run
-        (past the context) gets its exception in its place and the others go on, and when the
-        pass itself fails, each job is verified alone (verify_alone). Threads: the fewer,
-        `threads`, while any job's draft drafts beside it."""
+        (past the context) or cannot be judged (judge_or_error) gets its exception in its place
+        and the others go on, and when the pass itself fails, each job is verified alone
+        (verify_alone). Threads: the fewer, `threads`, while any job's draft drafts beside it."""
         use_threads(self.threads if any(job.draft_busy for job in jobs) else self.solo_threads)
         results: list[Verdict | Exception | None] = [None] * len(jobs)
         fed: dict[int, list[int]] = {}
@@ -114,8 +114,22 @@ class Verifier:
             return results
         forward_ms = (time.perf_counter() - start) * 1000
         for i, rows in zip(ready, logits):
-            results[i] = self.judge(jobs[i], fed[i], rows, forward_ms, len(ready))
+            results[i] = self.judge_or_error(jobs[i], fed[i], rows, forward_ms, len(ready))
         return results
+
+    def judge_or_error(self, job: Job, fed: list[int], logits: torch.Tensor, forward_ms: float,
+                       batch: int) -> Verdict | Exception:  # fmt: skip
+        """`judge`, or the job's own error (logits it cannot sample from, say) with its session
+        brought back to the tokens and cache it held before the pass, so the error reaches that
+        job alone and not the others judged from the same pass."""
+        state = job.state
+        held, pending = len(state.held), list(state.pending)
+        try:
+            return self.judge(job, fed, logits, forward_ms, batch)
+        except Exception as exc:  # noqa: BLE001 - this job's own error, for it alone
+            state.crop(held)
+            state.pending = pending
+            return exc
 
     def verify_alone(self, jobs: Sequence[Job], results: list, error: Exception) -> list[Verdict | Exception]:
         """After a pass over several sessions failed (out of memory, say: more rows than one

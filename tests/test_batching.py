@@ -18,7 +18,7 @@ import specdec
 from conftest import scrape, start_stack
 from draft_service.drafters import ModelDrafter, Step
 from specdec.draft_wire import Draft
-from specdec.errors import OutOfRange
+from specdec.errors import OutOfRange, UnusableLogits
 from specdec.kvcache import PREFILL_CHUNK, SessionState, new_cache
 from specdec.model_service import prefill
 from specdec.models import LoadedModel, build_tiny_model, build_tiny_tokenizer
@@ -264,6 +264,35 @@ def test_a_session_past_the_context_gets_its_error_and_the_others_in_its_pass_th
     assert isinstance(results[1], OutOfRange) and "exceed the target's context of 20" in str(results[1])
     assert [type(r).__name__ for r in results] == ["Verdict", "OutOfRange", "Verdict", "Verdict"]
     assert jobs[1].state.held == [] and jobs[1].state.cache.get_seq_length() == 0, "the refused session is untouched"
+
+
+def test_a_session_whose_logits_are_unusable_gets_its_error_and_the_others_in_its_pass_their_verdicts(
+    verifier, monkeypatch
+):
+    """One session's rows of the shared pass come out NaN (its own text past its dtype's range,
+    say): that session's call gets UnusableLogits with its session as it was before the pass,
+    and the other three get the verdicts they get alone. It used to fail all four."""
+    import target_service.verifier as verifier_module
+
+    real = verifier_module.forward_batch
+
+    def nan_for_the_third(model, caches, token_lists, keeps):
+        logits = real(model, caches, token_lists, keeps)
+        return [rows.fill_(float("nan")) if i == 2 and len(caches) > 1 else rows for i, rows in enumerate(logits)]
+
+    alone, together = sessions_and_jobs(verifier, 1.0), sessions_and_jobs(verifier, 1.0)
+    context = list(together[2].state.pending)
+    monkeypatch.setattr(verifier_module, "forward_batch", nan_for_the_third)
+    with torch.inference_mode():
+        separate = [verifier.verify(j.state, j.drafts, j.sampling, j.generator) for j in alone]
+        batched = verifier.verify_batch(together)
+    assert isinstance(batched[2], UnusableLogits) and "NaN" in str(batched[2])
+    assert [type(r).__name__ for r in batched] == ["Verdict", "Verdict", "UnusableLogits", "Verdict"]
+    for i in (0, 1, 3):
+        assert (batched[i].num_accepted, batched[i].next_token) == (separate[i].num_accepted, separate[i].next_token)
+        assert (together[i].state.held, together[i].state.pending) == (alone[i].state.held, alone[i].state.pending)
+    failed = together[2].state
+    assert (failed.held, failed.pending, failed.cache.get_seq_length()) == ([], context, 0), "as before the pass"
 
 
 def failing_forward_batch(real, doomed, solo_starts: list[int]):
