@@ -76,6 +76,9 @@ class SessionState:
     nbytes: int = 0
     # Set while a cycle runs on this session, so eviction never takes a live one.
     busy: bool = False
+    # Calls holding this session or waiting for its lock (SessionPool.use): eviction passes
+    # over it while any does, so a call that waited runs on the state the pool holds.
+    calls: int = 0
     # Serialises calls on one session (a retry may overlap the call it retries).
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     last_used: float = field(default_factory=time.monotonic)
@@ -427,6 +430,8 @@ class SessionPool:
         if state is None:
             if not await exists(session_id):
                 raise NotFound(f"unknown session {session_id!r}: it was never created or has expired")
+            state = self.sessions.get(session_id)  # another call made it while Redis answered
+        if state is None:
             self._make_room()
             state = SessionState(session_id, cache=self.new_cache())
             self.sessions[session_id] = state
@@ -436,18 +441,23 @@ class SessionPool:
 
     @contextlib.asynccontextmanager
     async def use(self, session_id: str, exists: Callable[[str], Awaitable[bool]]):
-        """Hold a session for one call: locked, and safe from eviction meanwhile."""
+        """Hold a session for one call: locked, and safe from eviction meanwhile, also while
+        the call waits for the lock."""
         state = await self.acquire(session_id, exists)
-        async with state.lock:
-            state.busy = True
-            try:
-                yield state
-            finally:
-                state.busy = False
-                state.last_used = time.monotonic()
-                state.nbytes = cache_bytes(state.cache)
-                self._trim_memory()
-                self.on_change(self)
+        state.calls += 1
+        try:
+            async with state.lock:
+                state.busy = True
+                try:
+                    yield state
+                finally:
+                    state.busy = False
+                    state.last_used = time.monotonic()
+                    state.nbytes = cache_bytes(state.cache)
+        finally:
+            state.calls -= 1
+            self._trim_memory()
+            self.on_change(self)
 
     def release(self, session_id: str, retire: bool = False) -> bool:
         """Stop serving a session; True if it was held. `retire` (it finished): keep its cache
@@ -515,8 +525,8 @@ class SessionPool:
         return True
 
     def _evict_idle(self) -> bool:
-        """Evict the least recently used session not in a call; False when all are busy."""
-        idle = next((sid for sid, s in self.sessions.items() if not s.busy), None)
+        """Evict the least recently used session no call holds or waits for; False when there is none."""
+        idle = next((sid for sid, s in self.sessions.items() if not s.busy and not s.calls), None)
         if idle is None:
             return False
         del self.sessions[idle]

@@ -735,6 +735,59 @@ def test_pool_evicts_idle_sessions_beyond_the_kv_memory_limit_but_never_a_busy_o
     assert per_token > 0
 
 
+def test_calls_for_one_session_share_its_state_and_one_waiting_for_it_keeps_it_from_eviction():
+    """Two calls for a session the pool does not hold yet arrive together (a retried call
+    overlapping its original) and both wait for Redis: they get the one state the pool holds
+    and run one after the other (each used to make a state of its own, the first one's outside
+    the pool and its memory budget). And a call waiting for its session's lock keeps the session
+    from eviction when the call before it ends over the memory budget: it runs on the state the
+    pool holds, not on one already dropped."""
+    from transformers import DynamicCache
+
+    from specdec.kvcache import forward
+    from specdec.models import build_tiny_model, build_tiny_tokenizer
+
+    model = build_tiny_model(build_tiny_tokenizer(), hidden_size=32, num_layers=1, seed=0)
+
+    async def go():
+        async def exists(_):
+            await asyncio.sleep(0)  # Redis answering
+            return True
+
+        pool = SessionPool(10, lambda: DynamicCache(config=model.config))
+        seen, order = [], []
+
+        async def call(name):
+            async with pool.use("s", exists) as state:
+                seen.append(state)
+                order.append(f"{name} in")
+                await asyncio.sleep(0.01)
+                order.append(f"{name} out")
+
+        await asyncio.gather(call("first"), call("retry"))
+        assert seen[0] is seen[1] is pool.sessions["s"]
+        assert order == ["first in", "first out", "retry in", "retry out"]
+
+        probe = DynamicCache(config=model.config)
+        forward(model, probe, [1])
+        pool = SessionPool(10, lambda: DynamicCache(config=model.config), max_cache_bytes=15 * cache_bytes(probe))
+        waiting = asyncio.Event()
+
+        async def second_call():
+            waiting.set()
+            async with pool.use("a", exists) as state:
+                return state is pool.sessions.get("a"), pool.evictions
+
+        async with pool.use("a", exists) as state:
+            forward(model, state.cache, list(range(1, 21)))  # 20 tokens: over the budget when the call ends
+            second = asyncio.ensure_future(second_call())
+            await waiting.wait()
+        assert await second == (True, 0)
+        assert pool.evictions == 1 and "a" not in pool.sessions, "with no call left, the budget evicts it"
+
+    asyncio.run(go())
+
+
 def test_pool_refuses_sessions_the_store_does_not_know():
     async def go():
         async def exists(_):
