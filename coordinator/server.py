@@ -495,7 +495,8 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             else:  # the call ended under the stream: its deadline passed, or the client cancelled it
                 past_deadline = deadline is not None and time.monotonic() >= deadline - DEADLINE_SLACK_S
                 code = "DEADLINE_EXCEEDED" if past_deadline else "CANCELLED"
-            status = "cancelled" if code == "CANCELLED" else "failed"
+            if status != "finished":  # a session whose last chunk was made stays finished
+                status = "cancelled" if code == "CANCELLED" else "failed"
             outcome = "cancelled" if code == "CANCELLED" else f"failed {code}"
             if watch.tripped:
                 outcome += f" (its client read nothing for {watch.timeout_s:g} s: --stall-timeout)"
@@ -566,7 +567,9 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         """Validate a GenerateRequest, whose prompt tokenized to `prompt` (prompt_ids), into a
         Plan (InvalidArgument / OutOfRange otherwise)."""
         cfg = self.config
-        max_new = request.max_new_tokens if request.HasField("max_new_tokens") else cfg.default_max_new_tokens
+        # Unset: the default, within the server's limit (a client that asked for nothing is not refused).
+        max_new = (request.max_new_tokens if request.HasField("max_new_tokens")
+                   else min(cfg.default_max_new_tokens, cfg.max_new_tokens_limit))  # fmt: skip
         if max_new < 1:
             raise InvalidArgument(f"max_new_tokens must be at least 1, got {max_new}")
         if max_new > cfg.max_new_tokens_limit:

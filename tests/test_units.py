@@ -1455,6 +1455,67 @@ def test_a_stopping_coordinator_lets_its_requests_background_work_finish_then_cl
     assert "stopping with 1 request(s) still recording their end or releasing their caches" in caplog.text
 
 
+def servicer_with_models(redis_url, **config):
+    """A CoordinatorServicer on a real Redis whose target and draft are taken as adopted (as
+    `load` does), without the services: enough to plan requests and stream chunks made here."""
+    from types import SimpleNamespace
+
+    from coordinator import server
+    from specdec.session import SessionStore
+    from specdec.v1 import specdec_pb2 as pb
+
+    servicer = server.CoordinatorServicer(server.CoordinatorConfig(redis_url=redis_url, **config), SessionStore(redis_url))
+    info = pb.ModelInfoResponse(model="t", vocab_size=100, vocab_fingerprint="v", max_context=256, max_k=8)
+    servicer.targets, servicer.draft_info = SimpleNamespace(adopted=info), pb.ModelInfoResponse(model="d", max_k=9)
+    return servicer
+
+
+def test_a_request_that_sets_no_max_new_tokens_gets_the_default_within_the_servers_limit(redis_url):
+    """A coordinator with --max-new-tokens-limit below --default-max-new-tokens (128) used to
+    refuse every request that set no max_new_tokens: RESOURCE_EXHAUSTED, "max_new_tokens is 128"."""
+    from specdec.errors import ResourceExhausted
+    from specdec.v1 import specdec_pb2 as pb
+
+    servicer = servicer_with_models(redis_url, max_new_tokens_limit=64)
+    assert servicer.plan(pb.GenerateRequest(prompt_token_ids=[1, 2]), [1, 2]).max_new_tokens == 64
+    assert servicer.plan(pb.GenerateRequest(prompt_token_ids=[1, 2], max_new_tokens=5), [1, 2]).max_new_tokens == 5
+    with pytest.raises(ResourceExhausted, match="max_new_tokens is 65; this server allows at most 64"):
+        servicer.plan(pb.GenerateRequest(prompt_token_ids=[1, 2], max_new_tokens=65), [1, 2])
+    assert servicer_with_models(redis_url).plan(pb.GenerateRequest(), [1]).max_new_tokens == 128
+
+
+def test_a_stream_cut_while_its_last_chunk_is_written_leaves_its_session_finished(redis_url, monkeypatch):
+    """The session is recorded finished before its last chunk leaves; a call cancelled while
+    that chunk is written (the client gone, its deadline) used to record it "cancelled" over
+    that, so a Resume took a complete session over instead of sending what its client lacked."""
+    from types import SimpleNamespace
+
+    from specdec.v1 import specdec_pb2 as pb
+
+    async def go():
+        servicer = servicer_with_models(redis_url)
+        plan = servicer.plan(pb.GenerateRequest(prompt_token_ids=[1, 2], max_new_tokens=1), [1, 2])
+        await servicer.store.create(plan.session_id, plan.prompt, {"owner": plan.owner, "status": "running"})
+
+        async def last_chunk_only(*args):
+            yield pb.GenerateChunk(token_ids=[3], finish_reason=pb.FINISH_REASON_LENGTH)
+
+        async def no_services(*args, **kwargs):
+            pass
+
+        monkeypatch.setattr(servicer, "generate_chunks", last_chunk_only)
+        monkeypatch.setattr(servicer, "release", no_services)
+        stream = servicer.stream(plan, SimpleNamespace(time_remaining=lambda: None), "", None)
+        assert (await anext(stream)).finish_reason == pb.FINISH_REASON_LENGTH
+        await stream.aclose()  # what cancelling the call does to the handler while the chunk is written
+        await asyncio.gather(*servicer.background)  # the work that records the end
+        status = (await servicer.store.meta(plan.session_id))["status"]
+        await servicer.store.close()
+        return status
+
+    assert asyncio.run(go()) == "finished"
+
+
 def test_a_child_started_to_end_with_its_parent_runs_its_command_in_its_own_process_unless_the_parent_is_gone():
     import os
     import subprocess
