@@ -76,7 +76,8 @@ class ModelDrafter:
 
     A draft whose head scores only part of the vocabulary (a SubsetHead: its output ids
     [M]) is warped, rounded and sampled over those M ids alone: every other id has logit
-    -inf, so q is 0 there whatever the warp, and skipping them is the same q, sooner.
+    -inf, so q is 0 there whatever the warp, and skipping them is the same q, sooner. A draft
+    whose embedding has more rows than its tokenizer has ids samples over the ids alone.
     """
 
     kind = "model"
@@ -86,6 +87,12 @@ class ModelDrafter:
         self.model = loaded.model
         self.lookup_weights = dict(lookup_weights or {})
         self.output_ids = getattr(self.model.get_output_embeddings(), "token_ids", None)  # [M] or None: all
+        tokens = len(loaded.tokenizer) if getattr(loaded, "tokenizer", None) is not None else 0
+        if self.output_ids is None and 0 < tokens < loaded.vocab_size:
+            # Embedding rows past the tokenizer's ids (padding: Qwen2.5-0.5B has 151,936 rows
+            # for 151,665 tokens) stand for no token: q is 0 there, so it fits any target of
+            # this tokenizer however its own rows are padded (draft_wire.fit_length).
+            self.output_ids = torch.arange(tokens, device=self.model.device)  # [M]
 
     def propose(
         self, state: SessionState, k: int, sampling: Sampling, generator: torch.Generator

@@ -242,18 +242,32 @@ FP16_SUM_TOLERANCE = 1e-2
 
 
 def dense_from_pb(msg: pb.DenseProbs, vocab_size: int) -> torch.Tensor:
-    """float32 [V] from either dense encoding; ValueError on a wrong length or a bad sum."""
+    """float32 [V] from either dense encoding; ValueError on a bad sum, or on mass at ids past
+    the vocabulary. A dense q is as long as the draft's embedding has rows, which may differ
+    from the target's V under one tokenizer (Qwen2.5-0.5B has 151,936, Qwen2.5-7B 152,064):
+    a shorter q is 0 at the ids it lacks, a longer one must be 0 at those past V (`fit_length`)."""
     if msg.fp16:
-        if len(msg.fp16) != 2 * vocab_size:
-            raise ValueError(f"dense q has {len(msg.fp16) // 2} float16 entries; the vocabulary has {vocab_size}")
-        q = torch.from_numpy(np.frombuffer(msg.fp16, dtype="<f2").astype(np.float32))
+        if len(msg.fp16) % 2:
+            raise ValueError(f"dense q has {len(msg.fp16)} bytes: float16 entries take 2 each")
+        q = fit_length(torch.from_numpy(np.frombuffer(msg.fp16, dtype="<f2").astype(np.float32)), vocab_size)
         total = float(q.sum())
         if not abs(total - 1.0) <= FP16_SUM_TOLERANCE:  # also catches NaN
             raise ValueError(f"q of draft sums to {total:.6f}, not 1: not a distribution")
         return q / total
-    if len(msg.probs) != vocab_size:
-        raise ValueError(f"dense q has {len(msg.probs)} entries; the vocabulary has {vocab_size}")
-    return repeated_to_tensor(msg.probs, np.float32)
+    return fit_length(repeated_to_tensor(msg.probs, np.float32), vocab_size)
+
+
+def fit_length(q: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """q [L] as [V]: zeros appended when L < V; entries past V dropped when all of them are 0
+    (ValueError otherwise: the draft could have drawn an id the target cannot score)."""
+    if len(q) < vocab_size:
+        return torch.cat([q, q.new_zeros(vocab_size - len(q))])
+    if len(q) > vocab_size:
+        if bool((q[vocab_size:] != 0).any()):  # NaN too
+            raise ValueError(f"dense q of {len(q)} entries has mass at ids past the target's vocabulary of "
+                             f"{vocab_size}: the draft's padded rows must have q = 0")  # fmt: skip
+        return q[:vocab_size]
+    return q
 
 
 def stack_draft_probs(drafts: Sequence[Draft]) -> torch.Tensor | None:

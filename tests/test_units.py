@@ -427,6 +427,50 @@ def test_a_flat_full_support_q_travels_as_float16_dense_not_lossy_fixed_point():
     assert one_hot.WhichOneof("q") == "one_hot" and draft_from_pb(one_hot, 50).q is None
 
 
+def test_a_dense_q_from_a_draft_whose_embedding_is_padded_otherwise_fits_the_targets_vocabulary():
+    """A dense q is as long as the draft's embedding has rows: under one tokenizer Qwen2.5-0.5B
+    has 151,936 and Qwen2.5-7B 152,064, and the target refused every dense q of such a pair
+    (INVALID_ARGUMENT, "dense q has 151936 float16 entries; the vocabulary has 152064"). A
+    shorter q is 0 at the ids it lacks; a longer one is taken when it is 0 past the target's ids."""
+    short, long = 151_936, 152_064
+    q = torch.softmax(torch.randn(short, generator=torch.Generator().manual_seed(3)) * 0.01, -1)  # [short], flat
+    sent = draft_wire.wire_q(q)
+    msg = draft_token_to_pb(0, 7, sent)
+    assert msg.WhichOneof("q") == "dense"
+    received = draft_from_pb(msg, long).q  # [long]
+    assert torch.equal(received[:short], sent.probs()) and not received[short:].any()
+    padded = draft_wire.wire_q(torch.cat([q, q.new_zeros(long - short)]))  # a draft with more rows
+    assert torch.equal(draft_from_pb(draft_token_to_pb(0, 7, padded), short).q, sent.probs())
+    with pytest.raises(InvalidArgument, match="mass at ids past the target's vocabulary of 151936"):
+        draft_from_pb(draft_token_to_pb(0, 7, draft_wire.wire_q(torch.full((long,), 1 / long))), short)
+    with pytest.raises(InvalidArgument, match="3 bytes: float16 entries take 2 each"):
+        draft_from_pb(pb.DraftToken(token_id=0, dense=pb.DenseProbs(fp16=b"abc")), short)
+
+
+def test_a_draft_whose_embedding_has_rows_past_its_tokenizers_ids_never_puts_mass_there():
+    """Rows past the tokenizer's ids stand for no token: the draft samples over its ids alone,
+    so its q fits a target of the same tokenizer without those rows (it used to spread mass
+    over them, and the target refused q with ids outside its vocabulary)."""
+    from draft_service.drafters import ModelDrafter, Step
+    from specdec.kvcache import SessionState, new_cache
+    from specdec.models import LoadedModel, build_tiny_model, build_tiny_tokenizer
+    from specdec.wire import Sampling
+
+    tokenizer = build_tiny_tokenizer()
+    tokens = len(tokenizer)
+    model = build_tiny_model(tokenizer, hidden_size=32, num_layers=1, seed=0, vocab_size=tokens + 128)
+    drafter = ModelDrafter(LoadedModel(model=model, tokenizer=tokenizer, name="d", path="", vocab_fingerprint="",
+                                       vocab_size=tokens + 128, max_context=0))  # fmt: skip
+    state = SessionState("s", pending=[5, 6, 7], cache=new_cache(model.config))
+    generator = torch.Generator().manual_seed(0)
+    with torch.inference_mode():
+        for _ in range(8):
+            [(token, q, _)] = drafter.draft_batch([Step(state, Sampling(1.0, 0, 1.0, seed=1), generator)])
+            assert token < tokens and not q.probs()[tokens:].any()
+            received = draft_from_pb(draft_token_to_pb(0, token, q), tokens)  # the target has no padded rows
+            assert torch.equal(received.q, q.probs()[:tokens])
+
+
 def test_float32_dense_and_sparse_q_are_still_accepted_on_the_wire():
     q = torch.softmax(torch.randn(50, generator=torch.Generator().manual_seed(1)), -1)
     msg = pb.DraftToken(token_id=3, dense=pb.DenseProbs(probs=q.tolist()))
