@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 
 import torch
 from transformers import DynamicCache
-from transformers.cache_utils import DynamicLayer
+from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
 from specdec import plain_forward
 from specdec.errors import FailedPrecondition, InvalidArgument, NotFound, OutOfRange, ResourceExhausted
@@ -343,9 +343,16 @@ def refuse_views(value) -> None:
 
 def new_cache(config) -> DynamicCache:
     """An empty KV cache for a model of `config`, appending in place (GrowingLayer) on every
-    layer of full attention; other layer kinds (sliding windows) keep transformers' own."""
+    layer of full or sliding-window attention; other layer kinds keep transformers' own.
+
+    A sliding-window layer keeps every position too, not only its window: transformers'
+    DynamicSlidingWindowLayer drops the older ones and then cannot crop back past them, so
+    a session longer than the window failed at its first rejected draft (Mistral, Qwen2,
+    Gemma 2 and 3). The model's own mask still limits each query to its window, so the
+    logits are the same; the cost is memory, the whole context's keys and values."""
     cache = DynamicCache(config=config)
-    cache.layers = [GrowingLayer() if type(layer) is DynamicLayer else layer for layer in cache.layers]
+    cache.layers = [GrowingLayer() if type(layer) in (DynamicLayer, DynamicSlidingWindowLayer) else layer
+                    for layer in cache.layers]  # fmt: skip
     return cache
 
 
@@ -550,7 +557,8 @@ def find_prefix(pool: SessionPool, state: SessionState) -> tuple[SessionState, i
     and the run is at least MIN_PREFIX_REUSE tokens (never the last pending token, whose logits its call needs);
     else None. A chat's next turn (a new session whose prompt is the conversation so far) finds
     the previous turn's session; requests sharing a long system prompt find each other. Only
-    caches of GrowingLayers (full attention) are reused: a sliding window drops positions."""
+    caches of GrowingLayers (full or sliding-window attention, new_cache) are reused: other
+    layer kinds may not hold every position."""
     limit = len(state.pending) - 1
     if state.held or limit < MIN_PREFIX_REUSE or not growing_only(state.cache):
         return None

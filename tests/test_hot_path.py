@@ -377,6 +377,52 @@ def prefilled(model, session_id: str, tokens: list[int]) -> SessionState:
     return state
 
 
+def sliding_window_model(family: str):
+    """A tiny model of `family` whose attention layers (all, or some: qwen2's first two,
+    gemma2's every other) look back 8 positions."""
+    import transformers
+
+    common = dict(vocab_size=40, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=512, sliding_window=8)  # fmt: skip
+    config = {
+        "mistral": lambda: transformers.MistralConfig(**common),
+        "qwen2": lambda: transformers.Qwen2Config(use_sliding_window=True, max_window_layers=2, **common),
+        "gemma2": lambda: transformers.Gemma2Config(head_dim=16, **common),
+    }[family]()
+    torch.manual_seed(0)
+    return transformers.AutoModelForCausalLM.from_config(config).eval()
+
+
+@pytest.mark.parametrize("family", ["mistral", "qwen2", "gemma2"])
+def test_a_sliding_window_model_crops_and_copies_its_cache_past_the_window_with_the_logits_of_one_pass(family):
+    """A session longer than the window: rejected drafts crop its cache, and a new session
+    copies its beginning (prefix reuse); the logits are those of one pass over the tokens,
+    which sees each window only. transformers' sliding-window layer kept the window alone and
+    could not crop back past it: the first rejected draft of such a session failed."""
+    model = sliding_window_model(family)
+    tokens = torch.randint(4, 40, (60,), generator=torch.Generator().manual_seed(5)).tolist()
+    cache = new_cache(model.config)
+    assert all(isinstance(layer, GrowingLayer) for layer in cache.layers)
+    with torch.inference_mode():
+        forward(model, cache, tokens[:12])
+        forward(model, cache, tokens[12:20])  # K + 1 = 8 more ...
+        crop_cache(cache, 15)  # ... 3 of them accepted
+        forward(model, cache, tokens[15:30])
+        crop_cache(cache, 22)
+        got = forward(model, cache, tokens[22:35], keep=13)  # [13, V]
+        whole = model(input_ids=torch.tensor([tokens[:35]])).logits[0, 22:35].float()  # [13, V]
+        torch.testing.assert_close(got, whole, rtol=0, atol=1e-5)
+        pool = SessionPool(8, lambda: new_cache(model.config))
+        pool.sessions["other"] = SessionState("other", held=tokens[:35], cache=cache)
+        state = pool.sessions["new"] = SessionState("new", cache=new_cache(model.config), pending=tokens[:50])
+        donor, n = find_prefix(pool, state)
+        take_prefix(donor.cache, state, n)
+        assert n == 35 and state.cache.get_seq_length() == 35
+        copied = forward(model, state.cache, state.pending, keep=len(state.pending))  # [15, V]
+        whole = model(input_ids=torch.tensor([tokens[:50]])).logits[0, 35:50].float()  # [15, V]
+        torch.testing.assert_close(copied, whole, rtol=0, atol=1e-5)
+
+
 def test_a_new_session_copies_the_beginning_an_idle_session_holds_and_its_logits_are_those_of_feeding_it(model):
     """A prompt whose first 110 tokens another session's cache covers takes them from it
     (find_prefix, take_prefix): the cache and the logits after are those of feeding the whole
