@@ -73,8 +73,8 @@ def mix_lookup(q, token, weight):
     so q' does; token and weight are numbers, or [...] tensors (one per row; token ≥ 0)."""
     import torch
 
-    weight = torch.as_tensor(weight, dtype=q.dtype)[..., None]  # [..., 1]
-    token = torch.as_tensor(token, dtype=torch.long)[..., None]  # [..., 1]
+    weight = torch.as_tensor(weight, dtype=q.dtype, device=q.device)[..., None]  # [..., 1]
+    token = torch.as_tensor(token, dtype=torch.long, device=q.device)[..., None]  # [..., 1]
     return (q * (1.0 - weight)).scatter_add_(-1, token, weight.expand(token.shape))  # [..., V]
 
 

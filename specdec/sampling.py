@@ -212,6 +212,14 @@ def truncate_by_full_sort(logits: torch.Tensor, top_k: int, top_p: float) -> tor
     return mask_rows(logits, lambda row, k: keep_ranked(row, everything, k, top_p, complete=True), top_k)
 
 
+def draw_uniforms(shape, generator: torch.Generator | None, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """U[0, 1) numbers of `shape` on `device`, drawn by `generator` on the generator's own device
+    and moved: the services' seeded generators are CPU ones (specdec.rng), so a model on a GPU
+    draws the very numbers it would on a CPU (torch refuses a CPU generator for a GPU tensor)."""
+    source = generator.device if generator is not None else device
+    return torch.rand(shape, generator=generator, dtype=dtype, device=source).to(device)
+
+
 def sample(probs: torch.Tensor, generator: torch.Generator | None = None) -> int:
     """Draw one token id from probs [V]. Drafts use this to sample from exactly the q they send."""
     if not isinstance(probs, torch.Tensor) or probs.dim() != 1:
@@ -232,7 +240,7 @@ def sample_rows(probs: torch.Tensor, generator: torch.Generator | None = None) -
     total = cdf[:, -1:]  # [B, 1]
     if not bool(torch.isfinite(total).all()) or not bool((total > 0).all()):
         raise ValueError("cannot sample from a row with no probability mass, or a non-finite one")
-    uniforms = torch.rand(total.shape, generator=generator, dtype=torch.float64, device=probs.device)  # [B, 1]
+    uniforms = draw_uniforms(total.shape, generator, probs.device, torch.float64)  # [B, 1]
     tokens = torch.searchsorted(cdf, uniforms * total, right=True).squeeze(1)  # [B]
     past_end = tokens >= probs.shape[-1]  # u · total rounded up to the total itself
     if bool(past_end.any()):
@@ -522,9 +530,7 @@ def rejection_sample_batch(
     draft_tokens = torch.where(is_real, draft_tokens.long(), 0)  # [B, K_max]
 
     # 1. Accept x̃_i with probability min(1, p_i(x̃_i) / q_i(x̃_i)), as u * q < p.
-    uniforms = torch.rand(
-        batch_size, max_drafts, generator=generator, device=device, dtype=PROB_DTYPE
-    )  # [B, K_max]
+    uniforms = draw_uniforms((batch_size, max_drafts), generator, device, PROB_DTYPE)  # [B, K_max]
     target_token_probs = gather_token_probs(target_probs[:, :max_drafts], draft_tokens)  # [B, K_max]
     if draft_probs is None:
         draft_token_probs = torch.ones_like(target_token_probs)  # [B, K_max]

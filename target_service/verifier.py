@@ -155,8 +155,11 @@ class Verifier:
         state, drafts, sampling, generator = job.state, job.drafts, job.sampling, job.generator
         k = len(drafts)
         forward_done = time.perf_counter()
-        draft_tokens = torch.tensor([d.token for d in drafts], dtype=torch.long)  # [K]
+        # Decoded from protobuf on the CPU; the target's logits may be on a GPU.
+        draft_tokens = torch.tensor([d.token for d in drafts], dtype=torch.long, device=logits.device)  # [K]
         draft_probs = stack_draft_probs(drafts)  # [K, V] or None (one-hot)
+        if draft_probs is not None:
+            draft_probs = draft_probs.to(logits.device)
         if sampling.greedy:  # the same verdict, certain, read off the logits
             num_accepted, next_token = greedy_verdict(draft_tokens, draft_probs, logits)
         else:

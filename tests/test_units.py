@@ -1037,6 +1037,72 @@ def test_a_new_session_starts_from_what_earlier_sessions_learnt():
     assert first.alpha < 0.15 and AdaptiveK(max_k=8).session(8).choose(8) > 0
 
 
+# ---------------------------------------------------------------- models on a GPU
+
+
+def run_sampled_cycles(device: str) -> list[tuple[int, int, list[int]]]:
+    """Three sampled cycles of a tiny draft mixed with the prompt lookup and a tiny target, both
+    on `device`, with the services' seeded CPU generators (specdec.rng) and each q through the
+    wire; then plain sampled steps. Each cycle's (accepted, next token, plain tokens)."""
+    from draft_service.drafters import ModelDrafter
+    from specdec.kvcache import new_cache
+    from specdec.models import LoadedModel, build_tiny_model, build_tiny_tokenizer
+    from specdec.rng import DRAFT, TARGET, cycle_generator
+    from specdec.wire import Sampling
+    from target_service.verifier import Verifier
+
+    tokenizer = build_tiny_tokenizer()
+
+    def loaded(hidden, seed):
+        model = build_tiny_model(tokenizer, hidden_size=hidden, num_layers=1, seed=seed, initializer_range=0.3).to(device)
+        return LoadedModel(model=model, tokenizer=tokenizer, name="tiny", path="", vocab_fingerprint="",
+                           vocab_size=len(tokenizer), max_context=0, device=device)  # fmt: skip
+
+    drafter = ModelDrafter(loaded(32, 2), lookup_weights={1: 0.3, 2: 0.6})
+    verifier = Verifier(loaded(64, 1))
+    context = [5, 6, 7, 8, 5, 6, 7, 8, 5, 6]  # repeats: the lookup matches
+    draft_state = SessionState("d", pending=list(context), cache=new_cache(drafter.model.config))
+    target_state = SessionState("t", pending=list(context), cache=new_cache(verifier.model.config))
+    sampling, verdicts = Sampling(1.0, 0, 1.0, seed=1), []
+    with torch.inference_mode():
+        for cycle in range(3):
+            proposals = drafter.propose(draft_state, 3, sampling, cycle_generator(1, cycle, DRAFT))
+            drafts = [draft_from_pb(draft_token_to_pb(i, token, q), len(tokenizer)) for i, (token, q, _) in enumerate(proposals)]
+            verdict = verifier.verify(target_state, drafts, sampling, cycle_generator(1, cycle, TARGET))
+            plain = verifier.verify(target_state, [], sampling, cycle_generator(1, 10 + cycle, TARGET), steps=3)
+            verdicts.append((verdict.num_accepted, verdict.next_token, [plain.next_token, *plain.more_tokens]))
+    return verdicts
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU here: runs where torch sees one")
+def test_models_on_a_gpu_draft_with_the_lookup_and_verify_sampled_cycles_as_on_a_cpu():
+    """The services' generators are CPU ones; torch refuses them for a GPU tensor, so every
+    sampled Verify and plain step of a GPU target, and every draft mixed with the lookup on a
+    GPU, failed. Now the uniforms are drawn on the CPU and moved (sampling.draw_uniforms): the
+    same cycles run on a GPU, with the CPU's verdicts where float rounding allows."""
+    on_gpu, on_cpu = run_sampled_cycles("cuda"), run_sampled_cycles("cpu")
+    assert len(on_gpu) == 3 and all(len(plain) == 3 for _, _, plain in on_gpu)
+    assert sum(a == b for a, b in zip(on_gpu, on_cpu)) >= 2
+
+
+def test_the_lookup_mixes_its_token_into_q_on_qs_own_device():
+    """torch's meta device stands for a GPU here (tensors without data): the weight and token
+    tensors used to be made on the CPU, which a q on another device refuses."""
+    from specdec.ngram import mix_lookup
+
+    assert mix_lookup(torch.full((10,), 0.1, device="meta"), 3, 0.5).device.type == "meta"
+    mixed = mix_lookup(torch.full((10,), 0.1), 3, 0.5)  # [V]
+    assert torch.allclose(mixed, torch.tensor([0.05] * 3 + [0.55] + [0.05] * 6))
+
+
+def test_sampled_cycles_with_the_lookup_run_on_the_cpu_as_the_gpu_test_runs_them():
+    """The GPU test's cycles on the CPU: they draft, verify and step (so the GPU test, which
+    this machine cannot run, exercises code that works) and are seeded: the same twice."""
+    first = run_sampled_cycles("cpu")
+    assert first == run_sampled_cycles("cpu") and len(first) == 3
+    assert any(accepted > 0 for accepted, _, _ in first) and any(accepted < 3 for accepted, _, _ in first)
+
+
 # ---------------------------------------------------------------- target threads
 
 
