@@ -33,6 +33,11 @@ class ModelNotFoundError(FileNotFoundError):
     """A model name is neither an existing path nor a catalog name (or the path holds no model)."""
 
 
+class CatalogFetchError(RuntimeError):
+    """Fetching or converting a catalog model failed (no network, pip missing, bad download,
+    a cache folder that cannot be made or written): one line a user can act on."""
+
+
 @dataclass(frozen=True)
 class CatalogEntry:
     """A model that specdec can fetch without the Hugging Face hub."""

@@ -175,6 +175,12 @@ def env_flag(
 # ---------------------------------------------------------------- parser
 
 
+def command_word(argv: list[str]) -> str | None:
+    """The command a command line names: its first word that is not an option (the global
+    options before it, -v and --version, take no value), e.g. "distill" in `specdec -v distill`."""
+    return next((word for word in argv if not word.startswith("-")), None)
+
+
 def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="specdec",
@@ -262,7 +268,7 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     from specdec.soak import add_soak_parser
 
     add_soak_parser(commands)
-    if argv and argv[0] == "distill":
+    if command_word(argv or []) == "distill":
         from specdec.distill import add_distill_parser  # imports torch: only when the command runs
 
         add_distill_parser(commands)
@@ -611,8 +617,8 @@ def run_up(args) -> int:
         # once this thread runs again (a long sleep, or a wait on an Event that a handler sets,
         # missed or deadlocked on one).
         try:
-            for name, port in stack.metrics_ports.items():
-                print(f"metrics: {name} http://127.0.0.1:{port}/metrics", file=sys.stderr, flush=True)
+            for name, url in stack.metrics_urls.items():
+                print(f"metrics: {name} {url}", file=sys.stderr, flush=True)
             print(f"ready {stack.address}", flush=True)
             while True:
                 time.sleep(0.2)
@@ -859,9 +865,13 @@ def run_models(args) -> int:
     if not catalog.is_catalog_name(args.name):
         print(f"error: {args.name!r} is not in the catalog; known: {', '.join(catalog.list_catalog())}", file=sys.stderr)
         return 2
-    from specdec.models import ensure_catalog_model
+    from specdec.models import CatalogFetchError, ensure_catalog_model
 
-    print(ensure_catalog_model(args.name))
+    try:
+        print(ensure_catalog_model(args.name))
+    except CatalogFetchError as exc:
+        print(f"specdec models pull: {exc}", file=sys.stderr)
+        return 1
     return 0
 
 

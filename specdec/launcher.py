@@ -53,6 +53,8 @@ SHARED_MACHINE_ENV = {"GOMP_SPINCOUNT": "10000"}
 TERSE_LOG_LEVEL = "WARNING"
 TERSE_ENV = {"HF_HUB_DISABLE_PROGRESS_BARS": "1"}
 LOG_TAIL_LINES = 20  # of a quiet service's output, in the error when it dies while starting
+# Hosts that mean "every interface": a service listening there is reached on loopback.
+WILDCARD_HOSTS = frozenset({"0.0.0.0", "::", "[::]"})
 
 
 class StackStartError(RuntimeError):
@@ -153,6 +155,22 @@ class Stack:
     def metrics_ports(self) -> dict[str, int]:
         base = self.config.metrics_port_base
         return {"coordinator": base, "draft": base + 1, "target": base + 2} if base else {}
+
+    @property
+    def metrics_urls(self) -> dict[str, str]:
+        """The /metrics URL of each service with a metrics port, as this machine reaches it."""
+        return {name: f"http://{self.local_address(name, port)}/metrics" for name, port in self.metrics_ports.items()}
+
+    def host_of(self, service: str) -> str:
+        """The host a process of `service` listens on: the config's host for a coordinator,
+        loopback for the draft and target services."""
+        return self.config.host if service == "coordinator" else "127.0.0.1"
+
+    def local_address(self, name: str, port: int | None = None) -> str:
+        """HOST:PORT where this machine reaches process `name` (on `port`, else its gRPC port):
+        the host it listens on, or loopback where that is every interface (WILDCARD_HOSTS)."""
+        host = self.host_of(self.kind(name))
+        return join_host_port("127.0.0.1" if host in WILDCARD_HOSTS else host, self.ports[name] if port is None else port)
 
     @property
     def redis_url(self) -> str:
@@ -273,11 +291,10 @@ class Stack:
         self.spawn(name, service, *self.service_args(service), *args)
         if wait:
             self.wait_ready((name,))
-        host = self.config.host if service == "coordinator" else "127.0.0.1"
-        return join_host_port(host, self.ports[name])
+        return join_host_port(self.host_of(service), self.ports[name])
 
     def spawn(self, name: str, service: str, *args: str) -> None:
-        host = self.config.host if service == "coordinator" else "127.0.0.1"
+        host = self.host_of(service)
         terse = ["--log-level", TERSE_LOG_LEVEL] if self.terse else []  # before `args`, which win
         command = [
             sys.executable, "-m", "specdec.cli", "serve", service,
@@ -327,11 +344,13 @@ class Stack:
         return self.kinds.get(name, name)
 
     def wait_ready(self, names: tuple[str, ...] = ("target", "draft", "coordinator")) -> None:
+        """Wait until each of `names` reports SERVING where it listens (local_address: a
+        coordinator on --host ::1 is asked there, not on 127.0.0.1, where nothing answers)."""
         services = {"target": TARGET_SERVICE, "draft": DRAFT_SERVICE, "coordinator": COORDINATOR_SERVICE}
         deadline = time.monotonic() + self.config.ready_timeout_s
         credentials = self.channel_credentials()  # read the PEM files once, not every poll
         for name in names:
-            address = f"127.0.0.1:{self.ports[name]}"
+            address = self.local_address(name)
             while not is_serving(address, services[self.kind(name)], credentials=credentials):
                 self.raise_if_interrupted()
                 self.check_running(names)  # any of them: a draft that cannot load fails at once, not after the target

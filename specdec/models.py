@@ -47,7 +47,7 @@ import transformers
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerBase
 
 from specdec.catalog import (  # the catalog itself (names, cache folder, checks): light to import
-    CACHE_MARKER, CATALOG, CatalogEntry, ModelNotFoundError, catalog_model_dir, draft_catalog, is_cached,
+    CACHE_ENV, CACHE_MARKER, CATALOG, CatalogEntry, CatalogFetchError, ModelNotFoundError, catalog_model_dir, draft_catalog, is_cached,
     list_catalog, resolve_model, sha256,
 )  # fmt: skip
 from specdec.packed import pack_model
@@ -60,10 +60,6 @@ DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.
 
 # ---------------------------------------------------------------------------------------
 # errors
-
-
-class CatalogFetchError(RuntimeError):
-    """Fetching or converting a catalog model failed (no network, pip missing, bad download)."""
 
 
 # ---------------------------------------------------------------------------------------
@@ -138,7 +134,7 @@ def staged_build(name: str):
     if is_cached(name):
         yield None
         return
-    final.parent.mkdir(parents=True, exist_ok=True)
+    make_cache_folder(final.parent)
     with _exclusive_lock(final.parent / f".{name}.lock"):
         if is_cached(name):  # another process finished while we waited for the lock
             yield None
@@ -150,6 +146,22 @@ def staged_build(name: str):
         finally:
             if staging.exists():
                 shutil.rmtree(staging, ignore_errors=True)
+
+
+def make_cache_folder(folder: Path) -> None:
+    """Create the cache's `folder` of models if need be; CatalogFetchError, one line naming the
+    folder and SPECDEC_CACHE, where it cannot be made or written (SPECDEC_CACHE naming a file,
+    a folder of another user)."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        problem = exc.strerror or str(exc)
+    else:
+        if os.access(folder, os.W_OK | os.X_OK):
+            return
+        problem = "not writable"
+    raise CatalogFetchError(f"the model cache {folder} cannot be used ({problem}): "
+                            f"set {CACHE_ENV} to a folder you can write")  # fmt: skip
 
 
 def publish_staged(staging: Path, final: Path, marker_file: str, marker: dict) -> None:

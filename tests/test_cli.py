@@ -35,6 +35,17 @@ def test_help_explains_every_command():
         assert "--port" in helptext and "[env: SPECDEC_" in helptext
 
 
+def test_a_global_option_before_distill_leaves_distill_its_own_flags_and_help():
+    """The distill parser (built only when distill runs: it imports torch) used to be built only
+    when `distill` was the first word, so `specdec -v distill --help` said "unrecognized
+    arguments: --help" and `specdec -v distill` ended in a traceback."""
+    helptext = run_cli("-v", "distill", "--help", timeout=120)
+    assert helptext.returncode == 0 and "--target" in helptext.stdout and "--out" in helptext.stdout, helptext.stderr
+    missing = run_cli("-v", "distill", timeout=120)
+    assert missing.returncode == 2 and "Traceback" not in missing.stderr, missing.stderr
+    assert "the following arguments are required: --target, --out" in missing.stderr, missing.stderr
+
+
 def test_version_prints_the_installed_packages_version():
     from importlib.metadata import version
 
@@ -415,6 +426,35 @@ def test_models_list_names_the_catalog_and_its_cache_without_loading_torch(tmp_p
     assert helped.returncode == 0 and "redis" not in imported_modules(helped)
 
 
+@pytest.mark.parametrize("name", ["smollm2-135m-instruct", "smollm2-135m-instruct-draft"])
+def test_models_pull_into_a_cache_that_is_a_file_ends_with_one_line_naming_specdec_cache(tmp_path, name):
+    """A cache it cannot make (SPECDEC_CACHE naming a file) used to end `models pull` in a
+    NotADirectoryError traceback."""
+    not_a_folder = tmp_path / "cache"
+    not_a_folder.write_text("")
+    out = run_cli("models", "pull", name, env=dict(os.environ, SPECDEC_CACHE=str(not_a_folder)), timeout=120)
+    assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr
+    assert out.stderr.strip() == (f"specdec models pull: the model cache {not_a_folder / 'models'} cannot be used "
+                                  "(Not a directory): set SPECDEC_CACHE to a folder you can write")  # fmt: skip
+
+
+def test_a_model_service_whose_catalog_model_cannot_be_cached_ends_with_one_line_and_no_traceback(tmp_path, redis_url):
+    """The same unusable cache for `serve target`: its last line says what to set; it used to
+    log a traceback first, as for a bug."""
+    not_a_folder = tmp_path / "cache"
+    not_a_folder.write_text("")
+    out = subprocess.run(
+        [sys.executable, "-m", "specdec.cli", "serve", "target", "--model", "smollm2-135m-instruct",
+         "--redis-url", redis_url, "--port", str(free_port()), "--allow-unauthenticated"],
+        capture_output=True, text=True, timeout=120, env=dict(os.environ, SPECDEC_CACHE=str(not_a_folder)),
+    )  # fmt: skip
+    assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr
+    assert out.stderr.strip().splitlines()[-1].endswith(
+        f"target: could not load: the model cache {not_a_folder / 'models'} cannot be used (Not a directory): "
+        "set SPECDEC_CACHE to a folder you can write"
+    )
+
+
 def test_a_model_service_told_a_model_that_is_not_there_exits_before_loading_torch(tmp_path, redis_url):
     missing = str(tmp_path / "no-model")
     for service in ("target", "draft"):
@@ -710,6 +750,43 @@ def test_a_killed_specdec_up_takes_its_stack_with_it_and_its_port_is_free_again(
         _, alive = psutil.wait_procs(children, timeout=30)
         assert not [c for c in alive if c.status() != psutil.STATUS_ZOMBIE], alive
         assert not is_listening("127.0.0.1", port)
+
+
+def test_up_on_a_host_other_than_127_0_0_1_gets_ready_and_prints_metrics_urls_that_answer(tiny_models, tmp_path):
+    """`up --host` used to wait for its coordinator on 127.0.0.1 whatever the host, so on any
+    other address (127.0.0.2 here, ::1, a LAN address) `ready` never came; and its `metrics:`
+    lines named 127.0.0.1, where a coordinator on another host serves no /metrics."""
+    import urllib.request
+
+    from test_observability import consecutive_free_ports
+
+    port, metrics_base = free_port(), consecutive_free_ports()
+    with open(tmp_path / "up.err", "w") as err:
+        up = subprocess.Popen([*SPECDEC, "up", "--host", "127.0.0.2", "--port", str(port), "--metrics-port-base",
+                               str(metrics_base), "--target", tiny_models.target, "--draft", tiny_models.draft],
+                              stdout=subprocess.PIPE, stderr=err, text=True)  # fmt: skip
+    pool = futures.ThreadPoolExecutor(1)
+    ready = pool.submit(up.stdout.readline)  # never returned before: bounded here by a timeout
+    children = []
+    try:
+        assert ready.result(timeout=120).strip() == f"ready 127.0.0.2:{port}"
+        children = descendants(up.pid)
+        lines = (tmp_path / "up.err").read_text().splitlines()
+        urls = [line.split()[-1] for line in lines if line.startswith("metrics: ")]
+        assert urls == [f"http://127.0.0.2:{metrics_base}/metrics", f"http://127.0.0.1:{metrics_base + 1}/metrics",
+                        f"http://127.0.0.1:{metrics_base + 2}/metrics"], urls  # fmt: skip
+        for url in urls:
+            assert b"specdec:" in urllib.request.urlopen(url, timeout=10).read(), url
+        up.send_signal(signal.SIGTERM)
+        assert up.wait(timeout=60) == 0
+    finally:
+        children = children or descendants(up.pid)
+        up.kill()
+        for child in children:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                child.kill()
+        pool.shutdown()
+    assert not is_listening("127.0.0.2", port)
 
 
 def test_generate_does_not_start_a_stack_where_another_program_holds_the_default_port_and_says_what_to_do(monkeypatch, capsys):
