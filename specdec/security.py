@@ -363,7 +363,8 @@ class TokenCheck(grpc.aio.ServerInterceptor):
 
 
 def refusing_handler(handler: grpc.RpcMethodHandler, message: str) -> grpc.RpcMethodHandler:
-    """A handler of the same shape as `handler` that answers UNAUTHENTICATED."""
+    """A handler of the same shape as `handler` (unary or streaming, either way) that answers
+    UNAUTHENTICATED without reading the request."""
     code, details = status_for(Unauthenticated(message))
 
     async def refuse(request, context):
@@ -378,7 +379,9 @@ def refusing_handler(handler: grpc.RpcMethodHandler, message: str) -> grpc.RpcMe
         return grpc.unary_stream_rpc_method_handler(refuse_stream, **kwargs)
     if handler.unary_unary:
         return grpc.unary_unary_rpc_method_handler(refuse, **kwargs)
-    return handler  # no streaming-request RPCs in specdec
+    if handler.stream_stream:  # server reflection's ServerReflectionInfo
+        return grpc.stream_stream_rpc_method_handler(refuse_stream, **kwargs)
+    return grpc.stream_unary_rpc_method_handler(refuse, **kwargs)
 
 
 class TokenChannel:

@@ -407,6 +407,32 @@ def test_internal_services_refuse_calls_without_the_internal_token(tiny_stack, s
     assert is_serving(address, {"draft": "specdec.v1.Draft", "target": TARGET_SERVICE}[service])
 
 
+def reflected_services(channel, metadata=()) -> set[str]:
+    """The services a server lists through reflection (ServerReflectionInfo: a stream-stream RPC)."""
+    from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+    stub = reflection_pb2_grpc.ServerReflectionStub(channel)
+    request = reflection_pb2.ServerReflectionRequest(list_services="")
+    (answer,) = stub.ServerReflectionInfo(iter([request]), timeout=10, metadata=metadata)
+    return {service.name for service in answer.list_services_response.service}
+
+
+def test_server_reflection_needs_the_credential_as_every_other_rpc_does(tiny_stack, tls_stack, pki):
+    """Reflection streams its requests, and streaming-request RPCs used to pass the token check
+    unchecked: anyone could list the services and read their protos."""
+    for service in ("draft", "target"):
+        with grpc.insecure_channel(f"127.0.0.1:{tiny_stack.ports[service]}") as channel:
+            code, message = code_of(lambda: reflected_services(channel))
+            assert code == grpc.StatusCode.UNAUTHENTICATED and "internal token" in message
+            assert "grpc.health.v1.Health" in reflected_services(channel, tiny_stack.internal_metadata)
+    with grpc.secure_channel(tls_stack.address, credentials(pki["ca"])) as channel:
+        for metadata in ((), (("authorization", "Bearer wrong-token"),)):
+            code, message = code_of(lambda: reflected_services(channel, metadata))
+            assert code == grpc.StatusCode.UNAUTHENTICATED and "Bearer" in message
+        assert "specdec.v1.Coordinator" in reflected_services(channel, (("authorization", f"Bearer {API_TOKEN}"),))
+    assert is_serving(tls_stack.address, credentials=credentials(pki["ca"]))  # health stays open
+
+
 def test_the_internal_token_rotates_in_three_steps_on_a_running_stack_with_no_restart(redis_url, tiny_models, tmp_path):
     """The model services read --internal-token-file and accept every token in it; the
     coordinator reads its own and sends the first. Each file is swapped (a new inode, as a
