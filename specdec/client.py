@@ -22,6 +22,7 @@ TLS, trusting the CA in that file, and sends the token as `authorization: Bearer
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import random
 import time
@@ -79,6 +80,8 @@ _HEADER_SAFE = "".join(chr(c) for c in range(0x20, 0x7F) if chr(c) != "%")
 # nothing between calls: any serves any call, and any resumes any session); pick_first sends
 # every call to the first that answers, until it fails.
 LOAD_BALANCING = ("round_robin", "pick_first")
+# What a call cut by its AsyncClient's close() says (SpecdecClientError CANCELLED, as Client's).
+CUT_BY_CLOSE = "the client was closed during the call (close() was called, or its with block ended)"
 RETRY_BACKOFF_S = (0.2, 2.0)  # the first wait is random in [0, 0.2 s], each next one up to twice as long, at most 2 s
 
 
@@ -145,6 +148,12 @@ class _Resumption:
         self.finished = chunk.finish_reason is not None
         return chunk
 
+    def ended_whole(self, error: grpc.RpcError) -> bool:
+        """Whether `error` only broke the connection (UNAVAILABLE) after the stream's last chunk
+        (the one with its finish_reason) came: the output is whole, so the stream ends as if it
+        had closed cleanly. It used to fail, and generate() with it, on a complete output."""
+        return self.finished and error.code() == grpc.StatusCode.UNAVAILABLE
+
     def next_call(self, error: grpc.RpcError, headers) -> tuple[pb.ResumeRequest, float, float | None] | None:
         """(the Resume request, seconds to wait before it, its timeout) after `error` ended a
         call that received `headers` (its initial metadata, None if none), or None when the
@@ -174,15 +183,19 @@ def channel_credentials(
         return grpc.ssl_channel_credentials(root_certificates=f.read())
 
 
-def open_channel(module, address: str, credentials: grpc.ChannelCredentials | None, retries: int = DEFAULT_RETRIES,
-                 load_balancing: str = "round_robin"):  # fmt: skip
-    """A channel of `module` (grpc or grpc.aio) to `address`, TLS when credentials are given,
-    balancing and retrying as service_config(retries, load_balancing) says. ValueError for an
-    address that can name no server (specdec.ranges.address_problem: empty, a URL, a bad port)."""
+def channel_options(address: str, retries: int = DEFAULT_RETRIES, load_balancing: str = "round_robin") -> list:
+    """The options of a channel to `address`: GRPC_OPTIONS, balancing and retrying as
+    service_config(retries, load_balancing) says. ValueError for an address that can name no
+    server (specdec.ranges.address_problem: empty, a URL, a bad port)."""
     if problem := address_problem(address):
         raise ValueError(problem)
     config = service_config(retries, load_balancing)
-    options = [*GRPC_OPTIONS, ("grpc.enable_retries", 1), ("grpc.service_config", config)]
+    return [*GRPC_OPTIONS, ("grpc.enable_retries", 1), ("grpc.service_config", config)]
+
+
+def open_channel(module, address: str, credentials: grpc.ChannelCredentials | None, options: list):
+    """A channel of `module` (grpc or grpc.aio) to `address` with `options` (channel_options),
+    TLS when credentials are given."""
     if credentials is None:
         return module.insecure_channel(address, options=options)
     return module.secure_channel(address, credentials, options=options)
@@ -193,15 +206,18 @@ class _Stub:
     ValueError (as a closed file does); gRPC's own error was "Cannot invoke RPC on closed
     channel!" from Client and a cygrpc UsageError, no ValueError, from AsyncClient."""
 
-    _open_stub: pb_grpc.CoordinatorStub | None  # None once closed
+    _open_stub: pb_grpc.CoordinatorStub | None  # None once closed (an AsyncClient: also before its first call)
 
     @property
     def _stub(self) -> pb_grpc.CoordinatorStub:
         if self._open_stub is None:
-            kind = type(self).__name__
-            raise ValueError(f"this specdec.{kind} is closed (close() was called, or its with block ended): "
-                             f"make a new {kind} to call the coordinator again")  # fmt: skip
+            raise self._closed_error()
         return self._open_stub
+
+    def _closed_error(self) -> ValueError:
+        kind = type(self).__name__
+        return ValueError(f"this specdec.{kind} is closed (close() was called, or its with block ended): "
+                          f"make a new {kind} to call the coordinator again")  # fmt: skip
 
 
 def auth_metadata(token: str | None) -> tuple[tuple[str, str], ...]:
@@ -624,7 +640,8 @@ class Client(_Stub):
         self.address = address
         self._metadata = auth_metadata(token)
         self.retries = retries
-        self._channel = open_channel(grpc, address, channel_credentials(tls_ca, credentials), retries, load_balancing)
+        credentials = channel_credentials(tls_ca, credentials)
+        self._channel = open_channel(grpc, address, credentials, channel_options(address, retries, load_balancing))
         self._open_stub = pb_grpc.CoordinatorStub(self._channel)
 
     def __enter__(self) -> "Client":
@@ -674,6 +691,8 @@ class Client(_Stub):
                     yield resumption.saw(Chunk.from_pb(msg))
                 return
             except grpc.RpcError as exc:
+                if resumption.ended_whole(exc):
+                    return
                 if (resume := resumption.next_call(exc, headers_of(call))) is None:
                     raise SpecdecClientError(exc.code(), exc.details() or "") from None
             finally:
@@ -745,7 +764,16 @@ class Client(_Stub):
 
 
 class AsyncClient(_Stub):
-    """asyncio client of the Coordinator service; the same methods as Client, awaited."""
+    """asyncio client of the Coordinator service; the same methods as Client, awaited.
+
+    Its channel opens at its first call, in the event loop running that call (a grpc.aio
+    channel belongs to one loop), so an AsyncClient may be made outside any loop, e.g. before
+    asyncio.run; it used to open the channel at once, and a client made outside the loop that
+    used it failed there with gRPC's RuntimeError "... attached to a different loop". A call
+    from another loop than the first call's is refused with a RuntimeError saying so.
+
+    A call its client's close() cuts raises SpecdecClientError CANCELLED, as Client's does; a
+    cancel() of the task awaiting the call still raises asyncio.CancelledError."""
 
     def __init__(
         self,
@@ -757,12 +785,46 @@ class AsyncClient(_Stub):
         retries: int = DEFAULT_RETRIES,
         load_balancing: str = "round_robin",
     ):
-        """Connect to the coordinator(s) at `address`; the arguments are Client's."""
+        """Connect to the coordinator(s) at `address`; the arguments are Client's. The channel
+        opens at the first call (see the class); a bad argument is refused here, at once."""
         self.address = address
         self._metadata = auth_metadata(token)
         self.retries = retries
-        self._channel = open_channel(grpc.aio, address, channel_credentials(tls_ca, credentials), retries, load_balancing)
-        self._open_stub = pb_grpc.CoordinatorStub(self._channel)
+        self._credentials = channel_credentials(tls_ca, credentials)
+        self._options = channel_options(address, retries, load_balancing)
+        self._channel: grpc.aio.Channel | None = None  # opened by the first call (_stub)
+        self._open_stub = None
+        self._loop: asyncio.AbstractEventLoop | None = None  # the event loop the channel belongs to
+        self._closed = False
+
+    @property
+    def _stub(self) -> pb_grpc.CoordinatorStub:
+        """The stub, its channel opened in the running event loop at the first call."""
+        if self._closed:
+            raise self._closed_error()
+        loop = asyncio.get_running_loop()
+        if self._open_stub is None:
+            self._channel = open_channel(grpc.aio, self.address, self._credentials, self._options)
+            self._open_stub = stub = pb_grpc.CoordinatorStub(self._channel)
+            self._loop = loop
+            return stub
+        if loop is not self._loop:
+            raise RuntimeError("this specdec.AsyncClient was first used in another event loop, which its channel "
+                               "belongs to: make an AsyncClient in each event loop (each asyncio.run) that calls")  # fmt: skip
+        return self._open_stub
+
+    @contextlib.contextmanager
+    def _cut_by_close(self):
+        """Raise SpecdecClientError CANCELLED where this client's close() cut the call within (it
+        cancels the channel's calls, which grpc.aio ends in asyncio.CancelledError), as Client
+        does; a cancel() of the task awaiting the call goes on as CancelledError."""
+        try:
+            yield
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if self._closed and task is not None and not task.cancelling():
+                raise SpecdecClientError(grpc.StatusCode.CANCELLED, CUT_BY_CLOSE) from None
+            raise
 
     async def __aenter__(self) -> "AsyncClient":
         return self
@@ -771,9 +833,11 @@ class AsyncClient(_Stub):
         await self.close()
 
     async def close(self) -> None:
-        """Close the channel; a call after it raises ValueError."""
-        self._open_stub = None
-        await self._channel.close()
+        """Close the channel; a call after it raises ValueError, and a call it cuts raises
+        SpecdecClientError CANCELLED."""
+        self._closed = True
+        if self._channel is not None:
+            await self._channel.close()
 
     async def generate_stream(
         self,
@@ -807,10 +871,13 @@ class AsyncClient(_Stub):
         call = self._stub.Generate(request, timeout=timeout, metadata=self._metadata)
         while True:
             try:
-                async for msg in call:
-                    yield resumption.saw(Chunk.from_pb(msg))
+                with self._cut_by_close():
+                    async for msg in call:
+                        yield resumption.saw(Chunk.from_pb(msg))
                 return
             except grpc.aio.AioRpcError as exc:
+                if resumption.ended_whole(exc):
+                    return
                 if (resume := resumption.next_call(exc, await headers_of_async(call))) is None:
                     raise SpecdecClientError(exc.code(), exc.details() or "") from None
             finally:
@@ -829,8 +896,9 @@ class AsyncClient(_Stub):
                                    received_chars=received_chars)  # fmt: skip
         call = self._stub.Resume(request, timeout=timeout, metadata=self._metadata)
         try:
-            async for msg in call:
-                yield Chunk.from_pb(msg)
+            with self._cut_by_close():
+                async for msg in call:
+                    yield Chunk.from_pb(msg)
         except grpc.aio.AioRpcError as exc:
             raise SpecdecClientError(exc.code(), exc.details() or "") from None
         finally:
@@ -854,8 +922,9 @@ class AsyncClient(_Stub):
         """Client.delete, awaited."""
         check_text("session_id", session_id)
         try:
-            reply = await self._stub.Delete(pb.DeleteRequest(session_id=session_id), timeout=timeout,
-                                            metadata=self._metadata)  # fmt: skip
+            with self._cut_by_close():
+                reply = await self._stub.Delete(pb.DeleteRequest(session_id=session_id), timeout=timeout,
+                                                metadata=self._metadata)  # fmt: skip
         except grpc.aio.AioRpcError as exc:
             raise SpecdecClientError(exc.code(), exc.details() or "") from None
         return reply.deleted
@@ -863,6 +932,7 @@ class AsyncClient(_Stub):
     async def info(self, timeout: float | None = 10.0) -> ServerInfo:
         """Client.info, awaited."""
         try:
-            return ServerInfo.from_pb(await self._stub.Info(pb.InfoRequest(), timeout=timeout, metadata=self._metadata))
+            with self._cut_by_close():
+                return ServerInfo.from_pb(await self._stub.Info(pb.InfoRequest(), timeout=timeout, metadata=self._metadata))
         except grpc.aio.AioRpcError as exc:
             raise SpecdecClientError(exc.code(), exc.details() or "") from None

@@ -264,3 +264,112 @@ def test_a_call_on_a_closed_client_is_a_value_error_that_says_to_make_a_new_clie
                 await call()
 
     asyncio.run(closed_async_calls())
+
+
+class BrokenAfterTheEndCoordinator(FlakyCoordinator):
+    """Streams "ab", its finish_reason on "b", then the connection breaks (UNAVAILABLE) before the
+    stream's status: a coordinator that died just after its last chunk."""
+
+    def Generate(self, request, context):
+        self.calls += 1
+        context.send_initial_metadata(((SESSION_HEADER, request.session_id),))
+        yield pb.GenerateChunk(text="a", token_ids=[1], session_id=request.session_id)
+        yield pb.GenerateChunk(text="b", token_ids=[2], finish_reason=pb.FINISH_REASON_LENGTH)
+        context.abort(grpc.StatusCode.UNAVAILABLE, "lost after the last chunk")
+
+
+def test_a_stream_that_breaks_after_its_last_chunk_ends_whole_without_a_resume(serve):
+    """Its output is complete: generate() used to fail UNAVAILABLE on it (there is nothing to resume)."""
+    flaky = BrokenAfterTheEndCoordinator(failures=0)
+    address = serve(flaky)
+    with specdec.Client(address) as client:
+        result = client.generate("x", max_new_tokens=2)
+    assert (result.text, result.token_ids, result.finish_reason) == ("ab", [1, 2], "length")
+
+    async def generate_async():
+        async with specdec.AsyncClient(address) as client:
+            return await client.generate("x", max_new_tokens=2)
+
+    assert asyncio.run(generate_async()).text == "ab"
+    assert flaky.calls == 2 and not flaky.resumes
+
+
+class EndlessCoordinator(FlakyCoordinator):
+    """Streams "a" every 20 ms for 4 s; Info answers after 4 s."""
+
+    def Generate(self, request, context):
+        context.send_initial_metadata(((SESSION_HEADER, request.session_id),))
+        for _ in range(200):
+            if not context.is_active():
+                return
+            yield pb.GenerateChunk(text="a", token_ids=[1], session_id=request.session_id)
+            time.sleep(0.02)
+
+    def Info(self, request, context):
+        time.sleep(4.0)
+        return pb.InfoResponse()
+
+
+async def aenumerate(iterable, start=1):
+    """enumerate() of an async iterable."""
+    index = start
+    async for item in iterable:
+        yield index, item
+        index += 1
+
+
+def test_a_call_cut_by_its_clients_close_raises_cancelled_from_both_clients_and_a_task_cancel_stays_cancelled_error(serve):
+    """AsyncClient used to let asyncio.CancelledError out of a call its close() cut, where Client
+    raises SpecdecClientError CANCELLED; a cancel() of the task awaiting a call is the caller's
+    own and must stay a CancelledError."""
+    address = serve(EndlessCoordinator(failures=0))
+    client = specdec.Client(address)
+    with pytest.raises(specdec.SpecdecClientError) as cut:
+        for chunk_count, _ in enumerate(client.generate_stream("x", max_new_tokens=200), 1):
+            if chunk_count == 2:
+                client.close()
+    assert cut.value.code == grpc.StatusCode.CANCELLED
+
+    async def cut_async_calls():
+        client = specdec.AsyncClient(address)
+        with pytest.raises(specdec.SpecdecClientError) as cut:
+            async for chunk_count, _ in aenumerate(client.generate_stream("x", max_new_tokens=200)):
+                if chunk_count == 2:
+                    await client.close()
+        assert cut.value.code == grpc.StatusCode.CANCELLED and "closed during the call" in cut.value.message
+        for call in (lambda c: c.generate("x", max_new_tokens=200), lambda c: c.info()):
+            client = specdec.AsyncClient(address)
+            closing = asyncio.get_running_loop().call_later(0.3, lambda: asyncio.ensure_future(client.close()))
+            with pytest.raises(specdec.SpecdecClientError) as cut:
+                await call(client)
+            assert cut.value.code == grpc.StatusCode.CANCELLED
+            closing.cancel()
+        for call in (lambda c: c.generate("x", max_new_tokens=200), lambda c: c.info()):
+            for close_too in (False, True):  # the caller's cancel(), alone or as its client closes
+                client = specdec.AsyncClient(address)
+                task = asyncio.ensure_future(call(client))
+                await asyncio.sleep(0.3)
+                task.cancel()
+                if close_too:
+                    await client.close()
+                with pytest.raises(asyncio.CancelledError):
+                    await task
+                await client.close()
+
+    asyncio.run(cut_async_calls())
+
+
+def test_an_async_client_made_outside_an_event_loop_opens_its_channel_in_the_loop_of_its_first_call(serve):
+    """A grpc.aio channel belongs to one event loop. AsyncClient opened its channel when made, so
+    one made before asyncio.run failed inside it with gRPC's RuntimeError "... attached to a
+    different loop" (or, made where no loop was current, at once)."""
+    address = serve(FlakyCoordinator(failures=0))
+    client = specdec.AsyncClient(address)
+
+    async def use():
+        assert (await client.generate("x", max_new_tokens=2)).text == "ab"
+        with pytest.raises(RuntimeError, match="first used in another event loop.*make an AsyncClient in each"):
+            await asyncio.to_thread(asyncio.run, client.info())
+        await client.close()
+
+    asyncio.run(use())
