@@ -370,7 +370,7 @@ def add_coordinator_flags(p: argparse.ArgumentParser) -> None:
                   f"directory; else {DEFAULT_K})")  # fmt: skip
     env_flag(p, "--max-k", "SPECDEC_COORDINATOR_MAX_K", default=16, type=AT_LEAST_ONE, help="largest K a request may ask for")
     env_flag(p, "--default-max-new-tokens", "SPECDEC_DEFAULT_MAX_NEW_TOKENS", default=128, type=AT_LEAST_ONE,
-             help="max_new_tokens when a request sets none")  # fmt: skip
+             help="max_new_tokens when a request sets none (at most --max-new-tokens-limit)")  # fmt: skip
     env_flag(p, "--max-new-tokens-limit", "SPECDEC_MAX_NEW_TOKENS_LIMIT", default=4096, type=AT_LEAST_ONE,
              help="largest max_new_tokens a request may ask for")  # fmt: skip
     env_flag(p, "--adaptive-k", "SPECDEC_ADAPTIVE_K", action="store_true",
