@@ -72,7 +72,7 @@ from specdec.catalog import (
     packaged_weights, sha256,
 )
 from specdec.ngram import (
-    LOOKUP_MAX_NGRAM, LOOKUP_WEIGHT_GRID, find_continuation, format_lookup_weights, mix_lookup, parse_lookup_weights,
+    LOOKUP_FILE, LOOKUP_MAX_NGRAM, LOOKUP_WEIGHT_GRID, find_continuation, format_lookup_weights, mix_lookup, parse_lookup_weights,
     resolve_lookup_weights, write_lookup_file,
 )  # fmt: skip
 from specdec.prompts import PromptFileError, read_json_lines
@@ -1067,7 +1067,7 @@ def materialize_draft(target: str | Any, draft_weights_path: str | os.PathLike, 
     from safetensors import safe_open
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from specdec.models import load_model, save_model, write_output_vocab
+    from specdec.models import OUTPUT_VOCAB_FILE, load_model, save_model, write_output_vocab
     from specdec.vocab import VocabMismatchError
 
     # the target as transformers loads it: only its embedding, tokenizer and generation config are used
@@ -1105,12 +1105,18 @@ def materialize_draft(target: str | Any, draft_weights_path: str | os.PathLike, 
         model.generation_config = generation_config
     out_dir = Path(out_dir)
     save_model(model, loaded.tokenizer, out_dir)
+    # Each file is written or removed: a resumed run rebuilds over its last one, and a file
+    # left from it would be served (the old lookup weights under a card that says "off").
     if len(vocab_ids) < embedding.shape[0]:
         write_output_vocab(out_dir, vocab_ids)
+    else:
+        (out_dir / OUTPUT_VOCAB_FILE).unlink(missing_ok=True)
     if meta.get("lookup_weights"):
         note = ("specdec serve draft draws each token from (1 - w) * q + w * (the prompt lookup's token), w the "
                 "weight of the match length; chosen by specdec distill on its calibration sequences")  # fmt: skip
         write_lookup_file(out_dir, parse_lookup_weights(meta["lookup_weights"]), note=note)
+    else:
+        (out_dir / LOOKUP_FILE).unlink(missing_ok=True)
     return out_dir
 
 

@@ -303,6 +303,10 @@ def test_lookup_weights_travel_from_the_weights_file_into_the_directory_the_serv
     meta.pop("lookup_weights", None)
     save_file(tensors, str(tmp_path / "plain.safetensors"), metadata=meta)
     assert not (materialize_draft(tiny[1], tmp_path / "plain.safetensors", tmp_path / "plain") / LOOKUP_FILE).exists()
+    # Rebuilt without lookup weights over the directory that has them (a resumed run whose
+    # calibration chose none): their file goes; it used to stay and be served under a card saying "off".
+    assert resolve_lookup_weights("auto", str(materialize_draft(tiny[1], tmp_path / "plain.safetensors", built))) == {}
+    built = materialize_draft(tiny[1], tmp_path / "w.safetensors", tmp_path / "with-lookup")
     capsys.readouterr()
     assert run_distill(parse(["--target", tiny[1], "--out", str(out), "--evaluate", str(built)])) == 0
     figures = json.loads(capsys.readouterr().out)
