@@ -790,20 +790,34 @@ def choose_lookup_weights(draft: DraftModel, calibration: list[dict], pad_id: in
 
 
 def _lr_at(step: int, fraction: float, peak: float, warmup: int = 30) -> float:
-    """Linear warmup, flat, then linear decay to 10% over the last 30% of the time budget."""
+    """Linear warmup, flat, then linear decay to 10% over the last 30% of the time budget.
+    step: steps since the schedule began; fraction: the part of its budget trained (schedule_of)."""
     scale = min(1.0, (step + 1) / warmup)
     if fraction > 0.7:
         scale *= max(0.1, 1 - 0.9 * (fraction - 0.7) / 0.3)
     return peak * scale
 
 
+def schedule_of(state: dict, budget: float) -> dict:
+    """The learning-rate schedule the training goes on with: {"start_step", "start_seconds",
+    "budget_seconds"}, its budget of training seconds from that step and second on. A run
+    interrupted before its budget was trained goes on with its own schedule, where it stopped
+    (no second warmup; a decay already begun goes on); a fresh run, or a finished one trained
+    further, begins one over this run's `budget`. A resumed run used to begin a new one
+    always: back to the peak rate after an interruption in the decay."""
+    schedule = state.get("schedule")
+    if schedule is None or state["train_seconds"] >= schedule["start_seconds"] + schedule["budget_seconds"]:
+        schedule = {"start_step": state["step"], "start_seconds": state["train_seconds"], "budget_seconds": budget}
+    return schedule
+
+
 def train(config: DistillConfig, draft: DraftModel, train_records: list[dict], held_out: list[dict],
           pad_id: int, deadline: float, state: dict, calibration: list[dict] | None = None) -> dict:  # fmt: skip
     """Minimise KL(p ∥ q) until `deadline`; checkpoint to --out; return the updated state.
 
-    `state` holds step, train_seconds, history and the best weights so far by top-k α on the
-    `calibration` records (on `held_out` when there are none); the draft ends with the best
-    weights loaded. The progress bar shows held-out α.
+    `state` holds step, train_seconds, history, the learning-rate schedule (schedule_of) and
+    the best weights so far by top-k α on the `calibration` records (on `held_out` when there
+    are none); the draft ends with the best weights loaded. The progress bar shows held-out α.
     """
     compute_dtype = compute_precision(config.precision)
     params = [p for p in draft.parameters() if p.requires_grad]
@@ -815,6 +829,7 @@ def train(config: DistillConfig, draft: DraftModel, train_records: list[dict], h
     rng = random.Random(config.seed * 1000 + state["step"])
     budget = max(deadline - time.monotonic(), 1e-3)
     started = time.monotonic()
+    schedule = state["schedule"] = schedule_of(state, budget)
     last_eval = last_checkpoint = started
 
     def measure() -> dict:  # held-out figures, and the calibration α that picks the weights kept
@@ -830,7 +845,6 @@ def train(config: DistillConfig, draft: DraftModel, train_records: list[dict], h
         figures = measure()
         state["history"].append({"step": 0, "seconds": 0.0, "loss": None, **figures})
         state["best"] = {"alpha_topk": judged(figures), "state": draft.compact_state(), "step": 0}
-    start_step = state["step"]
     bar = tqdm(total=round(budget), desc="distill: training", unit="s", disable=not config.progress,
                file=sys.stderr, dynamic_ncols=True, mininterval=1.0,
                bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt}s {postfix}")  # fmt: skip
@@ -838,9 +852,9 @@ def train(config: DistillConfig, draft: DraftModel, train_records: list[dict], h
     draft.train()
     try:
         while time.monotonic() < deadline:
-            fraction = (time.monotonic() - started) / budget
+            trained = state["train_seconds"] + time.monotonic() - started - schedule["start_seconds"]
             for group in optimizer.param_groups:
-                group["lr"] = _lr_at(state["step"] - start_step, fraction, config.lr)
+                group["lr"] = _lr_at(state["step"] - schedule["start_step"], trained / schedule["budget_seconds"], config.lr)
             chunk = rng.sample(train_records, min(config.batch_size, len(train_records)))
             rows, cols, top_ids, top_logp = _gather_targets(chunk)
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=compute_dtype == torch.bfloat16):
@@ -888,6 +902,7 @@ def save_checkpoint(config: DistillConfig, draft: DraftModel, optimizer, state: 
     payload = {
         "arch": _arch(config), "draft": draft.compact_state(), "optimizer": optimizer.state_dict(),
         "step": state["step"], "train_seconds": train_seconds, "history": state["history"], "best": state["best"],
+        "schedule": state.get("schedule"),
     }  # fmt: skip
     _atomic_save(payload, Path(config.out) / CHECKPOINT_NAME)
 
@@ -1256,11 +1271,12 @@ def distill(config: DistillConfig) -> dict:
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(config.seed)
         draft = DraftModel(embedding, llama_config, vocab_ids, dropout=config.dropout)
-    state: dict[str, Any] = {"step": 0, "train_seconds": 0.0, "history": [], "best": None, "optimizer": None}
+    state: dict[str, Any] = {"step": 0, "train_seconds": 0.0, "history": [], "best": None, "optimizer": None,
+                             "schedule": None}  # fmt: skip
     if saved is not None:
         draft.load_state_dict(saved["draft"], strict=False)
         state.update(step=saved["step"], train_seconds=saved["train_seconds"], history=saved["history"],
-                     best=saved["best"], optimizer=saved["optimizer"])  # fmt: skip
+                     best=saved["best"], optimizer=saved["optimizer"], schedule=saved.get("schedule"))  # fmt: skip
     else:
         draft.init_from_pca(torch.Generator().manual_seed(config.seed))
     if not config.learn_projections:

@@ -436,7 +436,8 @@ def test_a_run_interrupted_while_sampling_keeps_its_shards_and_resume_finishes_i
     assert json.loads((out / DRAFT_CARD_NAME).read_text())["training"]["steps"] > 0
 
 
-def test_a_run_interrupted_while_training_writes_a_checkpoint_of_where_it_stopped_and_resume_goes_on(tiny, tmp_path):
+def test_a_run_interrupted_while_training_writes_a_checkpoint_of_where_it_stopped_and_resume_goes_on(tiny, tmp_path,
+                                                                                                      monkeypatch):
     out = tmp_path / "run"
     argv = ["--target", tiny[1], "--out", str(out), "--prompts", tiny[2], *DISTILL_FLAGS]
     training_since = []
@@ -447,10 +448,20 @@ def test_a_run_interrupted_while_training_writes_a_checkpoint_of_where_it_stoppe
         return bool(training_since) and time.monotonic() - training_since[0] > 3
 
     interrupt_distill([*argv, "--minutes", "2"], until=training_a_while)  # 2-minute checkpoints: none yet
-    stopped_at = torch.load(out / CHECKPOINT_NAME, weights_only=False)["step"]
+    checkpoint = torch.load(out / CHECKPOINT_NAME, weights_only=False)
+    stopped_at, schedule = checkpoint["step"], checkpoint["schedule"]
     assert stopped_at > 0 and not (out / DRAFT_CARD_NAME).exists()
+    assert schedule["start_step"] == 0 and schedule["budget_seconds"] > checkpoint["train_seconds"] > 0
+    # The resumed run goes on with the interrupted run's learning-rate schedule where it stopped:
+    # no second warmup from step 0, the same budget (it used to start a schedule of its own).
+    rates = []
+    real_lr_at = distill_module._lr_at
+    monkeypatch.setattr(distill_module, "_lr_at", lambda step, fraction, peak: rates.append((step, fraction))
+                        or real_lr_at(step, fraction, peak))  # fmt: skip
     assert run_distill(parse([*argv, "--minutes", "0.05", "--resume"])) == 0
     assert json.loads((out / DRAFT_CARD_NAME).read_text())["training"]["steps"] > stopped_at
+    assert rates[0][0] == stopped_at and rates[0][1] >= checkpoint["train_seconds"] / schedule["budget_seconds"]
+    assert torch.load(out / CHECKPOINT_NAME, weights_only=False)["schedule"] == schedule
 
 
 def test_evaluating_a_draft_that_does_not_exist_names_it(distilled, tiny, capsys):
