@@ -234,7 +234,9 @@ def load_prompts(path: str | os.PathLike, eval_path: str | os.PathLike | None = 
 
     rows = read(path)
     if eval_path:
-        return [content(r) for r in rows], [content(r) for r in read(eval_path)]
+        train, held_out = [content(r) for r in rows], [content(r) for r in read(eval_path)]
+        check_held_out(train, held_out)
+        return train, held_out
     marked = any(r.get("split") == "eval" for r in rows)
     train, held_out = [], []
     for index, row in enumerate(rows):
@@ -242,7 +244,19 @@ def load_prompts(path: str | os.PathLike, eval_path: str | os.PathLike | None = 
         (held_out if is_eval else train).append(content(row))
     if not train or not held_out:
         raise DistillError(f"{path}: need both training and held-out prompts (got {len(train)} and {len(held_out)})")
+    check_held_out(train, held_out)
     return train, held_out
+
+
+def check_held_out(train: list, held_out: list) -> None:
+    """DistillError when a held-out prompt is also a training prompt: the figures would measure
+    text the draft trained on (the same file given as --prompts and --eval-prompts, say)."""
+    seen = {json.dumps(prompt, sort_keys=True) for prompt in train}
+    shared = [prompt for prompt in held_out if json.dumps(prompt, sort_keys=True) in seen]
+    if shared:
+        raise DistillError(f"{len(shared)} of the {len(held_out)} held-out prompts are training prompts too "
+                           f"(the first: {json.dumps(shared[0])[:80]}): held-out figures must be measured on "
+                           "prompts the draft never trained on; give --eval-prompts a file of other prompts")  # fmt: skip
 
 
 def encode_prompt(tokenizer, prompt) -> list[int]:

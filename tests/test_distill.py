@@ -596,6 +596,20 @@ def test_written_draft_predicts_only_its_output_vocab(distilled):
     assert torch.isneginf(logits[:, outside]).all() and torch.isfinite(logits[:, ~outside]).all()
 
 
+def test_a_held_out_prompt_that_is_also_a_training_prompt_is_refused_naming_it(tmp_path):
+    """The same file as --prompts and --eval-prompts (or one prompt in both splits) used to train
+    on every held-out prompt, and the held-out figures measured text the draft had learnt."""
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in TINY_PROMPTS))
+    with pytest.raises(DistillError, match=r"16 of the 16 held-out prompts are training prompts too \(the first: \"hello there\"\)"):
+        load_prompts(prompts, prompts)
+    marked = tmp_path / "marked.jsonl"
+    marked.write_text(json.dumps({"prompt": "a"}) + "\n" + json.dumps({"prompt": "a", "split": "eval"}) + "\n")
+    with pytest.raises(DistillError, match="1 of the 1 held-out prompts"):
+        load_prompts(marked)
+    assert load_prompts(prompts) == (TINY_PROMPTS[:9] + TINY_PROMPTS[10:], [TINY_PROMPTS[9]])
+
+
 def test_default_prompt_set_is_varied_and_holds_out_distinct_prompts():
     train, held_out = load_prompts(DEFAULT_PROMPTS)
     assert len(train) >= 200 and len(held_out) >= 20
