@@ -1115,7 +1115,7 @@ def materialize_draft(target: str | Any, draft_weights_path: str | os.PathLike, 
             f"{meta['target_vocab_fingerprint'][:12]}, but {loaded.name!r} has {loaded.vocab_fingerprint[:12]}"
         )
     config = LlamaConfig.from_dict(json.loads(meta["llama_config"]))
-    embedding = loaded.model.get_input_embeddings().weight.detach().float()  # [V, D]
+    embedding = loaded.model.get_input_embeddings().weight.detach().float().cpu()  # [V, D], a GPU target's too
     with torch.device("meta"):
         model = LlamaForCausalLM(config)
     state = {key.removeprefix("body."): value for key, value in tensors.items() if key.startswith("body.")}

@@ -133,14 +133,22 @@ def redis_refusal(exc: BaseException) -> tuple[grpc.StatusCode, str] | None:
     return None
 
 
+# What torch's RuntimeErrors say when memory ran out: its CPU allocator ("DefaultCPUAllocator:
+# can't allocate memory: you tried to allocate N bytes"), and on a GPU what a kernel or library
+# reports outside torch's own allocator ("CUDA error: out of memory", cuBLAS's and cuDNN's
+# "..._STATUS_ALLOC_FAILED", a torch.AcceleratorError or plain RuntimeError).
+OUT_OF_MEMORY_WORDS = ("can't allocate memory", "out of memory", "STATUS_ALLOC_FAILED")
+
+
 def is_out_of_memory(exc: BaseException) -> bool:
     """Python's MemoryError, or an allocation torch could not make: torch.OutOfMemoryError on a
-    GPU, and on a CPU a plain RuntimeError from its allocator ("DefaultCPUAllocator: can't
-    allocate memory: you tried to allocate N bytes"), which used to end a call INTERNAL."""
+    GPU, or a RuntimeError saying so (OUT_OF_MEMORY_WORDS), which used to end a call INTERNAL."""
     if isinstance(exc, MemoryError):
         return True
     # torch's OutOfMemoryError is a RuntimeError; redis-py's of the same name is not (a full Redis).
-    return isinstance(exc, RuntimeError) and (type(exc).__name__ == "OutOfMemoryError" or "can't allocate memory" in str(exc))
+    return isinstance(exc, RuntimeError) and (
+        type(exc).__name__ == "OutOfMemoryError" or any(words in str(exc) for words in OUT_OF_MEMORY_WORDS)
+    )
 
 
 def status_for(exc: BaseException, quiet: bool = False) -> tuple[grpc.StatusCode, str]:

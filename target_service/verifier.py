@@ -31,6 +31,14 @@ from specdec.wire import Sampling
 log = logging.getLogger("specdec")
 
 
+def wait_for_device(tensor: torch.Tensor) -> None:
+    """Wait until the GPU that holds `tensor` has done its queued work (a no-op on a CPU): a
+    GPU runs a forward's kernels after the call returns, so a clock read at once would time
+    their launch, and forward_ms would leave the pass's time to the verdict's first read."""
+    if tensor.device.type == "cuda":
+        torch.cuda.synchronize(tensor.device)
+
+
 def use_threads(threads: int) -> None:
     """Set torch's thread count for the next forward (a no-op when 0 or already set)."""
     if threads and torch.get_num_threads() != threads:
@@ -112,6 +120,8 @@ class Verifier:
                 return self.verify_alone(jobs, results, exc)
             results[ready[0]] = exc
             return results
+        if logits:
+            wait_for_device(logits[0])
         forward_ms = (time.perf_counter() - start) * 1000
         for i, rows in zip(ready, logits):
             results[i] = self.judge_or_error(jobs[i], fed[i], rows, forward_ms, len(ready))

@@ -520,8 +520,9 @@ def test_a_deflated_fixed_q_decodes_to_the_same_q_as_the_plain_one():
         (pb.DraftToken(token_id=1, sparse=pb.SparseProbs(ids=[1, 2], probs=[0.9, 0.9])), "sum"),
         (pb.DraftToken(token_id=1, sparse=pb.SparseProbs(ids=[1], probs=[float("nan")])), "NaN"),
         (pb.DraftToken(token_id=1, sparse=pb.SparseProbs(ids=[1, 77], probs=[0.5, 0.5])), "77"),
-        (pb.DraftToken(token_id=1, dense=pb.DenseProbs(probs=[1.0])), "entries"),
-        (pb.DraftToken(token_id=1, dense=pb.DenseProbs(fp16=b"\x00\x3c" * 3)), "entries"),
+        (pb.DraftToken(token_id=1, dense=pb.DenseProbs(probs=[1.0])), "q = 0"),  # 0 at the ids a short q lacks
+        (pb.DraftToken(token_id=1, dense=pb.DenseProbs(fp16=b"\x00\x3c" * 3)), "sums to 3"),
+        (pb.DraftToken(token_id=1, dense=pb.DenseProbs(probs=[0.0] * 10 + [1.0])), "mass at ids past"),
         (pb.DraftToken(token_id=1, dense=pb.DenseProbs(fp16=b"\x00\x3c" * 10)), "sums to"),
         (pb.DraftToken(token_id=11), "vocabulary"),
         (pb.DraftToken(token_id=1, fixed=pb.FixedProbs(id_gaps=[1, 1], weights=[40000, 40000])), "sum to 80000"),
@@ -1657,4 +1658,8 @@ def test_an_allocation_torch_cannot_make_is_resource_exhausted_with_its_size_not
     gpu = torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
     assert status_for(gpu)[0] == grpc.StatusCode.RESOURCE_EXHAUSTED and "20.00 GiB" in status_for(gpu)[1]
     assert status_for(MemoryError())[0] == grpc.StatusCode.RESOURCE_EXHAUSTED
+    # What a GPU reports outside torch's allocator (a kernel's launch, cuBLAS) says so in words.
+    for words in ("CUDA error: out of memory\nCUDA kernel errors might be asynchronously reported",
+                  "CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`"):  # fmt: skip
+        assert status_for(RuntimeError(words))[0] == grpc.StatusCode.RESOURCE_EXHAUSTED, words
     assert status_for(RuntimeError("shape mismatch"), quiet=True)[0] == grpc.StatusCode.INTERNAL  # a bug stays one
