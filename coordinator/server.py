@@ -8,6 +8,7 @@ import json
 import logging
 import secrets
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
 import grpc
@@ -394,7 +395,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             # session was created for it, so a retry never finds its session id taken. They name
             # the session: a stream that breaks after them is one the SDK may Resume.
             await context.send_initial_metadata((session_header(plan.session_id),))
-        text = TextStream(self.tokenizer, plan.stop)
+        text = TextStream(self.tokenizer, plan.stop, plan.prompt)
         async for chunk in self.stream(plan, context, caller, text):
             yield chunk
 
@@ -411,7 +412,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             plan = self.resumed_plan(session_id, meta, committed)  # refused before the session is touched
             output = committed[len(plan.prompt):]
             # ~30 µs a token with SmolLM2's tokenizer: off the event loop every session shares.
-            text = await asyncio.to_thread(replay_text, self.tokenizer, plan.stop, output)
+            text = await asyncio.to_thread(replay_text, self.tokenizer, plan.stop, output, plan.prompt)
             # An output that ended is flushed, as its stream's last chunk was (finish_of).
             finished_as(plan, text, committed, meta.get("status") == "finished")
             if request.received_tokens > len(text.ids) or request.received_chars > len(text.text):
@@ -868,9 +869,10 @@ def stored_route(session_id: str, meta: dict[str, str]) -> str:
         return session_id
 
 
-def replay_text(tokenizer, stop, output: list[int]) -> TextStream:
-    """A TextStream that has streamed `output` (Resume): fed token by token, as a stream is fed."""
-    text = TextStream(tokenizer, list(stop))
+def replay_text(tokenizer, stop, output: list[int], prompt: Sequence[int] = ()) -> TextStream:
+    """A TextStream that has streamed `output` after `prompt` (Resume): fed token by token, as a
+    stream is fed."""
+    text = TextStream(tokenizer, list(stop), prompt)
     replay_tokens(text, output)
     return text
 

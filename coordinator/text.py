@@ -8,6 +8,11 @@ character split over tokens holds back only itself, never the characters a cycle
 committed before it, and at the end (`flush`) what a last incomplete character
 held back is emitted and that character dropped. Text that could still grow into
 a stop string is held back, so the stream never shows part of a stop string.
+
+The first window begins in the prompt (`context`: its last CONTEXT_TOKENS tokens,
+decoded, never emitted), as vLLM and TGI stream: a SentencePiece tokenizer (Llama 2,
+Mistral) drops the space at the start of whatever it decodes, so the output's first
+token decoded alone lost its leading space ("Once upon a" + "time").
 """
 
 from __future__ import annotations
@@ -16,12 +21,15 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 REPLACEMENT_CHAR = "\ufffd"
+CONTEXT_TOKENS = 4  # of the prompt's last tokens, decoded before the output (module doc)
 
 
 @dataclass
 class TextStream:
     tokenizer: object
     stop: Sequence[str] = ()
+    # The prompt's token ids: its last CONTEXT_TOKENS begin the first window (module doc).
+    context: Sequence[int] = ()
     # Output token ids so far (never the prompt), up to the one that completed a stop string.
     ids: list[int] = field(default_factory=list)
     # Detokenized output so far, and how much of it was handed out.
@@ -31,6 +39,13 @@ class TextStream:
     read_offset: int = 0
     # Set once a stop string was found; text is cut before it.
     stopped: bool = False
+    # What the windows decode: the context's tokens, then the output's; the offsets index it.
+    window_ids: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.window_ids = list(self.context[-CONTEXT_TOKENS:])
+        self.prefix_offset = 0
+        self.read_offset = len(self.window_ids)
 
     def add(self, new_ids: Sequence[int]) -> int:
         """Append tokens; look for stop strings in the text they add. Returns how many of
@@ -45,6 +60,7 @@ class TextStream:
             return 0
         for kept, token in enumerate(new_ids, 1):
             self.ids.append(token)
+            self.window_ids.append(token)
             if self._extend(self._decode_delta()):
                 return kept
         return len(new_ids)
@@ -82,12 +98,12 @@ class TextStream:
         """The text the tokens after `read_offset` add (module doc): "" while the window ends
         inside a character, unless `final`, where that last character is dropped instead."""
         decode = self.tokenizer.decode
-        prefix = decode(self.ids[self.prefix_offset : self.read_offset], skip_special_tokens=True)
-        full = decode(self.ids[self.prefix_offset :], skip_special_tokens=True)
+        prefix = decode(self.window_ids[self.prefix_offset : self.read_offset], skip_special_tokens=True)
+        full = decode(self.window_ids[self.prefix_offset :], skip_special_tokens=True)
         if final:
             full = full.rstrip(REPLACEMENT_CHAR)
         if len(full) > len(prefix) and not full.endswith(REPLACEMENT_CHAR):
-            self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+            self.prefix_offset, self.read_offset = self.read_offset, len(self.window_ids)
             return full[len(prefix) :]
         return ""
 

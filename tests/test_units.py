@@ -307,6 +307,48 @@ def test_a_stop_string_completed_by_the_text_an_incomplete_last_character_held_b
         assert finished_as(plan, replayed, [1, *output]) == reason and replayed.text == sent, (stop, eos_end)
 
 
+def sentencepiece_like_tokenizer():
+    """A tokenizer built as Llama 2's and Mistral's are: each word's token begins with "▁" for its
+    space, and the decoder strips the space at the start of whatever it decodes."""
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    backend = Tokenizer(models.BPE(unk_token="<unk>"))
+    backend.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    backend.pre_tokenizer = pre_tokenizers.Split("▁", behavior="merged_with_next")
+    backend.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.Fuse(), decoders.Strip(" ", 1, 0)])
+    corpus = ["Once upon a time there was a fox.", "The time is now, there is a fox here."] * 10
+    trainer = trainers.BpeTrainer(vocab_size=120, special_tokens=["<unk>", "<s>", "</s>"], show_progress=False)
+    backend.train_from_iterator(corpus, trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+
+
+def test_the_output_of_a_sentencepiece_tokenizer_keeps_its_first_tokens_space_in_the_stream_and_in_resume():
+    """The first window begins in the prompt: "Once upon a" + " time there ...", where decoding
+    the output alone gave "time there ..." (the decoder strips a leading space), so the text
+    glued to the prompt read "atime" and a stop string " time" could not end the output at its
+    first token. vLLM and TGI stream the space too. A byte-level tokenizer's text is unchanged."""
+    from coordinator.server import replay_text
+
+    tokenizer = sentencepiece_like_tokenizer()
+    prompt = tokenizer("Once upon a", add_special_tokens=False)["input_ids"]
+    whole = tokenizer("Once upon a time there was a fox.", add_special_tokens=False)["input_ids"]
+    output = whole[len(prompt) :]
+    assert whole[: len(prompt)] == prompt and tokenizer.convert_ids_to_tokens(output[:1]) == ["▁time"]
+    for chunks in ([output], [[token] for token in output]):
+        stream = TextStream(tokenizer, (), prompt)
+        streamed = [(stream.add(chunk), stream.take())[1] for chunk in chunks]
+        assert "".join(streamed) + stream.take(final=True) == " time there was a fox."
+    stopped = TextStream(tokenizer, [" time"], prompt)
+    assert stopped.add(output) == 1 and stopped.take(final=True) == "" and stopped.stopped
+    assert replay_text(tokenizer, [], output, prompt).text == " time there was a fox."
+    bytes_level = byte_level_tokenizer()
+    ids = bytes_level("Hi there 👌🏼 you", add_special_tokens=False)["input_ids"]
+    with_prompt = TextStream(bytes_level, (), ids[:3])
+    with_prompt.add(ids[3:])
+    assert with_prompt.take(final=True) == bytes_level.decode(ids[3:])
+
+
 def test_partial_stop_length_is_the_longest_end_of_the_text_that_begins_a_stop_string():
     """Against its definition, over short texts and stop strings of two- and four-letter
     alphabets (so that ends and beginnings overlap often)."""
