@@ -489,8 +489,8 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             metrics.request_success.labels(finished_reason=finish_reason).inc()
             outcome = f"finished ({finish_reason})"
         except BaseException as exc:
-            if isinstance(exc, Exception):
-                code = status_for(exc)[0].name
+            if isinstance(exc, Exception):  # grpc_handler maps it (and logs an unforeseen one's traceback)
+                code = status_for(exc, quiet=True)[0].name
             elif watch.tripped:
                 code = "UNAVAILABLE"
             else:  # the call ended under the stream: its deadline passed, or the client cancelled it
@@ -532,7 +532,8 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             if catch_up.finish_reason != pb.FINISH_REASON_UNSPECIFIED:
                 return
         first_token_s = 0.0
-        last_chunk_at = None
+        # A resumed stream's first cycle is no first token (time_to_first_token): a gap after the resume.
+        last_chunk_at = None if resume_at is None else started
         finish = ""
         async for outcome in loop.run():
             now = time.perf_counter()
@@ -816,9 +817,19 @@ def describe_refusal(verb: str, session_id: str, caller: str, exc: Exception) ->
     """The coordinator's log line of a request refused before it ran: its status and message
     (which never hold the prompt), the session it named and the caller, as describe_request."""
     code, message = status_for(exc, quiet=True)
-    session = f" of session {session_id!r}" if session_id else ""
+    session = f" of session {loggable_id(session_id)}" if session_id else ""
     who = f" by {caller}" if caller else ""
     return f"{verb}{session}{who}: refused {code.name}: {message}"
+
+
+def loggable_id(session_id: str) -> str:
+    """A session id a request named, as a log line shows it: quoted when it could be one
+    (check_session_id), else only its length (a caller's megabytes of id used to go to the log
+    whole, once per refused call)."""
+    try:
+        return repr(check_session_id(session_id))
+    except InvalidArgument:
+        return f"(not an id: {len(session_id)} characters)"
 
 
 def count(n: int, noun: str) -> str:

@@ -219,9 +219,10 @@ class ServerSecurity:
         client_ca = read_pem(self.tls_client_ca, "client CA") if self.tls_client_ca else None
         return grpc.ssl_server_credentials([key_pair], root_certificates=client_ca, require_client_auth=bool(client_ca))
 
-    def interceptors(self, credential: str) -> list[grpc.aio.ServerInterceptor]:
-        """`credential` names what a refused caller lacks, e.g. "an API token"."""
-        return [TokenCheck(self, credential)] if self.tokens else []
+    def interceptors(self, credential: str, registry=None) -> list[grpc.aio.ServerInterceptor]:
+        """`credential` names what a refused caller lacks, e.g. "an API token"; refusals are
+        counted in `registry` (a prometheus CollectorRegistry), if given (TokenCheck)."""
+        return [TokenCheck(self, credential, registry)] if self.tokens else []
 
 
 def require_caller_credential(security: ServerSecurity, allow_unauthenticated: bool, role: str) -> bool:
@@ -346,12 +347,26 @@ def token_digest(token: str) -> str:
     return hashlib.sha256(token.encode()).hexdigest()[:32]
 
 
-class TokenCheck(grpc.aio.ServerInterceptor):
-    """Refuse calls without an accepted bearer token with UNAUTHENTICATED (health is open)."""
+REFUSALS_LOGGED_EVERY_S = 10.0  # TokenCheck's log line of refused calls, at most this often
 
-    def __init__(self, security: ServerSecurity, credential: str):
+
+class TokenCheck(grpc.aio.ServerInterceptor):
+    """Refuse calls without an accepted bearer token with UNAUTHENTICATED (health is open).
+    Each refusal is counted (`specdec:unauthenticated_calls_total`, in `registry` if given)
+    and logged, one line every REFUSALS_LOGGED_EVERY_S at most with how many since the last:
+    such calls used to leave no trace, so a client with a wrong token, or one guessing tokens,
+    went unseen."""
+
+    def __init__(self, security: ServerSecurity, credential: str, registry=None):
         self.security = security  # its tokens as they are now (refresh_tokens)
         self.message = f"this server requires {credential}: send the metadata `authorization: Bearer <token>`"
+        self.refused = None
+        if registry is not None:
+            from prometheus_client import Counter
+
+            self.refused = Counter("specdec:unauthenticated_calls", "Calls refused UNAUTHENTICATED: no accepted "
+                                   "token (or client certificate) came with them.", registry=registry)  # fmt: skip
+        self.unlogged, self.logged_at = 0, -REFUSALS_LOGGED_EVERY_S
 
     async def intercept_service(self, continuation, details: grpc.HandlerCallDetails):
         service = details.method.rsplit("/", 2)[-2] if details.method.count("/") >= 2 else ""
@@ -359,7 +374,19 @@ class TokenCheck(grpc.aio.ServerInterceptor):
         self.security.refresh_tokens()
         if handler is None or service in OPEN_SERVICES or token_matches(details.invocation_metadata, self.security.tokens):
             return handler
+        self.note_refusal(details.method)
         return refusing_handler(handler, self.message)
+
+    def note_refusal(self, method: str) -> None:
+        if self.refused is not None:
+            self.refused.inc()
+        self.unlogged += 1
+        now = time.monotonic()
+        if now - self.logged_at >= REFUSALS_LOGGED_EVERY_S:
+            logging.getLogger("specdec").warning(
+                "refused %d call(s) UNAUTHENTICATED since the last such line (no accepted token came with "
+                "them), the latest to %s", self.unlogged, method)  # fmt: skip
+            self.unlogged, self.logged_at = 0, now
 
 
 def refusing_handler(handler: grpc.RpcMethodHandler, message: str) -> grpc.RpcMethodHandler:
@@ -425,13 +452,15 @@ class WithMetadata:
 
 
 def redact_url(url: str) -> str:
-    """A URL with its password (if any) replaced by ***, for messages and logs."""
+    """A URL with its passwords replaced by ***, for messages and logs: the one before its host
+    (redis://user:PASSWORD@host) and any query parameter named like one (redis-py also reads
+    ?password=..., which used to be logged as it was). The host keeps its brackets ([::1])."""
+    import re
     from urllib.parse import urlsplit, urlunsplit
 
     parts = urlsplit(url)
-    if parts.password is None:
-        return url
-    user = parts.username or ""
-    host = parts.hostname or ""
-    netloc = f"{user}:***@{host}" + (f":{parts.port}" if parts.port else "")
-    return urlunsplit(parts._replace(netloc=netloc))
+    userinfo, at, host = parts.netloc.rpartition("@")
+    if at and ":" in userinfo:
+        parts = parts._replace(netloc=f"{userinfo.split(':', 1)[0]}:***@{host}")
+    query = re.sub(r"((?:^|&)[^=&]*password[^=&]*=)[^&]*", r"\1***", parts.query, flags=re.IGNORECASE)
+    return urlunsplit(parts._replace(query=query))

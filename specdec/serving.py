@@ -151,7 +151,7 @@ async def run(
     Call telemetry.setup_tracing before this (and before making channels or Redis clients)."""
     security = security or ServerSecurity()
     credentials = security.credentials()
-    server = create_server(security.interceptors(credential))
+    server = create_server(security.interceptors(credential, metrics_registry))
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection([*service_names, health.SERVICE_NAME, reflection.SERVICE_NAME], server)

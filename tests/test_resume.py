@@ -183,17 +183,25 @@ def test_a_client_naming_several_coordinators_spreads_its_calls_over_them(stack,
     assert sum(served.values()) == 8 and min(served.values()) >= 2, served
 
 
-def test_resume_by_hand_sends_what_the_client_lacks_then_the_rest(stack, redis_url):
+def first_tokens_timed(port: int) -> float:
+    return scrape(port)[("specdec:time_to_first_token_seconds_count", ())]
+
+
+def test_resume_by_hand_sends_what_the_client_lacks_then_the_rest(stack, redis_url, metrics_ports):
     """A client that dropped its stream resumes the session from another process's point of
-    view: the tokens after the ones it has, and the text after the characters it has."""
+    view: the tokens after the ones it has, and the text after the characters it has. The
+    resumed call times no first token (the session's came long before): its first cycle used
+    to be counted as one."""
     options = dict(prompt="hello world", max_new_tokens=120, **PROMPT_OPTIONS)
     with specdec.Client(stack.address) as client:
         expected = client.generate(**options)
         received = read_chunks(client.generate_stream(session_id="dropped", **options), 2)
     tokens = sum(len(c.token_ids) for c in received)
     chars = sum(len(c.text) for c in received)
+    timed = first_tokens_timed(metrics_ports["spare"])
     with specdec.Client(spare(stack)) as client:
         rest = client.resume("dropped", received_tokens=tokens, received_chars=chars)
+    assert first_tokens_timed(metrics_ports["spare"]) == timed
     assert [t for c in received for t in c.token_ids] + rest.token_ids == expected.token_ids
     assert "".join(c.text for c in received) + rest.text == expected.text
     assert rest.finish_reason == "length" and rest.session_id == "dropped"

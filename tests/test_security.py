@@ -695,3 +695,63 @@ def test_no_secret_reaches_the_logs_or_the_traces(private_redis, tiny_models, re
     for secret in secrets:
         for where, text in (("stdout", logs.out), ("stderr", logs.err), ("traces", exported), ("--help", help_text)):
             assert secret not in text, f"a secret leaked into {where}"
+
+
+def test_a_redis_url_is_logged_without_its_passwords_wherever_they_stand(caplog):
+    """redis-py reads a password before the host and in the query (?password=...); the second
+    went to the log as it was ("sessions in Redis at redis://localhost:1/0?password=s3cret-pw"),
+    and an IPv6 host lost its brackets."""
+    from specdec.security import redact_url
+    from specdec.session import SessionStore
+
+    assert redact_url("redis://user:pw@[::1]:6379/0") == "redis://user:***@[::1]:6379/0"
+    assert redact_url("redis://:pw@h:6379/0?ssl_ca_certs=/ca.pem&ssl_password=k&db=1") == (
+        "redis://:***@h:6379/0?ssl_ca_certs=/ca.pem&ssl_password=***&db=1"
+    )
+    assert redact_url("rediss://user@h/0") == "rediss://user@h/0"
+    with caplog.at_level("INFO", logger="specdec"):
+        SessionStore("redis://localhost:1/0?password=s3cret-pw")
+    assert "redis://localhost:1/0?password=***" in caplog.text and "s3cret" not in caplog.text
+
+
+def test_calls_refused_for_want_of_a_token_are_counted_and_logged_at_most_every_ten_seconds(caplog, monkeypatch):
+    """A call without an accepted token is refused UNAUTHENTICATED before any handler runs, so it
+    reached no counter and no log: a client with a wrong token, or one guessing tokens, went
+    unseen. Now each is counted, and a line says how many since the last line."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from prometheus_client import CollectorRegistry
+
+    from specdec import security as security_module
+    from specdec.security import ServerSecurity, TokenSource
+
+    registry = CollectorRegistry()
+    check = ServerSecurity(source=TokenSource({"good-token": "alice"})).interceptors("an API token", registry)[0]
+    handler = grpc.unary_unary_rpc_method_handler(lambda request, context: None)
+
+    async def continuation(details):
+        return handler
+
+    def call(method: str, token: str | None):
+        metadata = (("authorization", f"Bearer {token}"),) if token else ()
+        details = SimpleNamespace(method=method, invocation_metadata=metadata)
+        return asyncio.run(check.intercept_service(continuation, details))
+
+    clock = [1000.0]
+    monkeypatch.setattr(security_module.time, "monotonic", lambda: clock[0])
+    with caplog.at_level("WARNING", logger="specdec"):
+        assert call("/specdec.v1.Coordinator/Generate", "good-token") is handler
+        assert call("/grpc.health.v1.Health/Check", None) is handler  # health stays open, uncounted
+        for token in ("guess-1", None, "guess-2"):
+            assert call("/specdec.v1.Coordinator/Generate", token) is not handler
+        clock[0] += 10
+        assert call("/specdec.v1.Coordinator/Delete", "guess-3") is not handler
+    assert registry.get_sample_value("specdec:unauthenticated_calls_total") == 4
+    lines = [r.getMessage() for r in caplog.records if "UNAUTHENTICATED" in r.getMessage()]
+    assert lines == [
+        "refused 1 call(s) UNAUTHENTICATED since the last such line (no accepted token came with them), "
+        "the latest to /specdec.v1.Coordinator/Generate",
+        "refused 3 call(s) UNAUTHENTICATED since the last such line (no accepted token came with them), "
+        "the latest to /specdec.v1.Coordinator/Delete",
+    ]

@@ -1623,6 +1623,17 @@ def servicer_with_models(redis_url, **config):
     return servicer
 
 
+def test_a_refused_request_logs_an_id_that_cannot_be_a_session_id_by_its_length_only():
+    """A refused Generate or Resume logs the session id it named; an 8 MiB one went to the log
+    whole, once per call (three calls: 25 MB of log), from anyone who can reach the coordinator."""
+    from coordinator.server import describe_refusal
+
+    huge = "x" * 8 * 2**20
+    line = describe_refusal("request", huge, "", InvalidArgument("session_id is 8388608 characters; the limit is 128"))
+    assert len(line) < 200 and "of session (not an id: 8388608 characters)" in line
+    assert "of session 'conv-1' by alice:" in describe_refusal("resume", "conv-1", "alice", NotFound("no session"))
+
+
 def test_a_request_that_sets_no_max_new_tokens_gets_the_default_within_the_servers_limit(redis_url):
     """A coordinator with --max-new-tokens-limit below --default-max-new-tokens (128) used to
     refuse every request that set no max_new_tokens: RESOURCE_EXHAUSTED, "max_new_tokens is 128"."""
@@ -1667,6 +1678,55 @@ def test_a_stream_cut_while_its_last_chunk_is_written_leaves_its_session_finishe
         return status
 
     assert asyncio.run(go()) == "finished"
+
+
+def test_an_unforeseen_error_in_a_stream_logs_its_traceback_once(redis_url, monkeypatch, caplog):
+    """The stream named the error's status with status_for, which logs an unforeseen error's
+    traceback, and grpc_handler, which maps it for the call, logged it again."""
+    from types import SimpleNamespace
+
+    import grpc
+
+    from specdec.errors import grpc_handler
+    from specdec.v1 import specdec_pb2 as pb
+
+    class Aborted(Exception):
+        pass
+
+    async def abort(code, details):
+        raise Aborted(code)
+
+    async def go():
+        servicer = servicer_with_models(redis_url)
+        plan = servicer.plan(pb.GenerateRequest(prompt_token_ids=[1, 2], max_new_tokens=1), [1, 2])
+        await servicer.store.create(plan.session_id, plan.prompt, {"owner": plan.owner, "status": "running"})
+
+        async def broken(*args):
+            raise RuntimeError("a bug")
+            yield
+
+        async def no_services(*args, **kwargs):
+            pass
+
+        monkeypatch.setattr(servicer, "generate_chunks", broken)
+        monkeypatch.setattr(servicer, "release", no_services)
+
+        @grpc_handler
+        async def handler(self, request, context):
+            async for chunk in self.stream(plan, context, "", None):
+                yield chunk
+
+        context = SimpleNamespace(time_remaining=lambda: None, abort=abort)
+        with pytest.raises(Aborted) as aborted:
+            async for _ in handler(servicer, None, context):
+                pass
+        await asyncio.gather(*servicer.background)
+        await servicer.store.close()
+        return aborted.value.args[0]
+
+    with caplog.at_level("INFO", logger="specdec"):
+        assert asyncio.run(go()) == grpc.StatusCode.INTERNAL
+    assert caplog.text.count("RuntimeError: a bug") == 1 and "failed INTERNAL" in caplog.text
 
 
 def test_a_child_started_to_end_with_its_parent_runs_its_command_in_its_own_process_unless_the_parent_is_gone():
