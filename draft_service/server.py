@@ -55,7 +55,7 @@ class DraftServicer(ModelService, pb_grpc.DraftServicer):
             logging.getLogger("specdec").info("the draft mixes in the prompt lookup's token, weights %s",
                                               format_lookup_weights(weights))
         self.drafter = ModelDrafter(loaded, weights)
-        self.batcher = Batcher(self.worker, self.drafter.draft_batch, self.config.max_batch, self.metrics.batch_size.observe)
+        self.batcher = Batcher(self.worker, self.drafter.draft_batch, self.config.max_batch, self.metrics.observe_pass)
         self.info.kind = "model"
         self.info.default_k = draft_default_k(self.config.model) or 0  # the coordinator's K for requests without one
 
@@ -74,7 +74,8 @@ class DraftServicer(ModelService, pb_grpc.DraftServicer):
                 item = await next_proposal()
                 if item is None:
                     break
-                self.metrics.forward_latency.observe(time.perf_counter() - started)
+                if self.batcher is None:  # a lookup step (a model's passes are timed by its Batcher)
+                    self.metrics.forward_latency.observe(time.perf_counter() - started)
                 token, q, match_length = item
                 yield draft_token_to_pb(index, token, q, match_length)
 

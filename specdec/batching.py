@@ -17,6 +17,7 @@ Terms:
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -32,11 +33,12 @@ class Batcher:
     `worker`, several at a time (module doc)."""
 
     def __init__(self, worker: ModelWorker, run_batch: Callable[[Sequence[Any]], list[Any]],
-                 max_batch: int = DEFAULT_MAX_BATCH, observe: Callable[[int], None] = lambda size: None):  # fmt: skip
+                 max_batch: int = DEFAULT_MAX_BATCH,
+                 observe: Callable[[int, float], None] = lambda size, seconds: None):  # fmt: skip
         self.worker = worker
         self.run_batch = run_batch
         self.max_batch = max_batch
-        self.observe = observe  # called with each pass's batch size (a metric)
+        self.observe = observe  # called with each pass's batch size and seconds on the worker (metrics)
         self.queue: list[Waiting] = []
         self.draining: asyncio.Task | None = None
 
@@ -64,11 +66,12 @@ class Batcher:
         try:
             while self.queue:
                 batch = self.next_batch()
-                self.observe(len(batch))
+                started = time.perf_counter()
                 try:
                     results = await self.worker.run(self.run_batch, [job for job, _ in batch])
                 except Exception as exc:  # the pass itself failed: every job in it did
                     results = [exc] * len(batch)
+                self.observe(len(batch), time.perf_counter() - started)
                 for (_, future), result in zip(batch, results):
                     if isinstance(result, Exception):
                         future.set_exception(result)

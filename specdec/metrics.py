@@ -118,7 +118,8 @@ class ModelServiceMetrics:
         r = self.registry
         self.service = service
         self.forward_latency = Histogram(
-            "specdec:forward_latency_seconds", "Latency of one model step (draft token) or verify pass.",
+            "specdec:forward_latency_seconds", "Latency of one forward pass on the model's worker: a drafting step or "
+            "a verify pass (with its verdicts), over all the sessions it served; an n-gram draft's lookup step.",
             ["service"], buckets=LATENCY_BUCKETS, registry=r,
         ).labels(service=service)  # fmt: skip
         self.sessions_held = Gauge(
@@ -151,6 +152,13 @@ class ModelServiceMetrics:
         self.cache_bytes.set(pool.bytes_held)
         self.cache_evictions.inc(pool.evictions - self._evictions_seen)
         self._evictions_seen = pool.evictions
+
+    def observe_pass(self, sessions: int, seconds: float) -> None:
+        """A forward pass (batching.Batcher) served `sessions` in `seconds`: once per pass, where
+        forward_latency was observed once per session of a pass, and, for the draft, from the
+        moment each session's step began to wait for a pass."""
+        self.batch_size.observe(sessions)
+        self.forward_latency.observe(seconds)
 
 
 def serve_metrics(registry: CollectorRegistry, port: int, host: str = "0.0.0.0") -> None:

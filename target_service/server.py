@@ -54,7 +54,7 @@ class TargetServicer(ModelService, pb_grpc.TargetServicer):
         """Load the target model (blocking; run off the event loop)."""
         self.verifier = Verifier(self.load_model(), self.config.threads, self.config.solo_threads)
         self.batcher = Batcher(self.worker, self.verifier.verify_batch, self.config.max_batch,
-                               self.metrics.batch_size.observe)  # fmt: skip
+                               self.metrics.observe_pass)  # fmt: skip
 
     @grpc_handler
     async def Verify(self, request: pb.VerifyRequest, context):
@@ -73,7 +73,6 @@ class TargetServicer(ModelService, pb_grpc.TargetServicer):
             generator = cycle_generator(sampling.seed, request.cycle, TARGET)
             job = Job(state, drafts, sampling, generator, request.steps, request.draft_busy, stop_at_ngram)
             verdict = await self.batcher.run(job)
-        self.metrics.forward_latency.observe(verdict.forward_ms / 1000)
         span = trace.get_current_span()  # the gRPC server span, when tracing is on
         span.set_attribute("specdec.forward_ms", verdict.forward_ms)
         span.set_attribute("specdec.accept_ms", verdict.accept_ms)

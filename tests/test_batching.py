@@ -60,7 +60,7 @@ def test_calls_that_wait_while_a_pass_runs_share_the_next_one_in_order_up_to_max
     async def run():
         worker = ModelWorker("test-target")
         sizes = []
-        batcher = Batcher(worker, passes, max_batch=3, observe=sizes.append)
+        batcher = Batcher(worker, passes, max_batch=3, observe=lambda size, seconds: sizes.append((size, seconds)))
         first = asyncio.create_task(batcher.run(job("a")))
         await asyncio.sleep(0.05)  # the first pass has started, and waits on the gate
         names = ["b", "c", "steps", "bad-d", "e", "f"]
@@ -74,7 +74,8 @@ def test_calls_that_wait_while_a_pass_runs_share_the_next_one_in_order_up_to_max
 
     results, sizes = asyncio.run(run())
     assert passes.batches == [["a"], ["b", "c", "bad-d"], ["steps"], ["e", "f"]]
-    assert sizes == [1, 3, 1, 2]
+    assert [size for size, _ in sizes] == [1, 3, 1, 2]
+    assert sizes[0][1] >= 0.05, "a pass is timed on the worker: the first waited for its gate over 0.05 s"
     assert results[:4] == ["verdict a", "verdict b", "verdict c", "verdict steps"]
     assert isinstance(results[4], ValueError) and results[5:] == ["verdict e", "verdict f"]
 
@@ -404,7 +405,9 @@ def test_a_drafting_pass_that_fails_over_several_sessions_is_rerun_one_session_a
 def test_concurrent_requests_share_verify_and_drafting_passes_and_get_the_tokens_of_one_request_at_a_time(redis_url, tiny_models):
     """Eight greedy requests on different prompts at once through a stack whose target and
     draft serve /metrics: every one gets the tokens it gets alone, and both the target's and
-    the draft's passes served more sessions than there were passes."""
+    the draft's passes served more sessions than there were passes. Each service times each
+    pass once (specdec:forward_latency_seconds): it used to time each session of a pass, the
+    draft from when its step began to wait, and add up to 2-3 times the wall time."""
     port = free_port()
     draft_port = free_port()
     stack = start_stack(redis_url, tiny_models.target, tiny_models.draft, target_args=["--metrics-port", str(port)],
@@ -435,10 +438,14 @@ def test_concurrent_requests_share_verify_and_drafting_passes_and_get_the_tokens
     draft_passes, drafted = draft_after[0] - draft_before[0], draft_after[1] - draft_before[1]
     print(f"the draft: {draft_passes:.0f} passes for {drafted:.0f} drafted tokens")
     assert drafted > draft_passes, "some drafting passes should have served several sessions"
+    for end, start, counted in ((after, before, passes), (draft_after, draft_before, draft_passes)):
+        assert end[2] - start[2] == counted and end[3] - start[3] < elapsed + 1
 
 
-def batch_metrics(port: int, service: str = "target") -> tuple[float, float]:
-    """(passes, sessions served) so far, from a service's specdec:batch_size histogram."""
+def batch_metrics(port: int, service: str = "target") -> tuple[float, float, float, float]:
+    """(passes, sessions served) so far, from a service's specdec:batch_size histogram, then
+    (passes timed, their seconds) from its specdec:forward_latency_seconds."""
     samples = scrape(port)
-    return (samples.get(("specdec:batch_size_count", (("service", service),)), 0.0),
-            samples.get(("specdec:batch_size_sum", (("service", service),)), 0.0))  # fmt: skip
+    return tuple(samples.get((f"specdec:{name}", (("service", service),)), 0.0)
+                 for name in ("batch_size_count", "batch_size_sum", "forward_latency_seconds_count",
+                              "forward_latency_seconds_sum"))  # fmt: skip
