@@ -73,6 +73,7 @@ from dataclasses import dataclass, field
 
 import grpc
 from opentelemetry import context as otel_context
+from opentelemetry import trace
 
 from coordinator.adaptive import AdaptiveK
 from coordinator.replicas import Replica, Replicas
@@ -216,10 +217,12 @@ class DraftCall:
 
     It stops reading after an end-of-sequence token (nothing after it can be kept).
     `budget` is the call's gRPC deadline: past it the call ends with DEADLINE_EXCEEDED
-    even if the draft never answers, and the cycle treats that as a draft fault."""
+    even if the draft never answers, and the cycle treats that as a draft fault.
+    `span` (specdec.draft.call, telemetry) lasts as long as the call and is its gRPC span's
+    parent; it used to be the cycle's span, that of the cycle before for a pipelined call."""
 
     def __init__(self, replica: Replica, request: pb.ProposeRequest, budget: float | None,
-                 eos_token_ids: frozenset[int]):  # fmt: skip
+                 eos_token_ids: frozenset[int], tracer=None):  # fmt: skip
         self.replica = replica  # the draft replica asked
         self.k = request.k  # tokens asked for
         self.tokens: list[pb.DraftToken] = []
@@ -227,8 +230,11 @@ class DraftCall:
         self.finished = False
         self.eos_token_ids = eos_token_ids
         self.changed = asyncio.Event()
-        self.call = replica.stub.Propose(request, timeout=budget)
-        self.task = asyncio.get_running_loop().create_task(self.pump())
+        attributes = {"specdec.cycle": request.cycle, "specdec.k": request.k}
+        self.span = (tracer or telemetry.tracer()).start_span(telemetry.DRAFT_CALL_SPAN, attributes=attributes)
+        with trace.use_span(self.span, end_on_exit=False):  # the call's own span and task begin under it
+            self.call = replica.stub.Propose(request, timeout=budget)
+            self.task = asyncio.get_running_loop().create_task(self.pump())
 
     async def pump(self) -> None:
         try:
@@ -244,6 +250,15 @@ class DraftCall:
         finally:
             self.finished = True
             self.changed.set()
+            self.end_span()
+
+    def end_span(self) -> None:
+        """End the call's span once (when its stream ends, or it is cancelled before its task ran)."""
+        if self.span.is_recording():
+            self.span.set_attribute("specdec.streamed", len(self.tokens))
+            if self.error is not None:
+                self.span.set_status(trace.StatusCode.ERROR, self.error.code().name)
+            self.span.end()
 
     async def first(self, n: int) -> list[pb.DraftToken]:
         """The first n tokens, or fewer if the stream ended sooner; raises the call's error."""
@@ -257,6 +272,7 @@ class DraftCall:
     def cancel(self) -> None:
         self.call.cancel()
         self.task.cancel()
+        self.end_span()
 
 
 class NgramLookup:
@@ -695,13 +711,16 @@ class CycleLoop:
             replica = self.drafts.pick(self.plan.route)
         except Unavailable:  # no draft replica to ask (none checked yet, or every one refused: logged then)
             return NoDrafts(k)
-        return DraftCall(replica, request, draft_budget(self.draft_timeout_s, remaining), self.plan.eos_token_ids)
+        return DraftCall(replica, request, draft_budget(self.draft_timeout_s, remaining), self.plan.eos_token_ids,
+                         self.tracer)  # fmt: skip
 
     async def take_drafts(self, call: DraftCall, k: int) -> list[pb.DraftToken]:
         """The first k drafts of `call`; on a draft fault (an error, or the call's budget
         spent: DEADLINE_EXCEEDED), none: the cycle runs target-only."""
         try:
-            with self.tracer.start_as_current_span(telemetry.PROPOSE_SPAN, attributes={"specdec.k": k}) as span:
+            call_span = getattr(call, "span", None)  # a DraftCall's: the drafts come from that call
+            links = [trace.Link(call_span.get_span_context())] if call_span is not None else []
+            with self.tracer.start_as_current_span(telemetry.PROPOSE_SPAN, attributes={"specdec.k": k}, links=links) as span:
                 drafts = await call.first(k)
                 for token in drafts:
                     span.add_event("draft_token", {"index": token.index, "token_id": token.token_id})

@@ -13,7 +13,10 @@ coordinator, draft and target processes; Redis commands appear as spans too.
 The sampler comes from OTEL_TRACES_SAMPLER, the service name from OTEL_SERVICE_NAME.
 
 Span names (design.md §6): specdec.generate, specdec.cycle, specdec.draft.propose,
-specdec.target.verify.
+specdec.target.verify; and specdec.draft.call, the Propose call itself (its gRPC span's
+parent), under the cycle that started it, which with pipelining is the cycle before the one
+it drafts for (its `specdec.cycle`); the propose span of the cycle that takes its drafts links
+to it.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ TRACER_NAME = "specdec"
 GENERATE_SPAN = "specdec.generate"
 CYCLE_SPAN = "specdec.cycle"
 PROPOSE_SPAN = "specdec.draft.propose"
+DRAFT_CALL_SPAN = "specdec.draft.call"
 VERIFY_SPAN = "specdec.target.verify"
 
 # Health checks and reflection are not worth a span.

@@ -164,6 +164,19 @@ def test_one_generate_is_one_trace_across_client_coordinator_draft_and_target(tr
         assert any(a.name == telemetry.CYCLE_SPAN for a in ancestors(span)), f"{service} {span.name} outside a cycle"
     proposes = [s for _, s in spans if s.name == telemetry.PROPOSE_SPAN]
     assert sum(len(p.events) for p in proposes) == stats["draft_tokens"], "one event per streamed draft token"
+    # Each Propose call's gRPC span is under its specdec.draft.call span, which is under the cycle
+    # that started the call and names the cycle it drafts for; the propose span of the cycle that
+    # took its drafts links to it. The gRPC span used to hang from the starting cycle itself,
+    # with nothing saying which cycle's drafts a pipelined call made.
+    calls = {s.span_id: s for _, s in spans if s.name == telemetry.DRAFT_CALL_SPAN}
+    cycle_of = {c.span_id: attr(c, "specdec.cycle") for c in cycles}
+    clients = [s for svc, s in spans if svc == "specdec-coordinator" and s.name.endswith("/Propose")]
+    assert clients and all(c.parent_span_id in calls for c in clients)
+    assert all(cycle_of[call.parent_span_id] <= attr(call, "specdec.cycle") for call in calls.values())
+    assert any(cycle_of[call.parent_span_id] < attr(call, "specdec.cycle") for call in calls.values()), "pipelined"
+    for propose in proposes:
+        [link] = propose.links
+        assert attr(calls[link.span_id], "specdec.cycle") == cycle_of[propose.parent_span_id]
     verifies = [s for _, s in spans if s.name == telemetry.VERIFY_SPAN]
     assert all(attr(v, "specdec.forward_ms") > 0 for v in verifies)
     # The target's own span of each Verify says how many sessions its pass verified: one request, one.
