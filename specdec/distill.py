@@ -59,6 +59,7 @@ import shlex
 import sys
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -497,7 +498,7 @@ def generate_data(config: DistillConfig, target, train_prompts: list, eval_promp
         "eval_sequences": len(held_out.sampled), "top_k": top_k, "top_k_mass": float(mass.mean()),
         "top_k_mass_p10": float(mass.quantile(0.1)),
     }  # fmt: skip
-    stats_path.write_text(json.dumps(stats, indent=2) + "\n")
+    write_json(stats_path, stats)
     return train, held_out, stats
 
 
@@ -1075,9 +1076,7 @@ def save_draft_weights(draft: DraftModel, path: str | os.PathLike, *, target_nam
     tensors = {k: (v.to(torch.float16) if v.is_floating_point() else v).contiguous() for k, v in draft.compact_state().items()}
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    temp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}")
-    save_file(tensors, str(temp), metadata=meta)
-    os.replace(temp, path)
+    write_atomically(path, lambda temp: save_file(tensors, str(temp), metadata=meta))
     return path
 
 
@@ -1261,7 +1260,7 @@ def distill(config: DistillConfig) -> dict:
             raise DistillError(f"{out} holds data sampled from another target, {sampled_from}, not {this}; "
                                "pick a new --out")  # fmt: skip
     (out / DATA_DIR).mkdir(parents=True, exist_ok=True)
-    meta_path.write_text(json.dumps(made_by) + "\n")
+    write_json(meta_path, made_by)
 
     # 1. data (at most data_share of the budget)
     data_deadline = began + config.minutes * 60 * config.data_share
@@ -1344,7 +1343,7 @@ def distill(config: DistillConfig) -> dict:
         "command": config.command(),
         "created_unix": time.time(),
     }
-    (out / DRAFT_CARD_NAME).write_text(json.dumps(card, indent=2) + "\n")
+    write_json(out / DRAFT_CARD_NAME, card)
     return card
 
 
@@ -1357,10 +1356,24 @@ def use_threads(config: DistillConfig) -> None:
     torch.set_num_threads(config.threads if config.threads > 0 else os.cpu_count() or 1)
 
 
-def _atomic_save(obj, path: Path) -> None:
+def write_atomically(path: Path, write: Callable[[Path], object]) -> None:
+    """Write `path` whole or not at all: `write` fills a file beside it, which then replaces it,
+    so a run killed mid-write leaves the file as it was, never half of one (a half-written
+    stats.json or target.json used to end every later --resume in a JSONDecodeError)."""
     temp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}")
-    torch.save(obj, temp)
-    os.replace(temp, path)
+    try:
+        write(temp)
+        os.replace(temp, path)
+    finally:
+        temp.unlink(missing_ok=True)
+
+
+def write_json(path: Path, value) -> None:
+    write_atomically(path, lambda temp: temp.write_text(json.dumps(value, indent=2) + "\n"))
+
+
+def _atomic_save(obj, path: Path) -> None:
+    write_atomically(path, lambda temp: torch.save(obj, temp))
 
 
 def _left(deadline: float) -> str:

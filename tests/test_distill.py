@@ -610,6 +610,24 @@ def test_a_held_out_prompt_that_is_also_a_training_prompt_is_refused_naming_it(t
     assert load_prompts(prompts) == (TINY_PROMPTS[:9] + TINY_PROMPTS[10:], [TINY_PROMPTS[9]])
 
 
+def test_a_file_written_atomically_is_whole_or_as_it_was_and_leaves_no_partial_file(tmp_path):
+    """stats.json, target.json, the card, checkpoints, shards and weights are written beside
+    themselves and renamed: a run killed mid-write leaves the file as it was (stats.json
+    and target.json were written in place, and a half of one broke every later --resume)."""
+    from specdec.distill import write_atomically, write_json
+
+    path = tmp_path / "stats.json"
+    write_json(path, {"train_positions": 1})
+
+    def killed_halfway(temp):
+        temp.write_text('{"train_posi')
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        write_atomically(path, killed_halfway)
+    assert json.loads(path.read_text()) == {"train_positions": 1} and [p.name for p in tmp_path.iterdir()] == ["stats.json"]
+
+
 def test_default_prompt_set_is_varied_and_holds_out_distinct_prompts():
     train, held_out = load_prompts(DEFAULT_PROMPTS)
     assert len(train) >= 200 and len(held_out) >= 20
