@@ -148,12 +148,6 @@ class _Resumption:
         self.finished = chunk.finish_reason is not None
         return chunk
 
-    def ended_whole(self, error: grpc.RpcError) -> bool:
-        """Whether `error` only broke the connection (UNAVAILABLE) after the stream's last chunk
-        (the one with its finish_reason) came: the output is whole, so the stream ends as if it
-        had closed cleanly. It used to fail, and generate() with it, on a complete output."""
-        return self.finished and error.code() == grpc.StatusCode.UNAVAILABLE
-
     def next_call(self, error: grpc.RpcError, headers) -> tuple[pb.ResumeRequest, float, float | None] | None:
         """(the Resume request, seconds to wait before it, its timeout) after `error` ended a
         call that received `headers` (its initial metadata, None if none), or None when the
@@ -171,6 +165,14 @@ class _Resumption:
         self.resumed_at_s = time.monotonic() + wait - self.started
         request = pb.ResumeRequest(session_id=self.session_id, received_tokens=self.tokens, received_chars=self.chars)
         return request, wait, timeout
+
+
+def ended_whole(finished: bool, error: grpc.RpcError) -> bool:
+    """Whether `error` only broke the connection (UNAVAILABLE) after a stream's last chunk (the
+    one with its finish_reason, `finished`) came: the output is whole, so the stream ends as if
+    it had closed cleanly. A stream or a Resume used to fail on a complete output, and
+    generate() or resume() with it."""
+    return finished and error.code() == grpc.StatusCode.UNAVAILABLE
 
 
 def channel_credentials(
@@ -691,7 +693,7 @@ class Client(_Stub):
                     yield resumption.saw(Chunk.from_pb(msg))
                 return
             except grpc.RpcError as exc:
-                if resumption.ended_whole(exc):
+                if ended_whole(resumption.finished, exc):
                     return
                 if (resume := resumption.next_call(exc, headers_of(call))) is None:
                     raise SpecdecClientError(exc.code(), exc.details() or "") from None
@@ -716,11 +718,15 @@ class Client(_Stub):
         request = pb.ResumeRequest(session_id=session_id, received_tokens=received_tokens,
                                    received_chars=received_chars)  # fmt: skip
         call = self._stub.Resume(request, timeout=timeout, metadata=self._metadata)
+        finished = False
         try:
             for msg in call:
-                yield Chunk.from_pb(msg)
+                chunk = Chunk.from_pb(msg)
+                finished = chunk.finish_reason is not None
+                yield chunk
         except grpc.RpcError as exc:
-            raise SpecdecClientError(exc.code(), exc.details() or "") from None
+            if not ended_whole(finished, exc):
+                raise SpecdecClientError(exc.code(), exc.details() or "") from None
         finally:
             stop_call(call)
 
@@ -876,7 +882,7 @@ class AsyncClient(_Stub):
                         yield resumption.saw(Chunk.from_pb(msg))
                 return
             except grpc.aio.AioRpcError as exc:
-                if resumption.ended_whole(exc):
+                if ended_whole(resumption.finished, exc):
                     return
                 if (resume := resumption.next_call(exc, await headers_of_async(call))) is None:
                     raise SpecdecClientError(exc.code(), exc.details() or "") from None
@@ -895,12 +901,16 @@ class AsyncClient(_Stub):
         request = pb.ResumeRequest(session_id=session_id, received_tokens=received_tokens,
                                    received_chars=received_chars)  # fmt: skip
         call = self._stub.Resume(request, timeout=timeout, metadata=self._metadata)
+        finished = False
         try:
             with self._cut_by_close():
                 async for msg in call:
-                    yield Chunk.from_pb(msg)
+                    chunk = Chunk.from_pb(msg)
+                    finished = chunk.finish_reason is not None
+                    yield chunk
         except grpc.aio.AioRpcError as exc:
-            raise SpecdecClientError(exc.code(), exc.details() or "") from None
+            if not ended_whole(finished, exc):
+                raise SpecdecClientError(exc.code(), exc.details() or "") from None
         finally:
             stop_call(call)
 

@@ -277,9 +277,17 @@ class BrokenAfterTheEndCoordinator(FlakyCoordinator):
         yield pb.GenerateChunk(text="b", token_ids=[2], finish_reason=pb.FINISH_REASON_LENGTH)
         context.abort(grpc.StatusCode.UNAVAILABLE, "lost after the last chunk")
 
+    def Resume(self, request, context):
+        self.resumes.append(request)
+        context.send_initial_metadata(((SESSION_HEADER, request.session_id),))
+        yield pb.GenerateChunk(text="ab"[request.received_chars :], token_ids=[1, 2][request.received_tokens :],
+                               finish_reason=pb.FINISH_REASON_LENGTH, session_id=request.session_id)  # fmt: skip
+        context.abort(grpc.StatusCode.UNAVAILABLE, "lost after the last chunk")
+
 
 def test_a_stream_that_breaks_after_its_last_chunk_ends_whole_without_a_resume(serve):
-    """Its output is complete: generate() used to fail UNAVAILABLE on it (there is nothing to resume)."""
+    """Its output is complete: generate() used to fail UNAVAILABLE on it (there is nothing to
+    resume), and so did resume() on a Resume that broke so."""
     flaky = BrokenAfterTheEndCoordinator(failures=0)
     address = serve(flaky)
     with specdec.Client(address) as client:
@@ -292,6 +300,14 @@ def test_a_stream_that_breaks_after_its_last_chunk_ends_whole_without_a_resume(s
 
     assert asyncio.run(generate_async()).text == "ab"
     assert flaky.calls == 2 and not flaky.resumes
+    with specdec.Client(address) as client:
+        assert client.resume("s", received_tokens=1, received_chars=1).text == "b"
+
+    async def resume_async():
+        async with specdec.AsyncClient(address) as client:
+            return await client.resume("s", received_tokens=1, received_chars=1)
+
+    assert asyncio.run(resume_async()).token_ids == [2] and len(flaky.resumes) == 2
 
 
 class EndlessCoordinator(FlakyCoordinator):
