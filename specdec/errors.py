@@ -60,6 +60,11 @@ class Unavailable(SpecdecError):
     code = grpc.StatusCode.UNAVAILABLE
 
 
+class SessionRecreated(Unavailable):
+    """A model service held a session whose id has since been deleted (or expired) and created
+    again: its cache is of the earlier session's tokens. Dropped; the call is to be sent again."""
+
+
 class Unauthenticated(SpecdecError):
     code = grpc.StatusCode.UNAUTHENTICATED
 

@@ -74,6 +74,9 @@ class SessionState:
     confirmed: int = 0
     # Bytes of the KV cache, as of the end of the last call.
     nbytes: int = 0
+    # The session's created_at in Redis when this state began to hold it ("" until read): a
+    # session deleted and created again under the same id is another session (model_service).
+    born: str = ""
     # Set while a cycle runs on this session, so eviction never takes a live one.
     busy: bool = False
     # Calls holding this session or waiting for its lock (SessionPool.use): eviction passes

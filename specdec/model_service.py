@@ -9,7 +9,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from specdec import serving, telemetry
-from specdec.errors import FailedPrecondition, InvalidArgument, OutOfRange, Unavailable, grpc_handler
+from specdec.errors import FailedPrecondition, InvalidArgument, OutOfRange, SessionRecreated, Unavailable, grpc_handler
 from specdec.kvcache import PREFILL_CHUNK, SessionPool, SessionState, feed_pending, find_prefix, take_prefix
 from specdec.metrics import ModelServiceMetrics
 from specdec.ranges import DEFAULT_MAX_BATCH
@@ -116,10 +116,13 @@ class ModelService:
         async with pool.use(session_id, self.store.exists) as state:
             try:
                 async with state.brought(
-                    request.position, request.new_tokens, self.store.tokens, self.info.vocab_size,
+                    request.position, request.new_tokens, self.committed_reader(state), self.info.vocab_size,
                     self.info.max_context, self.committed_only, wait_s,
                 ):  # fmt: skip
                     yield state
+            except SessionRecreated:
+                pool.release(session_id)  # the earlier session's cache: never to be trusted again
+                raise
             except (FailedPrecondition, OutOfRange):
                 # Tokens missing from Redis may mean the session itself is gone (deleted, expired)
                 # while we held it: say so, rather than call the request stale.
@@ -127,6 +130,25 @@ class ModelService:
                     pool.release(session_id)
                     raise session_gone(session_id) from None
                 raise
+
+    def committed_reader(self, state: SessionState):
+        """The reader of committed tokens (kvcache.FetchCommitted) for `state`'s calls. Each read
+        also takes the session's created_at: one other than the state's means the id was deleted
+        (or expired) and created again while this process held the earlier session, whose
+        tokens a call would otherwise take as checked (a Resume, or a call routed back here
+        after a failover, at a position inside them), so the target would verify on another
+        text: SessionRecreated, and the call is sent again to a fresh state."""
+
+        async def read(session_id: str, start: int, end: int) -> list[int]:
+            tokens, born = await self.store.tokens_and_birth(session_id, start, end)
+            if born is not None:
+                if state.born and born != state.born:
+                    raise SessionRecreated(f"session {session_id!r} was created again since this {self.role} "
+                                           "held it: its state is dropped; send the call again")  # fmt: skip
+                state.born = born
+            return tokens
+
+        return read
 
     async def prefill(self, state: SessionState) -> None:
         """A session's pending context before its call's pass: its beginning copied from an

@@ -436,6 +436,15 @@ class SessionStore:
         values = await self.redis.lrange(tokens_key(session_id), start, stop)
         return [int(v) for v in values]
 
+    async def tokens_and_birth(self, session_id: str, start: int, end: int) -> tuple[list[int], str | None]:
+        """(committed tokens [start, end), the session's created_at), read at once: created_at
+        tells this lifetime of the session from an earlier one of the same id (None: no session)."""
+        async with self.redis.pipeline(transaction=True) as pipe:
+            pipe.lrange(tokens_key(session_id), start, end - 1)
+            pipe.hget(meta_key(session_id), "created_at")
+            values, born = await pipe.execute()
+        return ([int(v) for v in values] if end > start else []), born
+
     async def length(self, session_id: str) -> int:
         return int(await self.redis.llen(tokens_key(session_id)))
 

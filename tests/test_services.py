@@ -526,6 +526,51 @@ def test_a_session_gone_from_redis_while_a_service_holds_it_is_not_found_there_a
     assert sessions_held(tiny_stack, "target") == held - 1
 
 
+def test_a_session_deleted_and_created_again_under_its_id_is_not_verified_on_the_earlier_ones_cache(
+    tiny_stack, tiny_models, redis_url
+):
+    """The target holds a session; its keys leave Redis with no Release reaching the target (its
+    coordinator killed, a Release sent to another replica) and the id is created again with
+    another prompt. A Verify at a position inside the earlier session's tokens (a Resume, a
+    call routed back after a failover) used to take them as checked, and the target verified on
+    the earlier text. Now it is UNAVAILABLE, the stale state is dropped, and the call sent again
+    gets the verdict of a fresh session."""
+    import asyncio
+
+    from specdec.session import SessionStore, tokens_key
+
+    stub = internal_stub(tiny_stack, "target")
+    sampling = pb.SamplingParams(temperature=0.0, seed=1)
+    first = tiny_models.tokenizer.encode(PROMPT)
+    second = [(t + 7) % 200 + 3 for t in first[:-1]] + first[-1:]  # other tokens, the same last one
+
+    def verify(session_id, position, new_tokens):
+        request = pb.VerifyRequest(session_id=session_id, position=position, new_tokens=new_tokens, sampling=sampling)
+        return stub.Verify(request, timeout=10)
+
+    async def create(session_id, prompt):
+        store = SessionStore(redis_url)
+        try:
+            await store.create(session_id, prompt, {"owner": "test"})
+        finally:
+            await store.close()
+
+    asyncio.run(create("born-twice", first))
+    verify("born-twice", 0, first)  # the target holds it, its tokens checked
+    plain = redis.Redis.from_url(redis_url)
+    try:
+        plain.delete(meta_key("born-twice"), tokens_key("born-twice"))
+    finally:
+        plain.close()
+    asyncio.run(create("born-twice", second))
+    with pytest.raises(grpc.RpcError) as info:
+        verify("born-twice", len(second) - 1, second[-1:])
+    assert info.value.code() == grpc.StatusCode.UNAVAILABLE and "created again" in info.value.details()
+    asyncio.run(create("born-once", second))
+    fresh = verify("born-once", 0, second)
+    assert verify("born-twice", len(second) - 1, second[-1:]).next_token == fresh.next_token
+
+
 def test_target_refuses_a_draft_with_another_vocabulary(tiny_stack):
     request = pb.VerifyRequest(
         session_id="whatever", position=0, new_tokens=[5], sampling=pb.SamplingParams(seed=1),
