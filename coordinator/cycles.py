@@ -586,8 +586,10 @@ class CycleLoop:
         # it streamed but its last; of those, the accepted ones are still valid.
         # (after a call of several steps it also fed all of them but the last)
         self.target_seen = min(before + n + len(more), len(self.committed) - 1)
-        if isinstance(call, DraftCall):
-            fed = max(0, len(call.tokens) - 1)
+        # A call that streamed nothing may not have reached the session: the draft then holds what
+        # it held before (rejected drafts included), and draft_seen stays.
+        if isinstance(call, DraftCall) and call.tokens:
+            fed = len(call.tokens) - 1
             self.draft_seen = before + min(n, fed)
         if self.speculation is not None and self.speculation.assumed != self.committed:
             self.drop_speculation()  # e.g. an end token cut the cycle short

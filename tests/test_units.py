@@ -1395,6 +1395,89 @@ def test_the_next_cycle_drafts_while_this_cycle_commits_and_nothing_else_changes
     assert not any(o.info.pipelined for o in outcomes)
 
 
+class FailingOnceDraftStub:
+    """A draft service's own sync rule (SessionState.sync) behind Propose; its second call fails
+    DEADLINE_EXCEEDED before it reaches the session (its deadline ran out in a queue). Each
+    call that does reach it records the context it drafts after (and the committed tokens then)."""
+
+    def __init__(self, committed: list[int]):
+        self.state, self.committed, self.calls, self.contexts = SessionState("s"), committed, 0, []
+
+    def Propose(self, request, timeout=None):
+        self.calls += 1
+        if self.calls == 2:
+            return FailingDraftStream()
+
+        async def stream():
+            async def fetch(session_id, start, end):
+                return self.committed[start:end]
+
+            await self.state.sync(request.position, list(request.new_tokens), fetch, 1000)
+            self.contexts.append((self.state.tokens(), list(self.committed)))
+            for i in range(request.k):
+                self.state.feed(self.state.pending)
+                self.state.pending = [50 + i]
+                yield pb.DraftToken(index=i, token_id=50 + i)
+
+        return GeneratedStream(stream())
+
+
+class GeneratedStream:
+    """A Propose call's stream whose tokens an async generator yields."""
+
+    def __init__(self, tokens):
+        self.tokens = tokens
+
+    def __aiter__(self):
+        return self.tokens
+
+    def cancel(self):
+        pass
+
+
+def FailingDraftStream():
+    async def failing():
+        import grpc
+
+        raise grpc.aio.AioRpcError(grpc.StatusCode.DEADLINE_EXCEEDED, grpc.aio.Metadata(), grpc.aio.Metadata(),
+                                   "the draft's deadline ran out while it waited")  # fmt: skip
+        yield
+
+    return GeneratedStream(failing())
+
+
+class RejectingTargetStub:
+    async def Verify(self, request, timeout=None, wait_for_ready=None):
+        return pb.VerifyResponse(num_accepted=0, next_token=7, bonus=False)
+
+
+def test_a_draft_call_that_failed_before_reaching_the_session_leaves_the_drafts_position_where_it_was():
+    """After a cycle whose drafts were all rejected, the next Propose fails before it reaches the
+    draft's session: the draft still holds the rejected draft it fed. The coordinator used to
+    count the committed token as held there anyway, so the draft went on after [.., 50, 7]
+    where the text is [.., 7, 7], for the rest of the session (acceptance, not the output)."""
+    from coordinator.cycles import CycleLoop, Plan
+
+    committed = [1, 2, 3]
+
+    class Store:
+        async def commit(self, session_id, cycle, tokens, increments, owner=""):
+            committed.extend(tokens)
+            return cycle + 1, len(committed)
+
+    async def run():
+        draft = FailingOnceDraftStub(committed)
+        plan = Plan(session_id="s", prompt=[1, 2, 3], max_new_tokens=5, sampling=Sampling(0.0, 0, 1.0, 1), k=2,
+                    eos_token_ids=frozenset(), max_context=0, draft_model="", draft_fingerprint="",
+                    pipeline=False)  # fmt: skip
+        outcomes = [o async for o in CycleLoop(OneReplica(draft), OneReplica(RejectingTargetStub()), Store(), plan, None).run()]
+        return draft, outcomes
+
+    draft, outcomes = asyncio.run(run())
+    assert sum(len(o.tokens) for o in outcomes) == 5 and draft.calls >= 3 and committed == [1, 2, 3] + [7] * 5
+    assert all(context == committed[: len(context)] for context, _ in draft.contexts), draft.contexts
+
+
 class NoDraftReplica(OneReplica):
     """Replicas of the draft service with none to ask: every one refused (Replicas.pick)."""
 
