@@ -437,9 +437,10 @@ class SessionStore:
         return [int(v) for v in values]
 
     async def tokens_and_birth(self, session_id: str, start: int, end: int) -> tuple[list[int], str | None]:
-        """(committed tokens [start, end), the session's created_at), read at once: created_at
-        tells this lifetime of the session from an earlier one of the same id (None: no session)."""
-        async with self.redis.pipeline(transaction=True) as pipe:
+        """(committed tokens [start, end), the session's created_at), in one round trip: created_at
+        tells this lifetime of the session from an earlier one of the same id (None: no session).
+        Not a MULTI transaction: a Redis at its maxmemory refuses those, reads included."""
+        async with self.redis.pipeline(transaction=False) as pipe:
             pipe.lrange(tokens_key(session_id), start, end - 1)
             pipe.hget(meta_key(session_id), "created_at")
             values, born = await pipe.execute()
