@@ -76,7 +76,7 @@ from opentelemetry import context as otel_context
 from opentelemetry import trace
 
 from coordinator.adaptive import AdaptiveK
-from coordinator.replicas import Replica, Replicas
+from coordinator.replicas import NoReplicaYet, Replica, Replicas
 from specdec import telemetry
 from specdec.errors import Unavailable
 from specdec.ngram import find_continuation
@@ -794,6 +794,14 @@ class CycleLoop:
 
     # ------------------------------------------------------------ verifying
 
+    def retry_pause(self, code: grpc.StatusCode, attempt: int) -> float | None:
+        """The pause before Verify's next attempt after one failed with `code`
+        (target_retry_pause), or None: fail, also when the pause would pass the deadline."""
+        pause = target_retry_pause(code, attempt, self.targets.single)
+        if pause is None or (self.deadline is not None and time.monotonic() + pause > self.deadline):
+            return None
+        return pause
+
     async def verify(self, drafts: Sequence[pb.DraftToken], steps: int = 1, draft_busy: bool = False,
                      stop_at_ngram: pb.NgramStop | None = None) -> pb.VerifyResponse:  # fmt: skip
         """Verify on the target, retrying a retryable failure (the request is idempotent:
@@ -819,7 +827,15 @@ class CycleLoop:
         attempt = 0
         while True:
             # Each attempt asks the session's replica as of now: one that failed is skipped.
-            replica = self.targets.pick(self.plan.route)
+            try:
+                replica = self.targets.pick(self.plan.route)
+            except NoReplicaYet as exc:  # it used to end the request at once
+                if (pause := self.retry_pause(grpc.StatusCode.UNAVAILABLE, attempt)) is None:
+                    raise
+                log.warning("no target replica to ask (%s); retrying in %.2fs", exc, pause)
+                await asyncio.sleep(pause)
+                attempt += 1
+                continue
             try:
                 with self.tracer.start_as_current_span(telemetry.VERIFY_SPAN) as span:
                     span.set_attribute("specdec.drafts", len(drafts))
@@ -839,10 +855,7 @@ class CycleLoop:
                 if exc.code() == grpc.StatusCode.FAILED_PRECONDITION and await self.targets.recheck(replica):
                     attempt += 1  # it serves another model now: refused, the session goes to its next replica
                     continue
-                pause = target_retry_pause(exc.code(), attempt, self.targets.single)
-                if pause is None:
-                    raise
-                if self.deadline is not None and time.monotonic() + pause > self.deadline:
+                if (pause := self.retry_pause(exc.code(), attempt)) is None:
                     raise
                 # The target reads the session from Redis: if Redis is down no retry can
                 # help, so fail now with Redis's own error (UNAVAILABLE, naming Redis).

@@ -167,6 +167,12 @@ async def resolve(host: str, port: int) -> list[str]:
     return sorted({info[4][0] for info in infos})
 
 
+class NoReplicaYet(Unavailable):
+    """No replica to call for a moment: the address resolves to none yet, or none has answered
+    its first ModelInfo (one that replaced another behind a dns:/// name, say). A cycle's
+    Verify waits it out as it does a lost call (CycleLoop.verify)."""
+
+
 @dataclass
 class Replicas:
     """The replicas of one model service (see the module doc). `start()` before `pick()`;
@@ -220,25 +226,27 @@ class Replicas:
         highest-scoring one when none is usable (its calls then fail or wait). Where replicas
         are checked, only checked ones count, and none: Unavailable, saying why."""
         if not self.replicas:
-            raise Unavailable(f"{self.address} resolves to no address yet; retry shortly")
+            raise NoReplicaYet(f"{self.address} resolves to no address yet; retry shortly")
         return self.best([r for r in self.replicas.values() if self.cleared(r)], session_id)
 
     def best(self, candidates: list[Replica], session_id: str) -> Replica:
         """Of `candidates`, the highest-scoring usable one for `session_id`, else the
         highest-scoring one; none: Unavailable, saying why."""
         if not candidates:
-            raise Unavailable(self.none_checked())
+            raise self.none_checked()
         ranked = sorted(candidates, key=lambda r: score(session_id, r.endpoint), reverse=True)
         now = time.monotonic()
         return next((r for r in ranked if r.usable(now)), ranked[0])
 
-    def none_checked(self) -> str:
+    def none_checked(self) -> Unavailable:
+        """Why no replica may be called: every one refused (for good, until a restart or a
+        rollout to follow), or none has answered yet (NoReplicaYet: for a moment)."""
         refused = [r for r in self.replicas.values() if r.refused]
         if refused and len(refused) == len(self.replicas):
-            return (f"every {self.name} replica at {self.address} differs from what this coordinator serves, "
-                    f"{describe_identity(self.reference)}: {refused[0].refused}; restart the coordinator to "
-                    "adopt it")  # fmt: skip
-        return f"no {self.name} replica at {self.address} has answered yet; retry shortly"
+            return Unavailable(f"every {self.name} replica at {self.address} differs from what this coordinator "
+                               f"serves, {describe_identity(self.reference)}: {refused[0].refused}; restart the "
+                               "coordinator to adopt it")  # fmt: skip
+        return NoReplicaYet(f"no {self.name} replica at {self.address} has answered yet; retry shortly")
 
     def usable_count(self) -> int:
         """Replicas not skipped after a failed call, nor unchecked or refused (the metrics
@@ -290,10 +298,14 @@ class Replicas:
                              describe_identity(identity))  # fmt: skip
                 replica.refused, replica.checked = "", True
                 return
-            if not replica.refused:
-                replica.refused = f"{replica.endpoint} serves {describe_identity(identity)}"
-                log.error("%s replica %s; this coordinator serves %s: refused, no session goes to it",
-                          self.name, replica.refused, describe_identity(self.reference))  # fmt: skip
+            refused = f"{replica.endpoint} serves {describe_identity(identity)}"
+            if replica.refused != refused:  # refused now, or serving yet another model than when refused
+                if not replica.refused:
+                    log.error("%s replica %s; this coordinator serves %s: refused, no session goes to it",
+                              self.name, refused, describe_identity(self.reference))  # fmt: skip
+                replica.refused = refused
+                # Each change may complete a rollout: a replica refused before, restarted on the
+                # model the others now serve, used to leave every replica refused for good.
                 self.follow()
             await asyncio.sleep(self.refresh_s)
 

@@ -42,6 +42,52 @@ OPTIONS = dict(ignore_eos=True, num_speculative_tokens=3)
 # ---------------------------------------------------------------- the rules
 
 
+def test_a_rollout_is_followed_once_a_replica_refused_before_serves_what_the_others_now_serve():
+    """Weights A adopted; replica 1 restarts on C (a build given up) and is refused; replica 2
+    restarts on B and is refused; replica 1 restarts on B. Every replica serves B: that is a
+    rollout to follow. Only a replica's first refusal looked for one, so the coordinator refused
+    every replica for good (UNAVAILABLE to every request until restarted), still saying replica
+    1 served C."""
+    from coordinator.replicas import target_identity
+
+    def serving(weights: str) -> pb.ModelInfoResponse:
+        return pb.ModelInfoResponse(model="m", vocab_fingerprint="V", weights_fingerprint=weights, vocab_size=40,
+                                    max_context=64, eos_token_ids=[2])  # fmt: skip
+
+    models = {"127.0.0.1:1": serving("A"), "127.0.0.1:2": serving("A")}
+
+    class Stub:
+        def __init__(self, channel):
+            self.endpoint = None
+
+        async def ModelInfo(self, request, timeout=None):
+            return models[self.endpoint]
+
+    async def run():
+        replicas = Replicas(parse_replica_address("127.0.0.1:1,127.0.0.1:2"), Stub, name="target",
+                            identity=target_identity, follow_rollout=True, refresh_s=0.05)  # fmt: skip
+        await replicas.start()
+        try:
+            for endpoint, replica in replicas.replicas.items():
+                replica.stub.endpoint = endpoint
+            replicas.adopt(replicas.replicas["127.0.0.1:1"], models["127.0.0.1:1"])
+            await replicas.settle()
+            for endpoint, weights in (("127.0.0.1:1", "C"), ("127.0.0.1:2", "B")):
+                models[endpoint] = serving(weights)
+                assert await replicas.recheck(replicas.replicas[endpoint])
+            models["127.0.0.1:1"] = serving("B")
+            for _ in range(100):  # the refused replicas are asked again every refresh_s
+                if replicas.adopted.weights_fingerprint == "B":
+                    break
+                await asyncio.sleep(0.02)
+            return replicas.adopted.weights_fingerprint, replicas.pick("s").endpoint
+        finally:
+            await replicas.close()
+
+    adopted, picked = asyncio.run(run())
+    assert adopted == "B" and picked in ("127.0.0.1:1", "127.0.0.1:2")
+
+
 def test_a_coordinator_waiting_for_a_model_service_says_what_it_waits_for_and_why(monkeypatch, caplog):
     """A coordinator given addresses where nothing serves said only "loading" until it gave up
     after STARTUP_TIMEOUT_S (ten minutes); now it logs the address and the last error as it waits,

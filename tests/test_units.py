@@ -1485,6 +1485,43 @@ class NoDraftReplica(OneReplica):
         raise Unavailable("every draft replica at d:1 differs from what this coordinator started with")
 
 
+class TargetArrivingLate(OneReplica):
+    """Replicas of the target service with none answered yet for the first `gaps` picks: one
+    that replaced the only other behind a dns:/// name, before its first ModelInfo."""
+
+    single = False
+
+    def __init__(self, stub, gaps: int):
+        super().__init__(stub)
+        self.gaps = gaps
+
+    def pick(self, session_id):
+        from coordinator.replicas import NoReplicaYet
+
+        if self.gaps:
+            self.gaps -= 1
+            raise NoReplicaYet("no target replica at dns:///target:50053 has answered yet; retry shortly")
+        return self.replica
+
+
+def test_a_verify_with_no_target_replica_answered_yet_waits_for_one_as_for_a_lost_call():
+    """It used to end the request UNAVAILABLE at once, where a lost call is retried within the
+    deadline; every replica refused (another model) still fails at once."""
+    from coordinator.cycles import CycleLoop, Plan
+
+    async def run(targets):
+        store = CommitWatchingStore(RecordingDraftStub())
+        plan = Plan(session_id="s", prompt=[1, 2, 3], max_new_tokens=3, sampling=Sampling(0.0, 0, 1.0, 1), k=2,
+                    eos_token_ids=frozenset(), max_context=0, draft_model="", draft_fingerprint="",
+                    pipeline=False)  # fmt: skip
+        return [outcome async for outcome in CycleLoop(NoDraftReplica(None), targets, store, plan, None).run()]
+
+    late = TargetArrivingLate(AcceptingTargetStub(), gaps=2)
+    assert sum(len(o.tokens) for o in asyncio.run(run(late))) == 3 and late.gaps == 0
+    with pytest.raises(Unavailable, match="every draft replica at d:1 differs"):
+        asyncio.run(run(NoDraftReplica(None)))  # stands for every replica refused: a plain Unavailable
+
+
 def test_with_no_draft_replica_to_ask_the_cycles_run_target_only_and_the_request_completes():
     """A Propose that cannot be sent (every draft replica refused) is a cycle without drafts,
     as a failed one is: the target decodes, the request ends, nothing is drafted."""
