@@ -731,7 +731,10 @@ class CycleLoop:
             # Whatever the draft's failure (down, slow, out of memory, a broken model, a bug),
             # it costs this cycle its drafts, never the request: the target alone gives the
             # same output. It used to end the request for any code but a few.
-            if exc.code() == grpc.StatusCode.UNAVAILABLE and isinstance(call, DraftCall):
+            if isinstance(call, DraftCall) and (exc.code() == grpc.StatusCode.UNAVAILABLE or (
+                    exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED and not call.tokens and not self.drafts.single)):
+                # Lost, or silent for its whole budget (a frozen host): with other replicas to ask,
+                # skip it for a while; a frozen one used to cost each drafting cycle its budget.
                 call.replica.failed()
             call.cancel()
             self.pause_drafting(exc)

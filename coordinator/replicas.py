@@ -124,7 +124,8 @@ class Replica:
     info: pb.ModelInfoResponse | None = None  # what it answered when last checked
 
     def failed(self) -> None:
-        """Skip this replica for DOWN_S seconds (a call to it failed UNAVAILABLE)."""
+        """Skip this replica for DOWN_S seconds (a call to it failed UNAVAILABLE, or a Propose
+        heard nothing from it for its whole budget)."""
         self.down_until = time.monotonic() + DOWN_S
 
     def usable(self, now: float) -> bool:

@@ -1522,6 +1522,37 @@ def test_a_verify_with_no_target_replica_answered_yet_waits_for_one_as_for_a_los
         asyncio.run(run(NoDraftReplica(None)))  # stands for every replica refused: a plain Unavailable
 
 
+class SilentDraftStub:
+    """A draft whose every Propose ends DEADLINE_EXCEEDED having sent nothing (a frozen host)."""
+
+    def __init__(self):
+        self.calls = 0
+
+    def Propose(self, request, timeout=None):
+        self.calls += 1
+        return FailingDraftStream()
+
+
+def test_a_draft_replica_silent_for_a_whole_propose_budget_is_skipped_where_there_are_others():
+    """A Propose that hears nothing for its whole budget (a frozen replica: DEADLINE_EXCEEDED)
+    now marks its replica failed, as a lost call does, when another replica can be asked; it
+    used to be asked again every drafting cycle. With one replica there is nowhere else to go."""
+    from coordinator.cycles import CycleLoop, Plan
+
+    async def run(drafts):
+        store = CommitWatchingStore(RecordingDraftStub())
+        plan = Plan(session_id="s", prompt=[1, 2, 3], max_new_tokens=2, sampling=Sampling(0.0, 0, 1.0, 1), k=2,
+                    eos_token_ids=frozenset(), max_context=0, draft_model="", draft_fingerprint="",
+                    pipeline=False)  # fmt: skip
+        return [o async for o in CycleLoop(drafts, OneReplica(AcceptingTargetStub()), store, plan, None).run()]
+
+    several, alone = OneReplica(SilentDraftStub()), OneReplica(SilentDraftStub())
+    several.single = False
+    assert sum(len(o.tokens) for o in asyncio.run(run(several))) == 2
+    assert several.replica.down_until > time.monotonic(), "skipped for a while"
+    assert sum(len(o.tokens) for o in asyncio.run(run(alone))) == 2 and alone.replica.down_until == 0
+
+
 def test_with_no_draft_replica_to_ask_the_cycles_run_target_only_and_the_request_completes():
     """A Propose that cannot be sent (every draft replica refused) is a cycle without drafts,
     as a failed one is: the target decodes, the request ends, nothing is drafted."""
