@@ -21,11 +21,13 @@ Coordinator:
     specdec:num_requests_running                 gauge
     Mean acceptance length = 1 + accepted_tokens / num_drafts.
 Draft and target:
-    specdec:forward_latency_seconds{service}     one model step (draft token) or verify pass
+    specdec:forward_latency_seconds{service}     one forward pass (drafting step or verify pass), once per pass
     specdec:sessions_held{service}               sessions whose KV cache is held
     specdec:cache_evictions{service}             sessions evicted (least recently used)
     specdec:prefill_chunks{service}              passes that fed a chunk of a long prompt (chunked prefill)
     specdec:prefix_reused_tokens{service}        prompt tokens copied from another session's cache
+Every service with tokens:
+    specdec:unauthenticated_calls                calls refused UNAUTHENTICATED (security.TokenCheck)
 """
 
 from __future__ import annotations
@@ -159,6 +161,12 @@ class ModelServiceMetrics:
         moment each session's step began to wait for a pass."""
         self.batch_size.observe(sessions)
         self.forward_latency.observe(seconds)
+
+
+def unauthenticated_calls(registry: CollectorRegistry) -> Counter:
+    """The counter of calls security.TokenCheck refuses for want of an accepted token."""
+    return Counter("specdec:unauthenticated_calls", "Calls refused UNAUTHENTICATED: no accepted token (or client "
+                   "certificate) came with them.", registry=registry)  # fmt: skip
 
 
 def serve_metrics(registry: CollectorRegistry, port: int, host: str = "0.0.0.0") -> None:

@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 import grpc
 
 from specdec.errors import Unauthenticated, status_for
+from specdec.metrics import unauthenticated_calls
 from specdec.ranges import token_problem, undecodable
 
 AUTH_METADATA = "authorization"
@@ -360,12 +361,7 @@ class TokenCheck(grpc.aio.ServerInterceptor):
     def __init__(self, security: ServerSecurity, credential: str, registry=None):
         self.security = security  # its tokens as they are now (refresh_tokens)
         self.message = f"this server requires {credential}: send the metadata `authorization: Bearer <token>`"
-        self.refused = None
-        if registry is not None:
-            from prometheus_client import Counter
-
-            self.refused = Counter("specdec:unauthenticated_calls", "Calls refused UNAUTHENTICATED: no accepted "
-                                   "token (or client certificate) came with them.", registry=registry)  # fmt: skip
+        self.refused = None if registry is None else unauthenticated_calls(registry)
         self.unlogged, self.logged_at = 0, -REFUSALS_LOGGED_EVERY_S
 
     async def intercept_service(self, continuation, details: grpc.HandlerCallDetails):
