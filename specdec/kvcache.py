@@ -77,7 +77,7 @@ class SessionState:
     # The session's created_at in Redis when this state began to hold it ("" until read): a
     # session deleted and created again under the same id is another session (model_service).
     born: str = ""
-    # Set while a cycle runs on this session, so eviction never takes a live one.
+    # Set while a call runs on this session (its cache is measured then, not taken for reuse).
     busy: bool = False
     # Calls holding this session or waiting for its lock (SessionPool.use): eviction passes
     # over it while any does, so a call that waited runs on the state the pool holds.
@@ -536,7 +536,7 @@ class SessionPool:
 
     def _evict_idle(self) -> bool:
         """Evict the least recently used session no call holds or waits for; False when there is none."""
-        idle = next((sid for sid, s in self.sessions.items() if not s.busy and not s.calls), None)
+        idle = next((sid for sid, s in self.sessions.items() if not s.calls), None)  # a busy one has a call
         if idle is None:
             return False
         del self.sessions[idle]
