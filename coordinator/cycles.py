@@ -222,7 +222,7 @@ class DraftCall:
     parent; it used to be the cycle's span, that of the cycle before for a pipelined call."""
 
     def __init__(self, replica: Replica, request: pb.ProposeRequest, budget: float | None,
-                 eos_token_ids: frozenset[int], tracer=None):  # fmt: skip
+                 eos_token_ids: frozenset[int], tracer):  # fmt: skip
         self.replica = replica  # the draft replica asked
         self.k = request.k  # tokens asked for
         self.tokens: list[pb.DraftToken] = []
@@ -231,7 +231,7 @@ class DraftCall:
         self.eos_token_ids = eos_token_ids
         self.changed = asyncio.Event()
         attributes = {"specdec.cycle": request.cycle, "specdec.k": request.k}
-        self.span = (tracer or telemetry.tracer()).start_span(telemetry.DRAFT_CALL_SPAN, attributes=attributes)
+        self.span = tracer.start_span(telemetry.DRAFT_CALL_SPAN, attributes=attributes)
         with trace.use_span(self.span, end_on_exit=False):  # the call's own span and task begin under it
             self.call = replica.stub.Propose(request, timeout=budget)
             self.task = asyncio.get_running_loop().create_task(self.pump())
