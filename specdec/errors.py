@@ -193,17 +193,6 @@ async def _abort(context: grpc.aio.ServicerContext, exc: BaseException) -> None:
     await context.abort(code, message)
 
 
-def close_when_suspended(items) -> None:
-    """After a streaming call ended: close its handler's generator if it is still suspended at a
-    `yield` (the client cancelled while gRPC wrote a chunk), so its `finally` (a log line, a
-    release) runs now; gRPC leaves it to the garbage collector, which may take many seconds.
-    One still running gets the call's cancellation itself."""
-    if items.ag_running or items.ag_frame is None:
-        return
-    closing = asyncio.get_running_loop().create_task(items.aclose())
-    closing.add_done_callback(lambda done: done.cancelled() or done.exception())
-
-
 def grpc_handler(method):
     """Decorate a grpc.aio servicer method (unary or server-streaming) so that any
     exception becomes the status `status_for` chooses, and a request that did not parse
@@ -212,12 +201,10 @@ def grpc_handler(method):
 
         @functools.wraps(method)
         async def stream_wrapper(self, request, context):
-            items = method(self, request, context)
-            context.add_done_callback(lambda _: close_when_suspended(items))
             try:
                 if isinstance(request, MalformedRequest):
                     raise request.error()
-                async for item in items:
+                async for item in method(self, request, context):
                     yield item
             except (asyncio.CancelledError, grpc.aio.AbortError):
                 raise
