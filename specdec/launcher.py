@@ -53,6 +53,7 @@ SHARED_MACHINE_ENV = {"GOMP_SPINCOUNT": "10000"}
 TERSE_LOG_LEVEL = "WARNING"
 TERSE_ENV = {"HF_HUB_DISABLE_PROGRESS_BARS": "1"}
 LOG_TAIL_LINES = 20  # of a quiet service's output, in the error when it dies while starting
+LOG_TAIL_BYTES = 65536  # read from its end to find them
 # Hosts that mean "every interface": a service listening there is reached on loopback.
 WILDCARD_HOSTS = frozenset({"0.0.0.0", "::", "[::]"})
 
@@ -335,8 +336,11 @@ class Stack:
         log = self.logs.get(name)
         if log is None:
             return ""
-        log.seek(0)
-        lines = log.read().decode(errors="replace").splitlines()[-LOG_TAIL_LINES:]
+        # pread, not seek and read: the service writes through a copy of this file descriptor,
+        # which shares its offset, so a seek put the lines it wrote meanwhile over older ones.
+        size = os.fstat(log.fileno()).st_size
+        end = os.pread(log.fileno(), min(size, LOG_TAIL_BYTES), max(0, size - LOG_TAIL_BYTES))
+        lines = end.decode(errors="replace").splitlines()[-LOG_TAIL_LINES:]
         return "".join(f"\n  {line}" for line in lines)
 
     def kind(self, name: str) -> str:

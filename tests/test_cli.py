@@ -918,3 +918,35 @@ def test_requests_without_k_get_the_coordinators_default_k_else_the_drafts_own_e
     for bad in ("0", "-1", "two"):
         refused = run_cli("serve", "coordinator", "--default-k", bad)
         assert refused.returncode == 2 and "--default-k: expected an integer at least 1" in refused.stderr, refused.stderr
+
+
+LOG_WRITER = """
+import time
+for i in range(2000):
+    print(f"line {i:05d} " + "x" * 100, flush=True)
+    time.sleep(0.0005)
+"""
+
+
+def test_a_quiet_services_log_tail_read_while_the_service_writes_loses_no_line():
+    """log_tail read a quiet service's log by seeking the file the service writes to, and the
+    two share one offset: lines written meanwhile landed over older ones. A test waiting for a
+    request's log line (a cancelled stream's) missed it that way, one CI run in three."""
+    from specdec.launcher import LOG_TAIL_LINES, Stack, StackConfig
+
+    stack = Stack(StackConfig(), quiet=True)
+    try:
+        writer = subprocess.Popen([sys.executable, "-c", LOG_WRITER], **stack.output("coordinator"))
+        tails = []
+        while writer.poll() is None:
+            tails.append(stack.log_tail("coordinator").split("\n  ")[1:])
+        last = stack.log_tail("coordinator").split("\n  ")[1:]
+    finally:
+        stack.stop()
+    assert len(tails) > 20  # read many times while it wrote
+    for tail in (tail for tail in tails if tail):
+        first = int(tail[0][5:10])
+        whole = [f"line {n:05d} " + "x" * 100 for n in range(first, first + len(tail))]
+        # The last line may be one the writer is in the middle of.
+        assert tail[:-1] == whole[:-1] and whole[-1].startswith(tail[-1]), tail
+    assert last == [f"line {n:05d} " + "x" * 100 for n in range(2000 - LOG_TAIL_LINES, 2000)]
