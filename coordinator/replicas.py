@@ -16,7 +16,8 @@ Terms:
                                        again every REPLICA_REFRESH_S seconds (a Kubernetes headless
                                        Service: one address per ready pod).
     down      a replica whose call failed UNAVAILABLE, or whose connection is failing, is
-              skipped for DOWN_S seconds: its sessions go to their next-best replica.
+              skipped for DOWN_S seconds, and after that until its channel has connected
+              again: its sessions go to their next-best replica meanwhile.
     checked   a replica whose ModelInfo matches what the coordinator started with (`identity`:
               for a target the same model, weights and vocabulary, for a draft the same kind and
               vocabulary). Sessions go only to checked replicas: a session that moved to a
@@ -57,6 +58,7 @@ log = logging.getLogger("specdec.coordinator")
 
 DNS_SCHEME = "dns:///"
 DOWN_S = 5.0
+RECONNECT_CHECK_S = 0.5  # how often a failed replica's channel is looked at, once DOWN_S passed
 CHECK_RETRY_S = 1.0  # a replica that did not answer ModelInfo is asked again after this
 CHECK_TIMEOUT_S = 5.0
 # How long a removed replica's channel stays open for the calls still running on it.
@@ -119,17 +121,34 @@ class Replica:
     channel: object  # grpc.aio.Channel (or specdec.security.TokenChannel)
     stub: object  # DraftStub / TargetStub on `channel`
     down_until: float = 0.0  # time.monotonic() before which it is skipped
+    recovering: bool = False  # failed, and its channel has not been seen connected since (usable)
     checked: bool = False  # serves the coordinator's model (module doc); set by Replicas
     refused: str = ""  # why it is never called: it serves another model
     info: pb.ModelInfoResponse | None = None  # what it answered when last checked
 
     def failed(self) -> None:
         """Skip this replica for DOWN_S seconds (a call to it failed UNAVAILABLE, or a Propose
-        heard nothing from it for its whole budget)."""
+        heard nothing from it for its whole budget), and after that until its channel has
+        connected again (`recovering`; see reconnect)."""
         self.down_until = time.monotonic() + DOWN_S
+        if not self.recovering:
+            self.recovering = True
+            asyncio.get_running_loop().call_later(DOWN_S, self.reconnect)
+
+    def reconnect(self) -> None:
+        """Once DOWN_S passed, have the channel connect and look every RECONNECT_CHECK_S until it
+        has: only then is the replica called again. One frozen (a hung host: its kernel still
+        accepts TCP, it answers nothing) used to be called while its channel was connecting, and
+        each call waited for gRPC's 20 s connect timeout, every DOWN_S for as long as it stayed
+        frozen. Stops when the channel is closed (the replica removed)."""
+        state = self.channel.get_state(try_to_connect=True)
+        if state == grpc.ChannelConnectivity.READY:
+            self.recovering = False
+        elif state != grpc.ChannelConnectivity.SHUTDOWN:
+            asyncio.get_running_loop().call_later(RECONNECT_CHECK_S, self.reconnect)
 
     def usable(self, now: float) -> bool:
-        if now < self.down_until:
+        if now < self.down_until or self.recovering:
             return False
         state = self.channel.get_state(try_to_connect=False)
         return state != grpc.ChannelConnectivity.TRANSIENT_FAILURE
@@ -251,9 +270,9 @@ class Replicas:
 
     def usable_count(self) -> int:
         """Replicas not skipped after a failed call, nor unchecked or refused (the metrics
-        thread calls this: it reads no channel state, only down_until and the checks)."""
+        thread calls this: it reads no channel state, only down_until, recovering and the checks)."""
         now = time.monotonic()
-        return sum(r.down_until <= now and self.cleared(r) for r in list(self.replicas.values()))
+        return sum(r.down_until <= now and not r.recovering and self.cleared(r) for r in list(self.replicas.values()))
 
     def refused_count(self) -> int:
         return sum(bool(r.refused) for r in list(self.replicas.values()))

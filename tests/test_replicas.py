@@ -22,7 +22,6 @@ import pytest
 import specdec
 from conftest import internal_stub, scrape, start_stack
 from coordinator.replicas import (
-    DOWN_S,
     ReplicaAddress,
     Replicas,
     endpoint_of,
@@ -172,29 +171,88 @@ def test_sessions_spread_evenly_and_a_removed_replica_moves_only_its_own_session
     assert again == before
 
 
-def test_a_failed_replica_is_skipped_for_a_while_and_its_sessions_come_back():
-    async def run():
-        endpoints = ("127.0.0.1:7001", "127.0.0.1:7002")
-        replicas = Replicas(ReplicaAddress(endpoints=endpoints), pb_grpc.TargetStub)
-        await replicas.start()
-        sessions = [f"s{i}" for i in range(200)]
-        before = picks(replicas, sessions)
-        first = replicas.replicas[endpoints[0]]
-        first.failed()
-        assert first.down_until - time.monotonic() == pytest.approx(DOWN_S, abs=0.5)
-        during = picks(replicas, sessions)
-        first.down_until = 0.0  # DOWN_S later
-        after = picks(replicas, sessions)
-        replicas.replicas[endpoints[1]].failed()
-        first.failed()
-        all_down = picks(replicas, sessions)  # nowhere better to go: each session's own replica
-        await replicas.close()
-        return endpoints, before, during, after, all_down
+async def bare_server() -> tuple[grpc.aio.Server, str]:
+    """A gRPC server with no services, on loopback: a channel to it connects (READY)."""
+    server = grpc.aio.server()
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    return server, f"127.0.0.1:{port}"
 
-    endpoints, before, during, after, all_down = asyncio.run(run())
-    assert set(during.values()) == {endpoints[1]}
+
+async def wait_until(condition, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline
+        await asyncio.sleep(0.05)
+
+
+def test_a_failed_replica_is_skipped_for_a_while_and_its_sessions_come_back_once_it_connects(monkeypatch):
+    monkeypatch.setattr("coordinator.replicas.DOWN_S", 0.3)
+
+    async def run():
+        servers = [await bare_server() for _ in range(2)]
+        endpoints = tuple(address for _, address in servers)
+        replicas = Replicas(ReplicaAddress(endpoints=endpoints), pb_grpc.TargetStub)
+        try:
+            await replicas.start()
+            sessions = [f"s{i}" for i in range(200)]
+            before = picks(replicas, sessions)
+            first = replicas.replicas[endpoints[0]]
+            first.failed()
+            assert first.down_until - time.monotonic() == pytest.approx(0.3, abs=0.1)
+            during = picks(replicas, sessions)
+            usable_during = replicas.usable_count()
+            await wait_until(lambda: not first.recovering)  # DOWN_S later, connected
+            after = picks(replicas, sessions)
+            replicas.replicas[endpoints[1]].failed()
+            first.failed()
+            all_down = picks(replicas, sessions)  # nowhere better to go: each session's own replica
+        finally:
+            await replicas.close()
+            for server, _ in servers:
+                await server.stop(None)
+        return endpoints, before, during, usable_during, after, all_down
+
+    endpoints, before, during, usable_during, after, all_down = asyncio.run(run())
+    assert set(during.values()) == {endpoints[1]} and usable_during == 1
     assert Counter(before.values())[endpoints[0]] > 50
     assert after == before == all_down
+
+
+def test_a_failed_replica_that_accepts_connections_but_answers_nothing_stays_skipped_after_its_down_time(monkeypatch):
+    """A frozen replica (a hung host, SIGSTOP): its kernel still accepts TCP, nothing answers.
+    Once its DOWN_S passed it was called again while its channel was connecting, and each call
+    waited for gRPC's 20 s connect timeout, every DOWN_S, for as long as it stayed frozen. Now a
+    replica that failed is called again only once its channel has connected."""
+    import socket
+
+    monkeypatch.setattr("coordinator.replicas.DOWN_S", 0.3)
+    mute = socket.create_server(("127.0.0.1", 0))  # listens (the kernel completes handshakes), never answers
+
+    async def run():
+        server, alive = await bare_server()
+        endpoints = (alive, f"127.0.0.1:{mute.getsockname()[1]}")
+        replicas = Replicas(ReplicaAddress(endpoints=endpoints), pb_grpc.TargetStub)
+        try:
+            await replicas.start()
+            sessions = [f"s{i}" for i in range(200)]
+            frozen = replicas.replicas[endpoints[1]]
+            frozen.failed()
+            await asyncio.sleep(2.0)  # well past DOWN_S: its channel tried to connect meanwhile
+            state = frozen.channel.get_state()
+            chosen = picks(replicas, sessions)
+            usable = replicas.usable_count()
+        finally:
+            await replicas.close()
+            await server.stop(None)
+        return endpoints, state, chosen, usable
+
+    try:
+        endpoints, state, chosen, usable = asyncio.run(run())
+    finally:
+        mute.close()
+    assert set(chosen.values()) == {endpoints[0]} and usable == 1
+    assert state in (grpc.ChannelConnectivity.CONNECTING, grpc.ChannelConnectivity.TRANSIENT_FAILURE)
 
 
 def test_target_replicas_are_checked_against_the_adopted_model_and_one_serving_another_is_never_picked():
