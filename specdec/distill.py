@@ -58,8 +58,6 @@ import random
 import shlex
 import sys
 import time
-import uuid
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -72,6 +70,7 @@ from specdec.catalog import (
     CACHE_MARKER, CATALOG, DRAFT_CARD_NAME, DRAFT_CATALOG, ModelNotFoundError, catalog_model_dir, check_model,
     packaged_weights, sha256,
 )
+from specdec.files import write_atomically
 from specdec.ngram import (
     LOOKUP_FILE, LOOKUP_MAX_NGRAM, LOOKUP_WEIGHT_GRID, find_continuation, format_lookup_weights, mix_lookup, parse_lookup_weights,
     resolve_lookup_weights, write_lookup_file,
@@ -1354,18 +1353,6 @@ def distill(config: DistillConfig) -> dict:
 def use_threads(config: DistillConfig) -> None:
     """torch threads for the run: --threads, or one per core when it is 0."""
     torch.set_num_threads(config.threads if config.threads > 0 else os.cpu_count() or 1)
-
-
-def write_atomically(path: Path, write: Callable[[Path], object]) -> None:
-    """Write `path` whole or not at all: `write` fills a file beside it, which then replaces it,
-    so a run killed mid-write leaves the file as it was, never half of one (a half-written
-    stats.json or target.json used to end every later --resume in a JSONDecodeError)."""
-    temp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}")
-    try:
-        write(temp)
-        os.replace(temp, path)
-    finally:
-        temp.unlink(missing_ok=True)
 
 
 def write_json(path: Path, value) -> None:

@@ -47,6 +47,8 @@ from collections.abc import Iterable
 import torch
 import torch.nn.functional as F
 
+from specdec.files import write_atomically
+
 # oneDNN picks its blocked layout for an expected number of rows: a verify pass of K + 1
 # with K up to ~8. (Measured here: a layout for 5 rows served 2-9 rows as well as any.)
 PACK_FOR_ROWS = 8
@@ -261,13 +263,11 @@ def remember_kernels(model: torch.nn.Module, thread_counts: Iterable[int]) -> No
     entries[timing_key(model, thread_counts)] = [[rows, threads, packed] for (rows, threads), packed
                                                  in sorted(kernel_choice(model).packed.items())]  # fmt: skip
     path = remembered_path()
-    partial = path.with_name(f"{path.name}.{os.getpid()}.partial")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        partial.write_text(json.dumps(entries, indent=1, sort_keys=True))
-        os.replace(partial, path)
+        write_atomically(path, lambda temp: temp.write_text(json.dumps(entries, indent=1, sort_keys=True)))
     except OSError:
-        partial.unlink(missing_ok=True)
+        pass
 
 
 def packed_layers(model: torch.nn.Module) -> list[PackedLinear]:

@@ -614,7 +614,8 @@ def test_a_file_written_atomically_is_whole_or_as_it_was_and_leaves_no_partial_f
     """stats.json, target.json, the card, checkpoints, shards and weights are written beside
     themselves and renamed: a run killed mid-write leaves the file as it was (stats.json
     and target.json were written in place, and a half of one broke every later --resume)."""
-    from specdec.distill import write_atomically, write_json
+    from specdec.distill import write_json
+    from specdec.files import write_atomically
 
     path = tmp_path / "stats.json"
     write_json(path, {"train_positions": 1})
