@@ -410,7 +410,14 @@ class Replicas:
     async def keep_refreshing(self) -> None:
         while True:
             await asyncio.sleep(self.refresh_s)
-            await self.refresh()
+            try:
+                await self.refresh()
+            except SystemExit as exc:
+                # A new address's channel reads the TLS files (read_pem), and one unreadable for a
+                # moment (a certificate being rotated) is a SystemExit, the error of a bad flag at
+                # start: raised from this task it ended the coordinator's event loop, and the process.
+                log.error("%s: cannot open a channel to a new replica (%s); tried again in %.0f s",
+                          self.address, exc, self.refresh_s)  # fmt: skip
 
     def update(self, endpoints: list[str]) -> None:
         """Open channels to new endpoints and close (after CLOSE_GRACE_S) those gone."""

@@ -255,6 +255,41 @@ def test_a_failed_replica_that_accepts_connections_but_answers_nothing_stays_ski
     assert state in (grpc.ChannelConnectivity.CONNECTING, grpc.ChannelConnectivity.TRANSIENT_FAILURE)
 
 
+def test_a_tls_file_unreadable_at_a_dns_refresh_is_logged_and_the_refresh_goes_on(tmp_path, caplog):
+    """A dns:/// refresh opens a channel to each new address, reading the CA file then (so a
+    rotated one is taken). Unreadable for a moment (a secret being rotated), its SystemExit
+    (read_pem's error for a bad flag at start) ended the refresh task and, raised from a task,
+    the coordinator's event loop: the process exited."""
+    from conftest import make_ca, save_pair
+    from specdec.security import ChannelSecurity
+
+    ca, _ = save_pair(tmp_path, "ca", *make_ca("refresh test CA"))
+    resolved = [["10.0.0.1"]]
+
+    async def resolver(host: str, port: int) -> list[str]:
+        return resolved[-1]
+
+    async def run():
+        replicas = Replicas(ReplicaAddress(host="replicas.test", port=50053), pb_grpc.TargetStub,
+                            ChannelSecurity(tls_ca=ca), refresh_s=0.05, resolver=resolver)  # fmt: skip
+        try:
+            await replicas.start()
+            os.rename(ca, f"{ca}.away")
+            resolved.append(["10.0.0.1", "10.0.0.2"])
+            await asyncio.sleep(0.3)  # a few refreshes
+            during = sorted(replicas.replicas), replicas.refresher.done()
+            os.rename(f"{ca}.away", ca)
+            await wait_until(lambda: len(replicas.replicas) == 2)
+            return during
+        finally:
+            await replicas.close()
+
+    with caplog.at_level("ERROR", logger="specdec.coordinator"):
+        endpoints, refresher_ended = asyncio.run(run())
+    assert endpoints == ["ipv4:10.0.0.1:50053"] and not refresher_ended
+    assert "cannot open a channel to a new replica (cannot read the CA certificate" in caplog.text
+
+
 def test_target_replicas_are_checked_against_the_adopted_model_and_one_serving_another_is_never_picked():
     """Replicas with an identity (the coordinator's targets): the replica whose ModelInfo the
     coordinator adopted is checked; the others are asked in the background and become
