@@ -6,7 +6,9 @@ emits the difference; a window that ends inside a multi-byte character (decodes
 to U+FFFD) waits for the next tokens. Tokens are added one at a time, so a
 character split over tokens holds back only itself, never the characters a cycle
 committed before it, and at the end (`flush`) what a last incomplete character
-held back is emitted and that character dropped. Text that could still grow into
+held back is emitted and that character dropped. Bytes that never make a character
+(U+FFFD) are held back only while they are among the window's last CHARACTER_TOKENS
+tokens (`_settle`). Text that could still grow into
 a stop string is held back, so the stream never shows part of a stop string.
 
 The first window begins in the prompt (`context`: its last CONTEXT_TOKENS tokens,
@@ -22,6 +24,9 @@ from dataclasses import dataclass, field
 
 REPLACEMENT_CHAR = "\ufffd"
 CONTEXT_TOKENS = 4  # of the prompt's last tokens, decoded before the output (module doc)
+# A character is at most 4 UTF-8 bytes and a token at least one: what decodes before a window's
+# last 4 tokens is final once they do not change it (TextStream._settle).
+CHARACTER_TOKENS = 4
 
 
 @dataclass
@@ -105,7 +110,24 @@ class TextStream:
         if len(full) > len(prefix) and not full.endswith(REPLACEMENT_CHAR):
             self.prefix_offset, self.read_offset = self.read_offset, len(self.window_ids)
             return full[len(prefix) :]
+        if len(self.window_ids) - self.read_offset > CHARACTER_TOKENS:
+            return self._settle(prefix, full)
         return ""
+
+    def _settle(self, prefix: str, full: str) -> str:
+        """The text up to CHARACTER_TOKENS tokens before the end, once it can no longer change.
+        Invalid bytes (tokens that decode to U+FFFD and never complete a character, a model
+        repeating a stray byte) kept the window ending in U+FFFD: nothing was streamed, and each
+        token decoded the whole window again (2,000 such tokens: 0.4 s on the event loop every
+        session shares; 8,000: ~6 s). A character ends within CHARACTER_TOKENS tokens of its
+        first byte, so where the window decodes to the same text without its last
+        CHARACTER_TOKENS tokens, that text is final, U+FFFDs of invalid bytes and all."""
+        settled = len(self.window_ids) - CHARACTER_TOKENS
+        head = self.tokenizer.decode(self.window_ids[self.prefix_offset : settled], skip_special_tokens=True)
+        if len(head) <= len(prefix) or not full.startswith(head):
+            return ""
+        self.prefix_offset, self.read_offset = self.read_offset, settled
+        return head[len(prefix) :]
 
 
 def max_len(stop: Sequence[str]) -> int:

@@ -279,6 +279,57 @@ def test_characters_split_over_tokens_stream_whole_however_the_tokens_are_chunke
     assert ended_inside > 30  # 44 of the 200 end inside a character
 
 
+class CountingDecoder:
+    """A tokenizer whose decode counts the tokens it is given."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer, self.decoded = tokenizer, 0
+
+    def decode(self, ids, **kwargs):
+        self.decoded += len(ids)
+        return self.tokenizer.decode(ids, **kwargs)
+
+
+def test_bytes_that_never_make_a_character_stream_once_past_a_characters_length_and_decode_in_linear_time():
+    """A model repeating a stray byte (a token that decodes to U+FFFD and completes no
+    character): the window kept ending in U+FFFD, so nothing was streamed and each token decoded
+    the whole window again (2,000 tokens of SmolLM2: 0.4 s on the event loop). Now the text more
+    than 4 tokens back (a character is at most 4 bytes) streams once the last tokens leave it
+    unchanged; valid characters split over tokens still stream whole."""
+    tokenizer = byte_level_tokenizer()
+    stray = tokenizer.convert_tokens_to_ids(pre_tokenizers_byte(0x80))  # a lone continuation byte
+    counting = CountingDecoder(tokenizer)
+    stream = TextStream(counting)
+    stream.add([stray] * 10)
+    assert stream.take() == "\ufffd" * 6  # all but the last 4 tokens' bytes
+    stream.add([stray] * 2990 + tokenizer("é!", add_special_tokens=False)["input_ids"])
+    assert stream.take(final=True) == "\ufffd" * 2994 + "é!"
+    assert stream.text == tokenizer.decode([stray] * 3000 + tokenizer("é!", add_special_tokens=False)["input_ids"])
+    assert counting.decoded < 20 * 3003  # linear: ~4.5 M tokens decoded before
+
+    rng = np.random.default_rng(11)
+    pieces = ["a", " b", "é", "日本", "👌🏼", "!\n"]
+    for _ in range(200):
+        ids = tokenizer("".join(rng.choice(pieces, 8)), add_special_tokens=False)["input_ids"]
+        for at in rng.integers(0, len(ids), 3):  # runs of stray bytes, also inside a character
+            ids[at:at] = [stray] * int(rng.integers(1, 9))
+        for chunked in ([ids], [[token] for token in ids]):
+            stream = TextStream(tokenizer)
+            streamed = "".join(stream.take() for chunk in chunked if stream.add(chunk) is not None)
+            streamed += stream.take(final=True)
+            assert streamed == stream.text and tokenizer.decode(ids).startswith(streamed), ids
+            assert streamed.rstrip("\ufffd") == tokenizer.decode(ids).rstrip("\ufffd"), ids
+
+
+def pre_tokenizers_byte(byte: int) -> str:
+    """The byte-level alphabet's character for `byte` (GPT-2's table: bytes outside printable
+    Latin-1 map to U+0100 on)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    if byte in printable:
+        return chr(byte)
+    return chr(256 + [b for b in range(256) if b not in printable].index(byte))
+
+
 def test_a_stop_string_completed_by_the_text_an_incomplete_last_character_held_back_ends_the_output_on_stop():
     """"STOPé" tokenized with a token "P" + é's first byte: a stream that ends (length or eos)
     after "STO" and that token has held "P" back, waiting for é's second byte. Flushed at the
