@@ -461,7 +461,20 @@ def test_a_run_interrupted_while_training_writes_a_checkpoint_of_where_it_stoppe
     assert run_distill(parse([*argv, "--minutes", "0.05", "--resume"])) == 0
     assert json.loads((out / DRAFT_CARD_NAME).read_text())["training"]["steps"] > stopped_at
     assert rates[0][0] == stopped_at and rates[0][1] >= checkpoint["train_seconds"] / schedule["budget_seconds"]
-    assert torch.load(out / CHECKPOINT_NAME, weights_only=False)["schedule"] == schedule
+    assert torch.load(out / CHECKPOINT_NAME, weights_only=False)["schedule"] == {**schedule, "ended": True}
+
+
+def test_a_schedule_whose_run_reached_its_deadline_is_not_continued_however_little_it_trained():
+    """A training that began at its deadline (the data phase took all the minutes) had a 1 ms
+    budget and trained 40 µs of it: its schedule looked unfinished, and every later --resume went
+    on with it, at the floor rate. A schedule interrupted before its end is still continued."""
+    from specdec.distill import schedule_of
+
+    tiny_budget = {"start_step": 0, "start_seconds": 0.0, "budget_seconds": 0.001}
+    ended = {"step": 0, "train_seconds": 0.00004, "schedule": {**tiny_budget, "ended": True}}
+    assert schedule_of(ended, 600.0) == {"start_step": 0, "start_seconds": 0.00004, "budget_seconds": 600.0}
+    interrupted = {"step": 40, "train_seconds": 30.0, "schedule": {"start_step": 0, "start_seconds": 0.0, "budget_seconds": 60.0}}
+    assert schedule_of(interrupted, 600.0) == interrupted["schedule"]
 
 
 def test_evaluating_a_draft_that_does_not_exist_names_it(distilled, tiny, capsys):
