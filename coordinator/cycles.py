@@ -225,6 +225,7 @@ class DraftCall:
                  eos_token_ids: frozenset[int], tracer):  # fmt: skip
         self.replica = replica  # the draft replica asked
         self.k = request.k  # tokens asked for
+        self.budget = budget  # seconds it may run (draft_budget)
         self.tokens: list[pb.DraftToken] = []
         self.error: grpc.aio.AioRpcError | None = None
         self.finished = False
@@ -732,9 +733,12 @@ class CycleLoop:
             # it costs this cycle its drafts, never the request: the target alone gives the
             # same output. It used to end the request for any code but a few.
             if isinstance(call, DraftCall) and (exc.code() == grpc.StatusCode.UNAVAILABLE or (
-                    exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED and not call.tokens and not self.drafts.single)):
-                # Lost, or silent for its whole budget (a frozen host): with other replicas to ask,
-                # skip it for a while; a frozen one used to cost each drafting cycle its budget.
+                    exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED and not call.tokens and not self.drafts.single
+                    and call.budget == self.draft_timeout_s)):  # fmt: skip
+                # Lost, or silent for its whole --draft-timeout (a frozen host): with other replicas
+                # to ask, skip it for a while; a frozen one used to cost each drafting cycle its
+                # budget. Not for a budget cut short by the request's own deadline (a quarter of
+                # the time left): a healthy replica was skipped for a request about to end.
                 call.replica.failed()
             call.cancel()
             self.pause_drafting(exc)

@@ -1587,21 +1587,27 @@ class SilentDraftStub:
 def test_a_draft_replica_silent_for_a_whole_propose_budget_is_skipped_where_there_are_others():
     """A Propose that hears nothing for its whole budget (a frozen replica: DEADLINE_EXCEEDED)
     now marks its replica failed, as a lost call does, when another replica can be asked; it
-    used to be asked again every drafting cycle. With one replica there is nowhere else to go."""
+    used to be asked again every drafting cycle. With one replica there is nowhere else to go;
+    with a budget cut short by the request's deadline, the replica is not to blame."""
     from coordinator.cycles import CycleLoop, Plan
 
-    async def run(drafts):
+    async def run(drafts, deadline_s=None):
         store = CommitWatchingStore(RecordingDraftStub())
         plan = Plan(session_id="s", prompt=[1, 2, 3], max_new_tokens=2, sampling=Sampling(0.0, 0, 1.0, 1), k=2,
                     eos_token_ids=frozenset(), max_context=0, draft_model="", draft_fingerprint="",
                     pipeline=False)  # fmt: skip
-        return [o async for o in CycleLoop(drafts, OneReplica(AcceptingTargetStub()), store, plan, None).run()]
+        deadline = None if deadline_s is None else time.monotonic() + deadline_s
+        return [o async for o in CycleLoop(drafts, OneReplica(AcceptingTargetStub()), store, plan, deadline).run()]
 
-    several, alone = OneReplica(SilentDraftStub()), OneReplica(SilentDraftStub())
-    several.single = False
+    several, alone, near_its_deadline = (OneReplica(SilentDraftStub()) for _ in range(3))
+    several.single = near_its_deadline.single = False
     assert sum(len(o.tokens) for o in asyncio.run(run(several))) == 2
     assert several.replica.down_until > time.monotonic(), "skipped for a while"
     assert sum(len(o.tokens) for o in asyncio.run(run(alone))) == 2 and alone.replica.down_until == 0
+    # A request 1 s from its deadline gives a Propose a quarter of that, not --draft-timeout (2 s):
+    # silent for so short a budget, a healthy replica is not to be skipped for every session on it.
+    assert sum(len(o.tokens) for o in asyncio.run(run(near_its_deadline, deadline_s=1.0))) == 2
+    assert near_its_deadline.replica.down_until == 0
 
 
 def test_with_no_draft_replica_to_ask_the_cycles_run_target_only_and_the_request_completes():
