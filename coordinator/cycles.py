@@ -86,8 +86,9 @@ from specdec.wire import Sampling, sampling_to_pb, target_key
 
 log = logging.getLogger("specdec.coordinator")
 
-# Target calls that fail with these codes are retried (restart, rollout, overload).
-RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED}
+# Target calls that fail with these codes are retried (restart, rollout, overload; ABORTED: the
+# target dropped a stale state of the session, errors.SessionRecreated).
+RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.ABORTED}
 TARGET_RETRY_BACKOFF_S = (0.05, 0.2, 0.5, 1.0, 2.0, 2.0, 4.0, 4.0, 8.0, 8.0)
 # After a failed draft call, cycles run without drafting for this many cycles (doubling).
 DRAFT_BACKOFF_CYCLES = (1, 2, 4, 8, 16, 32)

@@ -60,9 +60,13 @@ class Unavailable(SpecdecError):
     code = grpc.StatusCode.UNAVAILABLE
 
 
-class SessionRecreated(Unavailable):
+class SessionRecreated(SpecdecError):
     """A model service held a session whose id has since been deleted (or expired) and created
-    again: its cache is of the earlier session's tokens. Dropped; the call is to be sent again."""
+    again: its cache is of the earlier session's tokens. Dropped; the call is to be sent again.
+    ABORTED, not UNAVAILABLE: the coordinator takes UNAVAILABLE for a replica lost and skips it,
+    every session on it with it, where only this session's state was stale."""
+
+    code = grpc.StatusCode.ABORTED
 
 
 class Unauthenticated(SpecdecError):

@@ -7,6 +7,7 @@ import re
 import time
 import zlib
 
+import grpc
 import numpy as np
 import pytest
 import torch
@@ -1608,6 +1609,43 @@ def test_a_draft_replica_silent_for_a_whole_propose_budget_is_skipped_where_ther
     # silent for so short a budget, a healthy replica is not to be skipped for every session on it.
     assert sum(len(o.tokens) for o in asyncio.run(run(near_its_deadline, deadline_s=1.0))) == 2
     assert near_its_deadline.replica.down_until == 0
+
+
+class TargetHoldingAnEarlierSession:
+    """A target whose first Verify fails as a model service fails a call on a state of an
+    earlier session of the same id (errors.SessionRecreated); then it accepts."""
+
+    def __init__(self):
+        self.calls = 0
+
+    async def Verify(self, request, timeout=None, wait_for_ready=None):
+        from specdec.errors import SessionRecreated, status_for
+
+        self.calls += 1
+        if self.calls == 1:
+            code, details = status_for(SessionRecreated("session 's' was created again since this target held it"))
+            raise grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details)
+        return pb.VerifyResponse(num_accepted=0, next_token=7)
+
+
+def test_a_verify_refused_for_a_stale_state_of_its_session_is_sent_again_and_its_replica_is_not_skipped():
+    """A target that dropped a stale state of the session (created again under its id) answered
+    UNAVAILABLE, which the coordinator takes for a replica lost: it skipped a healthy replica,
+    every session on it moving and rebuilding elsewhere. ABORTED is retried, the replica kept."""
+    from coordinator.cycles import CycleLoop, Plan
+
+    async def run(targets):
+        plan = Plan(session_id="s", prompt=[1, 2, 3], max_new_tokens=1, sampling=Sampling(0.0, 0, 1.0, 1), k=2,
+                    eos_token_ids=frozenset(), max_context=0, draft_model="", draft_fingerprint="",
+                    pipeline=False)  # fmt: skip
+        store = CommitWatchingStore(RecordingDraftStub())
+        store.ping = lambda: asyncio.sleep(0)
+        return [o async for o in CycleLoop(NoDraftReplica(None), targets, store, plan, None).run()]
+
+    targets = OneReplica(TargetHoldingAnEarlierSession())
+    targets.single = False
+    assert [o.tokens for o in asyncio.run(run(targets))] == [[7]] and targets.replica.stub.calls == 2
+    assert targets.replica.down_until == 0 and not targets.replica.recovering
 
 
 def test_with_no_draft_replica_to_ask_the_cycles_run_target_only_and_the_request_completes():
