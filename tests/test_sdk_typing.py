@@ -6,9 +6,12 @@ import inspect
 import subprocess
 import sys
 import textwrap
+import tomllib
+from pathlib import Path
 
 import pytest
 
+import specdec
 from specdec.client import AsyncClient, Client, GenerateOptions, ResumeOptions
 
 CALLER = textwrap.dedent(
@@ -86,3 +89,13 @@ def test_info_is_a_typed_dataclass_holding_every_model_field_but_the_live_counte
     assert (info.target.model, info.target.eos_token_ids, info.target.max_k) == ("t", (2, 7), 16)
     assert (info.draft.kind, info.draft.min_ngram, info.draft.max_ngram) == ("ngram", 1, 3)
     assert (info.default_num_speculative_tokens, info.max_new_tokens_limit) == (4, 99)
+
+
+def test_the_package_ships_its_py_typed_marker():
+    """A type checker takes an installed package for typed only where it holds py.typed (PEP 561):
+    pyproject.toml listed it but the file was missing, so `pip install .` gave callers an untyped
+    SDK (the test above finds the source tree from the repository, where no marker is asked for)."""
+    package = Path(specdec.__file__).parent
+    assert (package / "py.typed").is_file()
+    pyproject = tomllib.loads((package.parent / "pyproject.toml").read_text())
+    assert "py.typed" in pyproject["tool"]["setuptools"]["package-data"]["specdec"]
