@@ -132,7 +132,9 @@ class ModelDrafter:
         if sampling.greedy:
             # Temperature 0: q is the one-hot of the argmax, which is the token; sent as
             # one-hot, it needs no [V] tensor here, on the wire or at the target.
-            token, draft_probs = greedy_token(logits), None
+            ids = self.output_ids  # the argmax over the head's ids alone, as draw_q samples
+            token = greedy_token(logits) if ids is None else int(ids[greedy_token(logits[ids])])
+            draft_probs = None
             if weight > 0 and token != looked_up:
                 q = torch.softmax(logits.float(), -1)  # [V]
                 if weight + (1 - weight) * float(q[looked_up]) >= (1 - weight) * float(q[token]):

@@ -542,8 +542,8 @@ def test_a_dense_q_from_a_draft_whose_embedding_is_padded_otherwise_fits_the_tar
 
 
 def test_a_draft_whose_embedding_has_rows_past_its_tokenizers_ids_never_puts_mass_there():
-    """Rows past the tokenizer's ids stand for no token: the draft samples over its ids alone,
-    so its q fits a target of the same tokenizer without those rows (it used to spread mass
+    """Rows past the tokenizer's ids stand for no token: the draft samples (and takes its greedy
+    argmax) over its ids alone, so its q fits a target of the same tokenizer without those rows (it used to spread mass
     over them, and the target refused q with ids outside its vocabulary)."""
     from draft_service.drafters import ModelDrafter, Step
     from specdec.kvcache import SessionState, new_cache
@@ -563,6 +563,14 @@ def test_a_draft_whose_embedding_has_rows_past_its_tokenizers_ids_never_puts_mas
             assert token < tokens and not q.probs()[tokens:].any()
             received = draft_from_pb(draft_token_to_pb(0, token, q), tokens)  # the target has no padded rows
             assert torch.equal(received.q, q.probs()[:tokens])
+    # Greedy too: the argmax over the tokenizer's ids, even where a padded row scores highest (it
+    # used to take the argmax over every row, and the target refused the id).
+    with torch.no_grad():
+        model.get_output_embeddings().weight[tokens:] *= 1000
+    with torch.inference_mode():
+        for _ in range(8):
+            [(token, q, _)] = drafter.draft_batch([Step(state, Sampling(0.0, 0, 1.0, seed=1), generator)])
+            assert token < tokens and q is None
 
 
 def test_float32_dense_and_sparse_q_are_still_accepted_on_the_wire():
