@@ -118,8 +118,8 @@ class TextStream:
         """The text up to CHARACTER_TOKENS tokens before the end, once it can no longer change.
         Invalid bytes (tokens that decode to U+FFFD and never complete a character, a model
         repeating a stray byte) kept the window ending in U+FFFD: nothing was streamed, and each
-        token decoded the whole window again (2,000 such tokens: 0.4 s on the event loop every
-        session shares; 8,000: ~6 s). A character ends within CHARACTER_TOKENS tokens of its
+        token decoded the whole window again, quadratic (2,000 such tokens of SmolLM2: 0.4 s on
+        the event loop every session shares). A character ends within CHARACTER_TOKENS tokens of its
         first byte, so where the window decodes to the same text without its last
         CHARACTER_TOKENS tokens, that text is final, U+FFFDs of invalid bytes and all."""
         settled = len(self.window_ids) - CHARACTER_TOKENS

@@ -814,16 +814,17 @@ def _lr_at(step: int, fraction: float, peak: float, warmup: int = 30) -> float:
 
 def schedule_of(state: dict, budget: float) -> dict:
     """The learning-rate schedule the training goes on with: {"start_step", "start_seconds",
-    "budget_seconds", and "ended" once its run reached its deadline}, its budget of training seconds from that step and second on. A run
-    interrupted before its budget was trained goes on with its own schedule, where it stopped
-    (no second warmup; a decay already begun goes on); a fresh run, or a finished one trained
-    further, begins one over this run's `budget`. A resumed run used to begin a new one
+    "budget_seconds"; "ended" once its run reached its deadline}, its budget of training seconds
+    from that step and second on. A run interrupted before its budget was trained goes on with
+    its own schedule, where it stopped (no second warmup; a decay already begun goes on); a
+    fresh run, or a finished one trained further, begins one over this run's `budget`. A resumed run used to begin a new one
     always: back to the peak rate after an interruption in the decay."""
     schedule = state.get("schedule")
     # "ended": its run reached its deadline. One that began at its deadline (the data phase took
     # the minutes) had a 1 ms budget, trained less than that, and looked unfinished for good:
     # every later --resume went on with it, at the floor rate.
-    if schedule is None or schedule.get("ended") or state["train_seconds"] >= schedule["start_seconds"] + schedule["budget_seconds"]:
+    if (schedule is None or schedule.get("ended")
+            or state["train_seconds"] >= schedule["start_seconds"] + schedule["budget_seconds"]):  # fmt: skip
         schedule = {"start_step": state["step"], "start_seconds": state["train_seconds"], "budget_seconds": budget}
     return schedule
 

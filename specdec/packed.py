@@ -37,6 +37,7 @@ several rows already do; greedy outputs still match `transformers` (the oracle t
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -263,11 +264,9 @@ def remember_kernels(model: torch.nn.Module, thread_counts: Iterable[int]) -> No
     entries[timing_key(model, thread_counts)] = [[rows, threads, packed] for (rows, threads), packed
                                                  in sorted(kernel_choice(model).packed.items())]  # fmt: skip
     path = remembered_path()
-    try:
+    with contextlib.suppress(OSError):
         path.parent.mkdir(parents=True, exist_ok=True)
         write_atomically(path, lambda temp: temp.write_text(json.dumps(entries, indent=1, sort_keys=True)))
-    except OSError:
-        pass
 
 
 def packed_layers(model: torch.nn.Module) -> list[PackedLinear]:
