@@ -501,6 +501,11 @@ def generate_data(config: DistillConfig, target, train_prompts: list, eval_promp
     return train, held_out, stats
 
 
+def prompts_fingerprint(train_prompts: list, eval_prompts: list) -> str:
+    """The sha256 of the training and held-out prompts, as loaded (load_prompts)."""
+    return hashlib.sha256(json.dumps([train_prompts, eval_prompts], sort_keys=True).encode()).hexdigest()[:16]
+
+
 def prompt_key(record: dict) -> str:
     """A stable name for a record's prompt: the sha1 of its prompt token ids."""
     return hashlib.sha1(record["ids"][: record["n_prompt"]].long().numpy().tobytes()).hexdigest()
@@ -1253,7 +1258,8 @@ def distill(config: DistillConfig) -> dict:
     target = load_model(config.target)
     meta_path = out / DATA_DIR / "target.json"
     made_by = {"target": config.target, "vocab_fingerprint": target.vocab_fingerprint,
-               "weights_fingerprint": target.weights_fingerprint}  # fmt: skip
+               "weights_fingerprint": target.weights_fingerprint,
+               "prompts_fingerprint": prompts_fingerprint(train_prompts, eval_prompts)}  # fmt: skip
     if meta_path.exists():
         previous = json.loads(meta_path.read_text())
         # data written before weights were recorded is checked by vocabulary
@@ -1263,6 +1269,11 @@ def distill(config: DistillConfig) -> dict:
             this = describe_model(config.target, target.vocab_fingerprint, target.weights_fingerprint)
             raise DistillError(f"{out} holds data sampled from another target, {sampled_from}, not {this}; "
                                "pick a new --out")  # fmt: skip
+        # A resumed run trains and evaluates on the data already sampled: from other prompts, the
+        # card would name prompts the draft never saw, and the held-out set would not be theirs.
+        if previous.get("prompts_fingerprint", made_by["prompts_fingerprint"]) != made_by["prompts_fingerprint"]:
+            raise DistillError(f"{out} holds data sampled from other prompts than --prompts and --eval-prompts "
+                               "give now; resume with the ones the run began with, or pick a new --out")  # fmt: skip
     (out / DATA_DIR).mkdir(parents=True, exist_ok=True)
     write_json(meta_path, made_by)
 

@@ -511,6 +511,22 @@ def test_resuming_with_a_target_of_other_weights_is_refused_and_leaves_the_run_a
     assert {p: p.read_bytes() for p in copied.rglob("*") if p.is_file()} == before
 
 
+def test_resuming_with_other_prompts_is_refused_and_leaves_the_run_as_it_was(distilled, tiny, tmp_path, capsys):
+    """--resume trains and evaluates on the data already sampled; given other prompts it went on
+    with the old data while the card named the new prompts (and their held-out split): refused,
+    and nothing in the folder is written. The same prompts resume as before."""
+    out, _, _, _ = distilled
+    copied = shutil.copytree(out, tmp_path / "run")
+    before = {p: p.read_bytes() for p in copied.rglob("*") if p.is_file()}
+    other = tmp_path / "other.jsonl"
+    other.write_text("".join(Path(tiny[2]).read_text().splitlines(keepends=True)[1:]))  # one prompt fewer
+    argv = ["--target", tiny[1], "--out", str(copied), "--prompts", str(other), "--minutes", "0.01", "--resume",
+            *DISTILL_FLAGS]  # fmt: skip
+    assert run_distill(parse(argv)) == 1
+    assert "holds data sampled from other prompts than --prompts and --eval-prompts give now" in capsys.readouterr().err
+    assert {p: p.read_bytes() for p in copied.rglob("*") if p.is_file()} == before
+
+
 def test_materialize_rebuilds_the_draft_and_refuses_another_vocabulary(distilled, tiny, tmp_path):
     out, _, _, _ = distilled
     rebuilt = materialize_draft(tiny[1], out / WEIGHTS_NAME, tmp_path / "rebuilt")
