@@ -19,14 +19,16 @@ token decoded alone lost its leading space ("Once upon a" + "time").
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 REPLACEMENT_CHAR = "\ufffd"
 CONTEXT_TOKENS = 4  # of the prompt's last tokens, decoded before the output (module doc)
-# A character is at most 4 UTF-8 bytes and a token at least one: what decodes before a window's
-# last 4 tokens is final once they do not change it (TextStream._settle).
+# A character is at most 4 UTF-8 bytes and a token that is not special at least one: what decodes
+# before a window's last 4 such tokens is final once they do not change it (TextStream._settle).
 CHARACTER_TOKENS = 4
+BYTE_TOKEN = re.compile(r"<0x[0-9A-Fa-f]{2}>")  # a byte-fallback token (SentencePiece: Llama 2, Mistral)
 
 
 @dataclass
@@ -46,8 +48,11 @@ class TextStream:
     stopped: bool = False
     # What the windows decode: the context's tokens, then the output's; the offsets index it.
     window_ids: list[int] = field(default_factory=list)
+    # The tokenizer's special tokens: decoded to nothing (skip_special_tokens), they carry no byte.
+    special_ids: frozenset[int] = field(default_factory=frozenset)
 
     def __post_init__(self) -> None:
+        self.special_ids = frozenset(getattr(self.tokenizer, "all_special_ids", ()))
         self.window_ids = list(self.context[-CONTEXT_TOKENS:])
         self.prefix_offset = 0
         self.read_offset = len(self.window_ids)
@@ -115,19 +120,44 @@ class TextStream:
         return ""
 
     def _settle(self, prefix: str, full: str) -> str:
-        """The text up to CHARACTER_TOKENS tokens before the end, once it can no longer change.
-        Invalid bytes (tokens that decode to U+FFFD and never complete a character, a model
-        repeating a stray byte) kept the window ending in U+FFFD: nothing was streamed, and each
-        token decoded the whole window again, quadratic (2,000 such tokens of SmolLM2: 0.4 s on
-        the event loop every session shares). A character ends within CHARACTER_TOKENS tokens of its
-        first byte, so where the window decodes to the same text without its last
-        CHARACTER_TOKENS tokens, that text is final, U+FFFDs of invalid bytes and all."""
-        settled = len(self.window_ids) - CHARACTER_TOKENS
-        head = self.tokenizer.decode(self.window_ids[self.prefix_offset : settled], skip_special_tokens=True)
-        if len(head) <= len(prefix) or not full.startswith(head):
+        """The text before the window's last CHARACTER_TOKENS tokens that carry bytes, once it can
+        no longer change. Invalid bytes (tokens that decode to U+FFFD and never complete a
+        character, a model repeating a stray byte) kept the window ending in U+FFFD: nothing was
+        streamed, and each token decoded the whole window again, quadratic (2,000 such tokens of
+        SmolLM2: 0.4 s on the event loop every session shares). A character ends within
+        CHARACTER_TOKENS byte-carrying tokens of its first byte (skipped special tokens carry
+        none, and may stand between its bytes), so text before them is final where the window
+        decodes as its two parts do (not where the tokenizer joins or strips text at the cut),
+        and not inside a run of byte-fallback tokens (in_byte_run)."""
+        settled, carrying = len(self.window_ids), 0
+        while settled > self.read_offset and carrying < CHARACTER_TOKENS:
+            settled -= 1
+            carrying += self.window_ids[settled] not in self.special_ids
+        if carrying < CHARACTER_TOKENS or settled <= self.read_offset or self.in_byte_run(settled):
+            return ""
+        decode = self.tokenizer.decode
+        head = decode(self.window_ids[self.prefix_offset : settled], skip_special_tokens=True)
+        if len(head) <= len(prefix) or head + decode(self.window_ids[settled:], skip_special_tokens=True) != full:
             return ""
         self.prefix_offset, self.read_offset = self.read_offset, settled
         return head[len(prefix) :]
+
+    def in_byte_run(self, at: int) -> bool:
+        """Whether the tokens on both sides of `at`, special tokens skipped as decode skips them,
+        are byte-fallback tokens (<0xNN>): one run, which the decoder turns into text as a whole,
+        all of it U+FFFD if any of it is invalid, so no cut inside it is final (bytes that come
+        later may make its end valid)."""
+        convert = getattr(self.tokenizer, "convert_ids_to_tokens", None)
+        if convert is None:  # a tokenizer that names no tokens has no byte-fallback ones
+            return False
+        window, before, after = self.window_ids, at - 1, at
+        while before >= 0 and window[before] in self.special_ids:
+            before -= 1
+        while after < len(window) and window[after] in self.special_ids:
+            after += 1
+        if before < 0 or after == len(window):
+            return False
+        return all(isinstance(t, str) and BYTE_TOKEN.fullmatch(t) for t in convert([window[before], window[after]]))
 
 
 def max_len(stop: Sequence[str]) -> int:
