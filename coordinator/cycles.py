@@ -735,11 +735,12 @@ class CycleLoop:
             # same output. It used to end the request for any code but a few.
             if isinstance(call, DraftCall) and (exc.code() == grpc.StatusCode.UNAVAILABLE or (
                     exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED and not call.tokens and not self.drafts.single
-                    and call.budget == self.draft_timeout_s)):  # fmt: skip
+                    and (self.draft_timeout_s <= 0 or call.budget == self.draft_timeout_s))):  # fmt: skip
                 # Lost, or silent for its whole --draft-timeout (a frozen host): with other replicas
                 # to ask, skip it for a while; a frozen one used to cost each drafting cycle its
-                # budget. Not for a budget cut short by the request's own deadline (a quarter of
-                # the time left): a healthy replica was skipped for a request about to end.
+                # budget. Not for a --draft-timeout cut short by the request's own deadline (a
+                # quarter of the time left): a healthy replica was skipped for a request about to
+                # end. (--draft-timeout 0: the deadline's share is the whole budget.)
                 call.replica.failed()
             call.cancel()
             self.pause_drafting(exc)

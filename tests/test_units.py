@@ -1663,18 +1663,19 @@ def test_a_draft_replica_silent_for_a_whole_propose_budget_is_skipped_where_ther
     now marks its replica failed, as a lost call does, when another replica can be asked; it
     used to be asked again every drafting cycle. With one replica there is nowhere else to go;
     with a budget cut short by the request's deadline, the replica is not to blame."""
-    from coordinator.cycles import CycleLoop, Plan
+    from coordinator.cycles import DRAFT_TIMEOUT_S, CycleLoop, Plan
 
-    async def run(drafts, deadline_s=None):
+    async def run(drafts, deadline_s=None, draft_timeout_s=DRAFT_TIMEOUT_S):
         store = CommitWatchingStore(RecordingDraftStub())
         plan = Plan(session_id="s", prompt=[1, 2, 3], max_new_tokens=2, sampling=Sampling(0.0, 0, 1.0, 1), k=2,
                     eos_token_ids=frozenset(), max_context=0, draft_model="", draft_fingerprint="",
                     pipeline=False)  # fmt: skip
         deadline = None if deadline_s is None else time.monotonic() + deadline_s
-        return [o async for o in CycleLoop(drafts, OneReplica(AcceptingTargetStub()), store, plan, deadline).run()]
+        loop = CycleLoop(drafts, OneReplica(AcceptingTargetStub()), store, plan, deadline, draft_timeout_s=draft_timeout_s)
+        return [o async for o in loop.run()]
 
-    several, alone, near_its_deadline = (OneReplica(SilentDraftStub()) for _ in range(3))
-    several.single = near_its_deadline.single = False
+    several, alone, near_its_deadline, deadline_only = (OneReplica(SilentDraftStub()) for _ in range(4))
+    several.single = near_its_deadline.single = deadline_only.single = False
     assert sum(len(o.tokens) for o in asyncio.run(run(several))) == 2
     assert several.replica.down_until > time.monotonic(), "skipped for a while"
     assert sum(len(o.tokens) for o in asyncio.run(run(alone))) == 2 and alone.replica.down_until == 0
@@ -1682,6 +1683,9 @@ def test_a_draft_replica_silent_for_a_whole_propose_budget_is_skipped_where_ther
     # silent for so short a budget, a healthy replica is not to be skipped for every session on it.
     assert sum(len(o.tokens) for o in asyncio.run(run(near_its_deadline, deadline_s=1.0))) == 2
     assert near_its_deadline.replica.down_until == 0
+    # --draft-timeout 0 ("only the deadline"): the deadline's share is the whole budget.
+    assert sum(len(o.tokens) for o in asyncio.run(run(deadline_only, deadline_s=1.0, draft_timeout_s=0.0))) == 2
+    assert deadline_only.replica.down_until > time.monotonic()
 
 
 class TargetHoldingAnEarlierSession:
