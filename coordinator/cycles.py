@@ -718,13 +718,25 @@ class CycleLoop:
         return DraftCall(replica, request, draft_budget(self.draft_timeout_s, remaining), self.plan.eos_token_ids,
                          self.tracer)  # fmt: skip
 
+    def replica_lost(self, call: DraftCall, code: grpc.StatusCode) -> bool:
+        """Whether a Propose that failed with `code` says its replica is lost (UNAVAILABLE) or
+        frozen: silent for its whole --draft-timeout, where other replicas can be asked (a frozen
+        one used to cost each drafting cycle its budget). Not for a --draft-timeout cut short by
+        the request's own deadline (a quarter of the time left): a healthy replica was skipped
+        for a request about to end. With --draft-timeout 0 the deadline's share is the budget."""
+        if code == grpc.StatusCode.UNAVAILABLE:
+            return True
+        whole_budget = self.draft_timeout_s <= 0 or call.budget == self.draft_timeout_s
+        return code == grpc.StatusCode.DEADLINE_EXCEEDED and not call.tokens and not self.drafts.single and whole_budget
+
     async def take_drafts(self, call: DraftCall, k: int) -> list[pb.DraftToken]:
         """The first k drafts of `call`; on a draft fault (an error, or the call's budget
         spent: DEADLINE_EXCEEDED), none: the cycle runs target-only."""
         try:
             call_span = getattr(call, "span", None)  # a DraftCall's: the drafts come from that call
             links = [trace.Link(call_span.get_span_context())] if call_span is not None else []
-            with self.tracer.start_as_current_span(telemetry.PROPOSE_SPAN, attributes={"specdec.k": k}, links=links) as span:
+            attributes = {"specdec.k": k}
+            with self.tracer.start_as_current_span(telemetry.PROPOSE_SPAN, attributes=attributes, links=links) as span:
                 drafts = await call.first(k)
                 for token in drafts:
                     span.add_event("draft_token", {"index": token.index, "token_id": token.token_id})
@@ -733,14 +745,7 @@ class CycleLoop:
             # Whatever the draft's failure (down, slow, out of memory, a broken model, a bug),
             # it costs this cycle its drafts, never the request: the target alone gives the
             # same output. It used to end the request for any code but a few.
-            if isinstance(call, DraftCall) and (exc.code() == grpc.StatusCode.UNAVAILABLE or (
-                    exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED and not call.tokens and not self.drafts.single
-                    and (self.draft_timeout_s <= 0 or call.budget == self.draft_timeout_s))):  # fmt: skip
-                # Lost, or silent for its whole --draft-timeout (a frozen host): with other replicas
-                # to ask, skip it for a while; a frozen one used to cost each drafting cycle its
-                # budget. Not for a --draft-timeout cut short by the request's own deadline (a
-                # quarter of the time left): a healthy replica was skipped for a request about to
-                # end. (--draft-timeout 0: the deadline's share is the whole budget.)
+            if isinstance(call, DraftCall) and self.replica_lost(call, exc.code()):
                 call.replica.failed()
             call.cancel()
             self.pause_drafting(exc)

@@ -822,8 +822,8 @@ def schedule_of(state: dict, budget: float) -> dict:
     "budget_seconds"; "ended" once its run reached its deadline}, its budget of training seconds
     from that step and second on. A run interrupted before its budget was trained goes on with
     its own schedule, where it stopped (no second warmup; a decay already begun goes on); a
-    fresh run, or a finished one trained further, begins one over this run's `budget`. A resumed run used to begin a new one
-    always: back to the peak rate after an interruption in the decay."""
+    fresh run, or a finished one trained further, begins one over this run's `budget`. A resumed
+    run used to begin a new one always: back to the peak rate after an interruption in the decay."""
     schedule = state.get("schedule")
     # "ended": its run reached its deadline. One that began at its deadline (the data phase took
     # the minutes) had a 1 ms budget, trained less than that, and looked unfinished for good:
