@@ -82,7 +82,7 @@ from specdec.errors import Unavailable
 from specdec.ngram import find_continuation
 from specdec.session import SessionStore
 from specdec.v1 import specdec_pb2 as pb
-from specdec.wire import Sampling, sampling_to_pb, target_key
+from specdec.wire import PROPOSE_STARTED, Sampling, sampling_to_pb, target_key
 
 log = logging.getLogger("specdec.coordinator")
 
@@ -270,6 +270,14 @@ class DraftCall:
         if self.error is not None and len(self.tokens) < n:
             raise self.error
         return self.tokens[:n]
+
+    async def answered(self) -> bool:
+        """Whether the draft service began the call: it sends PROPOSE_STARTED first thing, so a
+        call that got it reached a live service, however long the service then took. Does not
+        wait once the call has ended."""
+        metadata = await self.call.initial_metadata()
+        (key, value), = PROPOSE_STARTED
+        return metadata is not None and metadata.get(key) == value
 
     def cancel(self) -> None:
         self.call.cancel()
@@ -718,16 +726,22 @@ class CycleLoop:
         return DraftCall(replica, request, draft_budget(self.draft_timeout_s, remaining), self.plan.eos_token_ids,
                          self.tracer)  # fmt: skip
 
-    def replica_lost(self, call: DraftCall, code: grpc.StatusCode) -> bool:
+    async def replica_lost(self, call: DraftCall, code: grpc.StatusCode) -> bool:
         """Whether a Propose that failed with `code` says its replica is lost (UNAVAILABLE) or
         frozen: silent for its whole --draft-timeout, where other replicas can be asked (a frozen
-        one used to cost each drafting cycle its budget). Not for a --draft-timeout cut short by
-        the request's own deadline (a quarter of the time left): a healthy replica was skipped
-        for a request about to end. With --draft-timeout 0 the deadline's share is the budget."""
+        one used to cost each drafting cycle its budget). Silent means not even the service's
+        first answer (`DraftCall.answered`): a replica that began the call and then ran past the
+        budget is busy, not frozen (a long prompt's first Propose prefilling past
+        --draft-timeout marked a healthy replica failed, and moved every session on it). Not
+        for a --draft-timeout cut short by the request's own deadline (a quarter of the time
+        left): a healthy replica was skipped for a request about to end. With --draft-timeout 0
+        the deadline's share is the budget."""
         if code == grpc.StatusCode.UNAVAILABLE:
             return True
         whole_budget = self.draft_timeout_s <= 0 or call.budget == self.draft_timeout_s
-        return code == grpc.StatusCode.DEADLINE_EXCEEDED and not call.tokens and not self.drafts.single and whole_budget
+        if code != grpc.StatusCode.DEADLINE_EXCEEDED or call.tokens or self.drafts.single or not whole_budget:
+            return False
+        return not await call.answered()
 
     async def take_drafts(self, call: DraftCall, k: int) -> list[pb.DraftToken]:
         """The first k drafts of `call`; on a draft fault (an error, or the call's budget
@@ -745,7 +759,7 @@ class CycleLoop:
             # Whatever the draft's failure (down, slow, out of memory, a broken model, a bug),
             # it costs this cycle its drafts, never the request: the target alone gives the
             # same output. It used to end the request for any code but a few.
-            if isinstance(call, DraftCall) and self.replica_lost(call, exc.code()):
+            if isinstance(call, DraftCall) and await self.replica_lost(call, exc.code()):
                 call.replica.failed()
             call.cancel()
             self.pause_drafting(exc)

@@ -18,6 +18,7 @@ from specdec.session import SessionStore
 from specdec.v1 import specdec_pb2 as pb
 from specdec.v1 import specdec_pb2_grpc as pb_grpc
 from specdec.draft_wire import draft_token_to_pb
+from specdec.wire import PROPOSE_STARTED
 
 
 @dataclass
@@ -61,6 +62,7 @@ class DraftServicer(ModelService, pb_grpc.DraftServicer):
 
     @grpc_handler
     async def Propose(self, request: pb.ProposeRequest, context):
+        await context.send_initial_metadata(PROPOSE_STARTED)  # "alive", before a long prefill
         self.ready()
         if not 1 <= request.k <= self.config.max_k:
             raise InvalidArgument(f"k must be between 1 and {self.config.max_k}, got {request.k}")

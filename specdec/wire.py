@@ -23,6 +23,9 @@ if TYPE_CHECKING:
 
 DEFAULT_TEMPERATURE = 1.0
 DEFAULT_TOP_P = 1.0
+# The initial metadata a draft service sends first thing in a Propose, before any prefill or
+# queue: a call that got it reached a live service, busy rather than frozen (cycles.CycleLoop).
+PROPOSE_STARTED = (("specdec-propose", "started"),)
 
 
 @dataclass(frozen=True)

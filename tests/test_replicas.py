@@ -255,6 +255,51 @@ def test_a_failed_replica_that_accepts_connections_but_answers_nothing_stays_ski
     assert state in (grpc.ChannelConnectivity.CONNECTING, grpc.ChannelConnectivity.TRANSIENT_FAILURE)
 
 
+def test_a_draft_service_answers_a_propose_first_thing_so_a_frozen_replica_is_told_from_a_busy_one(tiny_stack):
+    """Over real gRPC (`DraftCall.answered`, which decides whether a Propose that ran out of
+    time marks its replica failed): the draft service sends PROPOSE_STARTED before it looks at
+    the call at all (here one for a session it does not know, refused NOT_FOUND after), so a
+    call that then runs past its budget, prefilling say, is known to have reached a live
+    service; a host that accepts connections and answers nothing (frozen) never sends it."""
+    import socket
+
+    from opentelemetry import trace
+
+    from coordinator.cycles import DraftCall
+    from coordinator.replicas import Replica
+
+    class Stub:
+        def __init__(self, channel, metadata):
+            self.stub, self.metadata = pb_grpc.DraftStub(channel), metadata
+
+        def Propose(self, request, timeout=None):
+            return self.stub.Propose(request, timeout=timeout, metadata=self.metadata)
+
+    mute = socket.create_server(("127.0.0.1", 0))  # listens (the kernel completes handshakes), never answers
+    request = pb.ProposeRequest(session_id="ghost", position=0, new_tokens=[5], k=2,
+                                sampling=pb.SamplingParams(temperature=0.0, seed=1))  # fmt: skip
+
+    async def ask(address: str, credentials) -> tuple[grpc.StatusCode, bool]:
+        channel = (grpc.aio.insecure_channel(address) if credentials is None
+                   else grpc.aio.secure_channel(address, credentials))  # fmt: skip
+        try:
+            replica = Replica(address, channel, Stub(channel, tiny_stack.internal_metadata))
+            call = DraftCall(replica, request, 1.0, frozenset(), trace.get_tracer("test"))
+            with pytest.raises(grpc.aio.AioRpcError) as failure:
+                await call.first(2)
+            return failure.value.code(), await call.answered()
+        finally:
+            await channel.close()
+
+    try:
+        live = asyncio.run(ask(f"127.0.0.1:{tiny_stack.ports['draft']}", tiny_stack.channel_credentials()))
+        frozen = asyncio.run(ask(f"127.0.0.1:{mute.getsockname()[1]}", None))
+    finally:
+        mute.close()
+    assert live == (grpc.StatusCode.NOT_FOUND, True)
+    assert frozen == (grpc.StatusCode.DEADLINE_EXCEEDED, False)
+
+
 def test_a_tls_file_unreadable_at_a_dns_refresh_is_logged_and_the_refresh_goes_on(tmp_path, caplog):
     """A dns:/// refresh opens a channel to each new address, reading the CA file then (so a
     rotated one is taken). Unreadable for a moment (a secret being rotated), its SystemExit

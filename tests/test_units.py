@@ -1550,17 +1550,23 @@ class FailingOnceDraftStub:
 class GeneratedStream:
     """A Propose call's stream whose tokens an async generator yields."""
 
-    def __init__(self, tokens):
+    def __init__(self, tokens, initial_metadata=()):
         self.tokens = tokens
+        self.metadata = initial_metadata  # what the service sent before its first token
 
     def __aiter__(self):
         return self.tokens
+
+    async def initial_metadata(self):
+        import grpc
+
+        return grpc.aio.Metadata(*self.metadata)
 
     def cancel(self):
         pass
 
 
-def FailingDraftStream():
+def FailingDraftStream(initial_metadata=()):
     async def failing():
         import grpc
 
@@ -1568,7 +1574,7 @@ def FailingDraftStream():
                                    "the draft's deadline ran out while it waited")  # fmt: skip
         yield
 
-    return GeneratedStream(failing())
+    return GeneratedStream(failing(), initial_metadata)
 
 
 class RejectingTargetStub:
@@ -1648,14 +1654,18 @@ def test_a_verify_with_no_target_replica_answered_yet_waits_for_one_as_for_a_los
 
 
 class SilentDraftStub:
-    """A draft whose every Propose ends DEADLINE_EXCEEDED having sent nothing (a frozen host)."""
+    """A draft whose every Propose ends DEADLINE_EXCEEDED having sent nothing (a frozen host);
+    `busy`: having sent its first answer only (a live one, prefilling a long prompt, say)."""
 
-    def __init__(self):
+    def __init__(self, busy: bool = False):
         self.calls = 0
+        self.busy = busy
 
     def Propose(self, request, timeout=None):
+        from specdec.wire import PROPOSE_STARTED
+
         self.calls += 1
-        return FailingDraftStream()
+        return FailingDraftStream(PROPOSE_STARTED if self.busy else ())
 
 
 def test_a_draft_replica_silent_for_a_whole_propose_budget_is_skipped_where_there_are_others():
@@ -1686,6 +1696,30 @@ def test_a_draft_replica_silent_for_a_whole_propose_budget_is_skipped_where_ther
     # --draft-timeout 0 ("only the deadline"): the deadline's share is the whole budget.
     assert sum(len(o.tokens) for o in asyncio.run(run(deadline_only, deadline_s=1.0, draft_timeout_s=0.0))) == 2
     assert deadline_only.replica.down_until > time.monotonic()
+
+
+def test_a_draft_replica_that_began_a_propose_and_ran_past_its_budget_is_busy_and_not_skipped():
+    """A draft service sends its first answer (PROPOSE_STARTED, initial metadata) before any
+    prefill or queue. A Propose that got it and then ran past --draft-timeout (a long prompt's
+    first call, prefilling; the chunks it fed are kept for the next call) reached a live
+    replica: the cycle runs target-only, and the replica stays, with every other session on it.
+    It used to be marked failed as a frozen one is, its sessions moved to the others, where
+    the same long prompt made each of them fail in turn."""
+    from coordinator.cycles import CycleLoop, Plan
+
+    async def run(drafts):
+        store = CommitWatchingStore(RecordingDraftStub())
+        plan = Plan(session_id="s", prompt=[1, 2, 3], max_new_tokens=2, sampling=Sampling(0.0, 0, 1.0, 1), k=2,
+                    eos_token_ids=frozenset(), max_context=0, draft_model="", draft_fingerprint="",
+                    pipeline=False)  # fmt: skip
+        return [o async for o in CycleLoop(drafts, OneReplica(AcceptingTargetStub()), store, plan, None).run()]
+
+    busy, silent = OneReplica(SilentDraftStub(busy=True)), OneReplica(SilentDraftStub())
+    busy.single = silent.single = False
+    assert sum(len(o.tokens) for o in asyncio.run(run(busy))) == 2 and busy.replica.stub.calls >= 1
+    assert busy.replica.down_until == 0 and not busy.replica.recovering
+    assert sum(len(o.tokens) for o in asyncio.run(run(silent))) == 2
+    assert silent.replica.down_until > time.monotonic()
 
 
 class TargetHoldingAnEarlierSession:
