@@ -324,6 +324,9 @@ def test_references_resolve(overlay):
         assert 1 <= hpa["spec"]["minReplicas"] <= hpa["spec"]["maxReplicas"]
     for pdb in r.of_kind("PodDisruptionBudget"):
         assert r.selected_workloads(pdb["spec"]["selector"]), f"PDB {pdb['metadata']['name']} selects no pods"
+        # one pod of each kind evicted at a time (README); the coordinator's said minAvailable: 1,
+        # which let a drain take all of its pods but one at once
+        assert pdb["spec"].get("maxUnavailable") == 1 and "minAvailable" not in pdb["spec"], pdb["metadata"]["name"]
 
 
 def assert_env_order(where: str, env: list[dict]) -> None:
