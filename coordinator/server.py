@@ -119,7 +119,7 @@ class CoordinatorConfig:
     port: int = 50051
     draft_address: str = "127.0.0.1:50052"
     target_address: str = "127.0.0.1:50053"
-    redis_url: str = ""
+    redis_url: str = field(default="", repr=False)  # may hold the Redis password: never in a repr
     # Tokenizer for text prompts; default: the model the target reports.
     tokenizer: str = ""
     # K used when a request does not set one; None = the draft's own K, as the draft service

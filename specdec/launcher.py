@@ -80,7 +80,7 @@ class StackConfig:
     draft: str = ""  # "" = the target's default draft (specdec.catalog.default_draft)
     # The coordinator's --ngram-first (with a model draft: lookups for repeated n-grams); 0 = off.
     ngram_first: int = 0
-    redis_url: str = ""
+    redis_url: str = field(default="", repr=False)  # may hold the Redis password: never in a repr
     # Torch threads for the target and draft processes (None: split the cores).
     target_threads: int | None = None
     draft_threads: int | None = None

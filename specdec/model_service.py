@@ -25,7 +25,7 @@ class ModelServiceConfig:
 
     # Catalog name, HF directory or .gguf file of the model to serve.
     model: str = ""
-    redis_url: str = ""
+    redis_url: str = field(default="", repr=False)  # may hold the Redis password: never in a repr
     host: str = "127.0.0.1"
     port: int = 0
     # Largest K (drafts per request) accepted; bounds the work one request can ask for.

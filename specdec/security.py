@@ -128,7 +128,7 @@ class TokenSource:
     Kubernetes Secret mounted as a file changes so. A server accepts all of them; a client
     (the coordinator on its internal hops) sends the first."""
 
-    named: Mapping[str, str] = field(default_factory=dict)
+    named: Mapping[str, str] = field(default_factory=dict, repr=False)  # secrets: never in a repr or log
     # The file the tokens come from, with the entries of the environment variable `env`:
     # re-read when it changes. "" = the tokens are fixed.
     path: str = ""

@@ -714,6 +714,32 @@ def test_a_redis_url_is_logged_without_its_passwords_wherever_they_stand(caplog)
     assert "redis://localhost:1/0?password=***" in caplog.text and "s3cret" not in caplog.text
 
 
+def test_no_secret_appears_in_the_repr_of_a_services_config_or_security(tmp_path):
+    """The configs the CLI builds, as a traceback, a debugger or a log line of `config` shows
+    them: the API and internal tokens and the Redis URL (which may hold its password) used to
+    be in their repr() (CoordinatorConfig(redis_url='redis://:pw@...', security=ServerSecurity(
+    source=TokenSource(named={'TOKEN': 'alice'}, ...)))); the files they come from still are."""
+    from coordinator.server import CoordinatorConfig
+    from draft_service.server import DraftConfig
+    from specdec.launcher import StackConfig
+    from specdec.security import ChannelSecurity, ServerSecurity
+    from target_service.server import TargetConfig
+
+    tokens = tmp_path / "tokens"
+    tokens.write_text("alice api-s3cret-1\nint-s3cret-2\n")
+    url = "redis://:redis-s3cret-3@redis.example:6379/0"
+    server = ServerSecurity.from_token_file("", "", "", str(tokens), "NO_SUCH_ENV")
+    channel = ChannelSecurity.from_token_file("", "", "", str(tokens), "NO_SUCH_ENV")
+    assert server.tokens == ("api-s3cret-1", "int-s3cret-2") and channel.source is not None
+    configs = [CoordinatorConfig(redis_url=url, security=server, internal=channel),
+               DraftConfig(redis_url=url, security=server), TargetConfig(redis_url=url, security=server),
+               StackConfig(redis_url=url), server, channel]  # fmt: skip
+    for config in configs:
+        text = repr(config)
+        assert "s3cret" not in text, text
+    assert str(tokens) in repr(configs[0])  # where the tokens come from is no secret
+
+
 def test_calls_refused_for_want_of_a_token_are_counted_and_logged_at_most_every_ten_seconds(caplog, monkeypatch):
     """A call without an accepted token is refused UNAUTHENTICATED before any handler runs, so it
     reached no counter and no log: a client with a wrong token, or one guessing tokens, went
