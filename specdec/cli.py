@@ -461,7 +461,9 @@ def add_generate_flags(p: argparse.ArgumentParser) -> None:
     env_flag(p, "--address", "SPECDEC_ADDRESS", default=None, type=grpc_address,
              help=f"coordinator address (default {DEFAULT_ADDRESS}; started locally when nothing serves there)"
                   + SEVERAL_COORDINATORS)  # fmt: skip
-    env_flag(p, "--max-new-tokens", "SPECDEC_MAX_NEW_TOKENS", default=64, type=MAX_NEW_TOKENS, help="tokens to generate at most")
+    env_flag(p, "--max-new-tokens", "SPECDEC_MAX_NEW_TOKENS", default=None, type=MAX_NEW_TOKENS,
+             help="tokens to generate at most (default: the coordinator's own, its --default-max-new-tokens, "
+                  "128 unless set)")  # fmt: skip
     env_flag(p, "--temperature", "SPECDEC_TEMPERATURE", default=0.0, type=TEMPERATURE, help="0 = greedy")
     env_flag(p, "--top-k", "SPECDEC_TOP_K", default=0, type=TOP_K, help="keep the k most likely tokens (0 = off)")
     env_flag(p, "--top-p", "SPECDEC_TOP_P", default=1.0, type=TOP_P, help="nucleus mass to keep (1.0 = off)")

@@ -443,7 +443,7 @@ def build_request(
     prompt: str | None,
     *,
     prompt_token_ids: Sequence[int] | None,
-    max_new_tokens: int,
+    max_new_tokens: int | None,
     temperature: float,
     top_k: int,
     top_p: float,
@@ -480,7 +480,7 @@ def build_request(
         prompt=prompt or "",
         prompt_token_ids=list(prompt_token_ids or []),
         messages=[pb.ChatMessage(role=m["role"], content=m["content"]) for m in messages or []],
-        max_new_tokens=max_new_tokens,
+        max_new_tokens=max_new_tokens,  # None leaves the field unset: the coordinator's default
         sampling=pb.SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p),
         stop=list(stop or []),
         speculation=pb.SpeculationParams(disabled=not speculate, adaptive=adaptive_k),
@@ -561,7 +561,7 @@ class GenerateOptions(TypedDict, total=False):
 
     prompt_token_ids: Sequence[int] | None
     messages: Sequence[Mapping[str, str]] | None
-    max_new_tokens: int
+    max_new_tokens: int | None
     temperature: float
     top_k: int
     top_p: float
@@ -591,7 +591,8 @@ _GENERATE_DOC = """
             messages: a conversation, [{"role": "user", "content": "..."}, ...], which the
                 server renders with the target's chat template and answers as the assistant:
                 what an instruct model expects (FAILED_PRECONDITION where it has no template).
-            max_new_tokens: tokens to generate at most.
+            max_new_tokens: tokens to generate at most (None = the coordinator's default, its
+                --default-max-new-tokens, 128 unless set, within its --max-new-tokens-limit).
             temperature: 0 is greedy; higher samples more freely.
             top_k: keep only the k most likely tokens (0 = off).
             top_p: keep the smallest set of tokens with this much mass (1.0 = off).
@@ -663,7 +664,7 @@ class Client(_Stub):
         *,
         prompt_token_ids: Sequence[int] | None = None,
         messages: Sequence[Mapping[str, str]] | None = None,
-        max_new_tokens: int = 64,
+        max_new_tokens: int | None = None,
         temperature: float = 0.0,
         top_k: int = 0,
         top_p: float = 1.0,
@@ -851,7 +852,7 @@ class AsyncClient(_Stub):
         *,
         prompt_token_ids: Sequence[int] | None = None,
         messages: Sequence[Mapping[str, str]] | None = None,
-        max_new_tokens: int = 64,
+        max_new_tokens: int | None = None,
         temperature: float = 0.0,
         top_k: int = 0,
         top_p: float = 1.0,

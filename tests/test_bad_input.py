@@ -450,6 +450,22 @@ def test_max_new_tokens_over_the_limit_is_resource_exhausted(client):
     assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and f"at most {MAX_NEW_TOKENS_LIMIT}" in message
 
 
+def test_a_request_that_sets_no_max_new_tokens_gets_the_coordinators_default_from_the_sdk_and_the_cli(stack, client):
+    """This coordinator's default is 4 and its limit 8. The SDK and `specdec generate` always
+    sent max_new_tokens (64 unless given), so the coordinator's --default-max-new-tokens never
+    applied to them, and below a limit of 64 a call that set nothing was refused
+    RESOURCE_EXHAUSTED ("max_new_tokens is 64; this server allows at most 8")."""
+    import json
+    import subprocess
+    import sys
+
+    assert len(client.generate(PROMPT, ignore_eos=True).token_ids) == 4
+    cli = subprocess.run([sys.executable, "-m", "specdec.cli", "generate", "--address", stack.address, "--json", PROMPT],
+                         capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert cli.returncode == 0, cli.stderr
+    assert json.loads(cli.stdout)["stats"]["generated_tokens"] <= 4
+
+
 def test_requests_beyond_the_concurrency_limit_are_refused_at_once_and_the_running_ones_finish(stack, reference):
     """Freeze the target (SIGSTOP) so four requests stay in flight; a fifth is refused
     with RESOURCE_EXHAUSTED at once; thawed, the four finish with the reference output."""
