@@ -68,6 +68,18 @@ GRPC_OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     *KEEPALIVE_OPTIONS,
 ]
+# What every specdec channel (this SDK's, the coordinator's to the model services) adds:
+# - a peer that comes back is reconnected to within a second: gRPC's default backoff grows to
+#   minutes (1 s, then 1.6 times longer each try), and while it waits every call fails fast
+#   UNAVAILABLE (a client whose coordinator was away 40 s failed for 2.9 s after it served);
+# - a call is kept for a retry whole up to the largest message: gRPC keeps only 256 KiB by
+#   default, and a larger one (a long prompt or chat) was never sent again.
+CHANNEL_OPTIONS = [
+    ("grpc.initial_reconnect_backoff_ms", 200),
+    ("grpc.max_reconnect_backoff_ms", 1_000),
+    ("grpc.enable_retries", 1),
+    ("grpc.per_rpc_retry_buffer_size", MAX_MESSAGE_BYTES),
+]
 # The coordinator's response headers name the session once it exists (Generate and Resume):
 # a stream that fails after them can be resumed; one that fails before them never began.
 SESSION_HEADER = "specdec-session-id"
@@ -192,7 +204,7 @@ def channel_options(address: str, retries: int = DEFAULT_RETRIES, load_balancing
     if problem := address_problem(address):
         raise ValueError(problem)
     config = service_config(retries, load_balancing)
-    return [*GRPC_OPTIONS, ("grpc.enable_retries", 1), ("grpc.service_config", config)]
+    return [*GRPC_OPTIONS, *CHANNEL_OPTIONS, ("grpc.service_config", config)]
 
 
 def open_channel(module, address: str, credentials: grpc.ChannelCredentials | None, options: list):

@@ -22,7 +22,7 @@ from grpc_reflection.v1alpha import reflection
 
 from specdec import telemetry
 from specdec.catalog import CatalogFetchError
-from specdec.client import GRPC_OPTIONS
+from specdec.client import CHANNEL_OPTIONS, GRPC_OPTIONS
 from specdec.errors import MalformedRequest
 from specdec.metrics import serve_metrics
 from specdec.ranges import DEFAULT_DRAIN_S, join_host_port
@@ -31,13 +31,7 @@ from specdec.v1 import specdec_pb2 as pb
 
 log = logging.getLogger("specdec")
 
-CLIENT_OPTIONS = GRPC_OPTIONS + [
-    ("grpc.enable_retries", 1),
-    # A replaced service is picked up within a second of serving: gRPC's default backoff
-    # grows to minutes, and while it waits every call fails fast with UNAVAILABLE.
-    ("grpc.initial_reconnect_backoff_ms", 200),
-    ("grpc.max_reconnect_backoff_ms", 1_000),
-]
+CLIENT_OPTIONS = GRPC_OPTIONS + CHANNEL_OPTIONS  # a replaced service is picked up within a second
 
 COORDINATOR_SERVICE = pb.DESCRIPTOR.services_by_name["Coordinator"].full_name
 DRAFT_SERVICE = pb.DESCRIPTOR.services_by_name["Draft"].full_name

@@ -83,6 +83,51 @@ def test_a_call_failing_unavailable_before_its_first_chunk_is_sent_again_up_to_t
     assert generate(serve(flaky), retries=4) == "ab" and flaky.calls == 5
 
 
+def test_a_call_larger_than_grpcs_default_retry_buffer_is_sent_again_too(serve):
+    """gRPC keeps a call's request for a retry only up to 256 KiB unless told more: a 300 kB
+    prompt that failed UNAVAILABLE before any answer was not sent again (one attempt, the
+    error), where a 200 kB one was."""
+    flaky = FlakyCoordinator(failures=1)
+    with specdec.Client(serve(flaky)) as client:
+        assert client.generate("x" * 300_000, max_new_tokens=2).text == "ab"
+    assert flaky.calls == 2
+
+
+def test_a_client_whose_coordinator_was_away_reaches_it_within_a_couple_of_seconds_of_its_return():
+    """gRPC's default reconnect backoff grows 1.6 times a try from 1 s (tries about 1, 2.6,
+    5.2, 9.3 and 15.8 s into an outage), and meanwhile every call fails fast UNAVAILABLE: a
+    coordinator back after 10 s was not reached before its next try, ~4.5 s or more later.
+    The SDK's channels try every 0.2-1 s, as the services' do."""
+    from specdec.redis_server import free_port
+
+    port = free_port()
+    address = f"127.0.0.1:{port}"
+    with specdec.Client(address, retries=0) as client:
+        away_until = time.monotonic() + 10.0
+        while time.monotonic() < away_until:  # the outage, with calls failing meanwhile
+            with pytest.raises(specdec.SpecdecClientError):
+                client.generate("x", max_new_tokens=2, timeout=5)
+            time.sleep(0.5)
+        server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+        pb_grpc.add_CoordinatorServicer_to_server(FlakyCoordinator(failures=0), server)
+        server.add_insecure_port(address)
+        server.start()
+        back = time.monotonic()
+        try:
+            while True:
+                try:
+                    assert client.generate("x", max_new_tokens=2, timeout=5).text == "ab"
+                    break
+                except specdec.SpecdecClientError as failed:
+                    assert failed.code == grpc.StatusCode.UNAVAILABLE
+                    assert time.monotonic() - back < 10, "never reached"
+                    time.sleep(0.1)
+            reached_after_s = time.monotonic() - back
+        finally:
+            server.stop(0)
+    assert reached_after_s < 3.0, reached_after_s
+
+
 def test_a_stream_broken_after_a_chunk_is_resumed_where_it_broke_and_never_sent_again(serve):
     flaky = FlakyCoordinator(failures=0, fail_mid_stream=True)
     with specdec.Client(serve(flaky)) as client:
