@@ -25,6 +25,7 @@ import asyncio
 import contextlib
 import json
 import random
+import threading
 import time
 import urllib.parse
 import uuid
@@ -146,6 +147,9 @@ class _Resumption:
         self.deadline = None if timeout is None else self.started + timeout
         self.resumed_at_s = 0.0  # seconds from the first call to the Resume now streaming
         self.first_token_s: float | None = None  # of the stream, once a token came
+        # The error of a call whose headers were not known (headers_of: None), after which a
+        # Resume is tried on the chance that the session began (see next_call).
+        self.unknown_start: grpc.RpcError | None = None
 
     def saw(self, chunk: "Chunk") -> "Chunk":
         self.began = True  # a chunk comes from a session that exists, headers seen or not
@@ -162,11 +166,17 @@ class _Resumption:
 
     def next_call(self, error: grpc.RpcError, headers) -> tuple[pb.ResumeRequest, float, float | None] | None:
         """(the Resume request, seconds to wait before it, its timeout) after `error` ended a
-        call that received `headers` (its initial metadata, None if none), or None when the
-        error stands: not UNAVAILABLE, the session never began or had finished, no retry or
-        time left."""
+        call that received `headers` (its initial metadata; None where the call cannot say), or
+        None when the error stands: not UNAVAILABLE, the session never began or had finished, no
+        retry or time left. Where the headers are not known (a call wrapped by OpenTelemetry's
+        instrumentation, which `specdec generate` installs when tracing is on) a session that
+        sent no chunk yet may have begun: the Resume is tried, and its NOT_FOUND means it had
+        not (`error_of`). Such a stream used to be given up, where an unwrapped one resumed."""
         self.began = self.began or any(key == SESSION_HEADER for key, _ in headers or ())
-        if error.code() != grpc.StatusCode.UNAVAILABLE or not self.began or self.finished or self.resumes >= self.retries:
+        if headers is None and not self.began and error.code() == grpc.StatusCode.UNAVAILABLE:
+            self.unknown_start = self.unknown_start or error
+        maybe_began = self.began or self.unknown_start is not None
+        if error.code() != grpc.StatusCode.UNAVAILABLE or not maybe_began or self.finished or self.resumes >= self.retries:
             return None
         initial, largest = RETRY_BACKOFF_S
         wait = random.uniform(0, min(largest, initial * 2**self.resumes))
@@ -177,6 +187,14 @@ class _Resumption:
         self.resumed_at_s = time.monotonic() + wait - self.started
         request = pb.ResumeRequest(session_id=self.session_id, received_tokens=self.tokens, received_chars=self.chars)
         return request, wait, timeout
+
+    def error_of(self, error: grpc.RpcError) -> "SpecdecClientError":
+        """What the stream raises when `error` ends it: its own code and message, except a
+        NOT_FOUND from a Resume tried after a call of unknown headers (next_call) while no chunk
+        came: the session never began, and the error of that first call stands."""
+        if self.unknown_start is not None and not self.began and error.code() == grpc.StatusCode.NOT_FOUND:
+            error = self.unknown_start
+        return SpecdecClientError(error.code(), error.details() or "")
 
 
 def ended_whole(finished: bool, error: grpc.RpcError) -> bool:
@@ -512,19 +530,28 @@ def build_request(
 
 
 def headers_of(call):
-    """The response headers a finished streaming call received (None if none, or if the call
-    is wrapped, e.g. by OpenTelemetry's instrumentation, and does not say)."""
+    """The response headers a finished streaming call received (empty if none came), or None
+    where the call cannot say: one wrapped, e.g. by OpenTelemetry's instrumentation."""
     try:
-        return call.initial_metadata()
-    except (AttributeError, grpc.RpcError):
+        return call.initial_metadata() or ()
+    except AttributeError:
         return None
+    except grpc.RpcError:
+        return ()
 
 
 async def headers_of_async(call):
     try:
-        return await call.initial_metadata()
-    except (AttributeError, grpc.RpcError):
+        return await call.initial_metadata() or ()
+    except AttributeError:
         return None
+    except grpc.RpcError:
+        return ()
+
+
+def cut_by_close() -> "SpecdecClientError":
+    """What a call cut by its client's close() raises, from either client."""
+    return SpecdecClientError(grpc.StatusCode.CANCELLED, CUT_BY_CLOSE)
 
 
 def stop_call(call) -> None:
@@ -658,6 +685,7 @@ class Client(_Stub):
         credentials = channel_credentials(tls_ca, credentials)
         self._channel = open_channel(grpc, address, credentials, channel_options(address, retries, load_balancing))
         self._open_stub = pb_grpc.CoordinatorStub(self._channel)
+        self._closing = threading.Event()  # set by close(): cuts a stream's wait before a Resume
 
     def __enter__(self) -> "Client":
         return self
@@ -666,8 +694,10 @@ class Client(_Stub):
         self.close()
 
     def close(self) -> None:
-        """Close the channel; a call after it raises ValueError."""
+        """Close the channel; a call after it raises ValueError, and a call it cuts raises
+        SpecdecClientError CANCELLED."""
         self._open_stub = None
+        self._closing.set()
         self._channel.close()
 
     def generate_stream(
@@ -709,11 +739,12 @@ class Client(_Stub):
                 if ended_whole(resumption.finished, exc):
                     return
                 if (resume := resumption.next_call(exc, headers_of(call))) is None:
-                    raise SpecdecClientError(exc.code(), exc.details() or "") from None
+                    raise resumption.error_of(exc) from None
             finally:
                 stop_call(call)
             resume_request, wait, timeout = resume
-            time.sleep(wait)
+            if self._closing.wait(wait):  # close() during the wait cuts the stream, as it cuts a call
+                raise cut_by_close()
             call = self._stub.Resume(resume_request, timeout=timeout, metadata=self._metadata)
 
     generate_stream.__doc__ = "Yield a Chunk per cycle as the server commits it.\n" + _GENERATE_DOC
@@ -815,6 +846,7 @@ class AsyncClient(_Stub):
         self._open_stub = None
         self._loop: asyncio.AbstractEventLoop | None = None  # the event loop the channel belongs to
         self._closed = False
+        self._closing = asyncio.Event()  # set by close(): cuts a stream's wait before a Resume
 
     @property
     def _stub(self) -> pb_grpc.CoordinatorStub:
@@ -842,7 +874,7 @@ class AsyncClient(_Stub):
         except asyncio.CancelledError:
             task = asyncio.current_task()
             if self._closed and task is not None and not task.cancelling():
-                raise SpecdecClientError(grpc.StatusCode.CANCELLED, CUT_BY_CLOSE) from None
+                raise cut_by_close() from None
             raise
 
     async def __aenter__(self) -> "AsyncClient":
@@ -855,6 +887,7 @@ class AsyncClient(_Stub):
         """Close the channel; a call after it raises ValueError, and a call it cuts raises
         SpecdecClientError CANCELLED."""
         self._closed = True
+        self._closing.set()
         if self._channel is not None:
             await self._channel.close()
 
@@ -898,11 +931,14 @@ class AsyncClient(_Stub):
                 if ended_whole(resumption.finished, exc):
                     return
                 if (resume := resumption.next_call(exc, await headers_of_async(call))) is None:
-                    raise SpecdecClientError(exc.code(), exc.details() or "") from None
+                    raise resumption.error_of(exc) from None
             finally:
                 stop_call(call)
             resume_request, wait, timeout = resume
-            await asyncio.sleep(wait)
+            with contextlib.suppress(TimeoutError):  # close() during the wait cuts the stream, as it cuts a call
+                await asyncio.wait_for(self._closing.wait(), wait)
+            if self._closed:
+                raise cut_by_close()
             call = self._stub.Resume(resume_request, timeout=timeout, metadata=self._metadata)
 
     generate_stream.__doc__ = "Yield a Chunk per cycle as the server commits it.\n" + _GENERATE_DOC

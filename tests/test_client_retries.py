@@ -19,14 +19,19 @@ from specdec.v1 import specdec_pb2_grpc as pb_grpc
 
 class FlakyCoordinator(pb_grpc.CoordinatorServicer):
     """Generate fails `code` on its first `failures` calls, before any chunk; then streams "ab",
-    failing `mid_stream_code` between the two chunks when `fail_mid_stream`. Resume fails
-    UNAVAILABLE its first `resume_failures` calls, then streams what the client lacks of "ab"."""
+    failing `mid_stream_code` between the two chunks when `fail_mid_stream`, or UNAVAILABLE
+    after its headers and before the first chunk when `fail_before_first_chunk`. Resume is
+    NOT_FOUND for a session no Generate began; it fails UNAVAILABLE its first `resume_failures`
+    calls, then streams what the client lacks of "ab"."""
 
     def __init__(self, failures: int, code=grpc.StatusCode.UNAVAILABLE, fail_mid_stream: bool = False,
-                 mid_stream_code=grpc.StatusCode.UNAVAILABLE, resume_failures: int = 0):  # fmt: skip
+                 mid_stream_code=grpc.StatusCode.UNAVAILABLE, resume_failures: int = 0,
+                 fail_before_first_chunk: bool = False):  # fmt: skip
         self.calls, self.failures, self.code, self.fail_mid_stream = 0, failures, code, fail_mid_stream
         self.mid_stream_code, self.resume_failures = mid_stream_code, resume_failures
+        self.fail_before_first_chunk = fail_before_first_chunk
         self.session_ids: list[str] = []
+        self.began: set[str] = set()
         self.resumes: list[pb.ResumeRequest] = []
 
     def Generate(self, request, context):
@@ -35,6 +40,9 @@ class FlakyCoordinator(pb_grpc.CoordinatorServicer):
         if self.calls <= self.failures:
             context.abort(self.code, f"failure {self.calls}")
         context.send_initial_metadata(((SESSION_HEADER, request.session_id),))  # the session exists
+        self.began.add(request.session_id)
+        if self.fail_before_first_chunk:
+            context.abort(grpc.StatusCode.UNAVAILABLE, "lost before the first chunk")
         yield pb.GenerateChunk(text="a", token_ids=[1], session_id=request.session_id)
         if self.fail_mid_stream:
             context.abort(self.mid_stream_code, "lost mid-stream")
@@ -42,6 +50,8 @@ class FlakyCoordinator(pb_grpc.CoordinatorServicer):
 
     def Resume(self, request, context):
         self.resumes.append(request)
+        if request.session_id not in self.began:
+            context.abort(grpc.StatusCode.NOT_FOUND, f"no session {request.session_id!r}")
         if len(self.resumes) <= self.resume_failures:
             context.abort(grpc.StatusCode.UNAVAILABLE, f"resume failure {len(self.resumes)}")
         context.send_initial_metadata(((SESSION_HEADER, request.session_id),))
@@ -418,6 +428,60 @@ def test_a_call_cut_by_its_clients_close_raises_cancelled_from_both_clients_and_
                 await client.close()
 
     asyncio.run(cut_async_calls())
+
+
+def test_a_stream_broken_while_its_client_waits_to_resume_it_ends_cancelled_when_the_client_closes(serve, monkeypatch):
+    """A stream broken UNAVAILABLE waits a moment before its Resume; a close() meanwhile raised
+    the closed client's ValueError ("make a new Client") from both clients, after the whole
+    wait, where a call close() cuts raises SpecdecClientError CANCELLED (README)."""
+    import threading
+
+    monkeypatch.setattr("specdec.client.random.uniform", lambda low, high: 5.0)  # the wait before the Resume
+    flaky = FlakyCoordinator(failures=0, fail_mid_stream=True)
+    address = serve(flaky)
+    client = specdec.Client(address)
+    threading.Timer(0.5, client.close).start()
+    started = time.monotonic()
+    with pytest.raises(specdec.SpecdecClientError) as cut:
+        list(client.generate_stream("x", max_new_tokens=2))
+    assert cut.value.code == grpc.StatusCode.CANCELLED and "closed during the call" in cut.value.message
+    assert time.monotonic() - started < 3.0, "the wait was cut short"
+
+    async def close_while_waiting():
+        client = specdec.AsyncClient(address)
+        asyncio.get_running_loop().call_later(0.5, lambda: asyncio.ensure_future(client.close()))
+        started = time.monotonic()
+        with pytest.raises(specdec.SpecdecClientError) as cut:
+            await client.generate("x", max_new_tokens=2)
+        assert cut.value.code == grpc.StatusCode.CANCELLED and "closed during the call" in cut.value.message
+        assert time.monotonic() - started < 3.0, "the wait was cut short"
+
+    asyncio.run(close_while_waiting())
+    assert not flaky.resumes
+
+
+def test_a_traced_client_resumes_a_stream_broken_before_its_first_chunk_and_reports_one_that_never_began(serve):
+    """With OpenTelemetry's gRPC client instrumentation (which `specdec generate` installs when
+    tracing is on) a sync call is wrapped and cannot say whether its headers, which tell that
+    the session began, came: a stream broken after them and before its first chunk was given
+    up (UNAVAILABLE, no Resume), where an unwrapped one is resumed. Now a Resume is tried; where
+    it is NOT_FOUND (the session never began) the first error stands."""
+    from opentelemetry.instrumentation.grpc import GrpcInstrumentorClient
+
+    instrumentor = GrpcInstrumentorClient()
+    instrumentor.instrument()
+    try:
+        broken = FlakyCoordinator(failures=0, fail_before_first_chunk=True)
+        with specdec.Client(serve(broken)) as client:
+            assert client.generate("x", max_new_tokens=2).text == "ab"
+        assert broken.calls == 1 and len(broken.resumes) == 1
+        never = FlakyCoordinator(failures=3)  # each of the 3 attempts fails before the session exists
+        with specdec.Client(serve(never)) as client, pytest.raises(specdec.SpecdecClientError) as failed:
+            client.generate("x", max_new_tokens=2)
+        assert failed.value.code == grpc.StatusCode.UNAVAILABLE and failed.value.message == "failure 3"
+        assert never.calls == 3 and len(never.resumes) == 1
+    finally:
+        instrumentor.uninstrument()
 
 
 def test_an_async_client_made_outside_an_event_loop_opens_its_channel_in_the_loop_of_its_first_call(serve):
