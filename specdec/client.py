@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import operator
 import random
 import threading
 import time
@@ -459,7 +460,23 @@ class ServerInfo:
                    msg.max_new_tokens_limit)  # fmt: skip
 
 
-INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1  # max_new_tokens and prompt_token_ids are int32 fields
+INT32 = (-(2**31), 2**31 - 1)  # max_new_tokens, top_k, num_speculative_tokens and prompt_token_ids
+UINT32 = (0, 2**32 - 1)  # a Resume's received_tokens and received_chars
+
+
+def check_integers(name: str, values: Sequence, bounds: tuple[int, int]) -> None:
+    """TypeError / ValueError naming the argument where one of `values` is no integer or lies
+    outside the field's `bounds`; protobuf's own ("Value out of range: N", a bare TypeError)
+    name none. Anything with __index__ is an integer (numpy's too), as protobuf takes it."""
+    low, high = bounds
+    for value in values:
+        try:
+            number = operator.index(value)
+        except TypeError:
+            raise TypeError(f"{name} must be an integer, got {value!r}") from None
+        if not low <= number <= high:
+            kind = "32-bit integer" if low < 0 else "32-bit unsigned integer"
+            raise ValueError(f"{name} holds {number}, which no request carries (a {kind} field)")
 
 
 def check_text(name: str, text: str | None) -> None:
@@ -495,9 +512,10 @@ def build_request(
                          '{"role": "user", "content": "Hi"}')  # fmt: skip
     if isinstance(stop, str):  # one stop string, as OpenAI's API takes it (list("the") would be three)
         stop = [stop]
-    for name, values in (("max_new_tokens", [max_new_tokens]), ("prompt_token_ids", prompt_token_ids or [])):
-        if (outside := next((v for v in values if isinstance(v, int) and not INT32_MIN <= v <= INT32_MAX), None)) is not None:
-            raise ValueError(f"{name} holds {outside}, which no request carries (a 32-bit integer field)")
+    for name, value in (("max_new_tokens", max_new_tokens), ("top_k", top_k), ("num_speculative_tokens", num_speculative_tokens)):
+        check_integers(name, [] if value is None else [value], INT32)
+    ids = [] if prompt_token_ids is None else list(prompt_token_ids)  # a list, a tuple, a numpy array, ...
+    check_integers("prompt_token_ids", ids, INT32)
     check_text("prompt", prompt)
     check_text("session_id", session_id)
     check_text("affinity_key", affinity_key)
@@ -508,7 +526,7 @@ def build_request(
         check_text(f"stop[{i}]", text)
     request = pb.GenerateRequest(
         prompt=prompt or "",
-        prompt_token_ids=list(prompt_token_ids or []),
+        prompt_token_ids=[operator.index(i) for i in ids],
         messages=[pb.ChatMessage(role=m["role"], content=m["content"]) for m in messages or []],
         max_new_tokens=max_new_tokens,  # None leaves the field unset: the coordinator's default
         sampling=pb.SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p),
@@ -527,6 +545,14 @@ def build_request(
     if pipeline is not None:
         request.speculation.pipeline = pipeline
     return request
+
+
+def build_resume_request(session_id: str, received_tokens: int, received_chars: int) -> pb.ResumeRequest:
+    """A caller's Resume, its arguments checked as build_request checks a Generate's."""
+    check_text("session_id", session_id)
+    check_integers("received_tokens", [received_tokens], UINT32)
+    check_integers("received_chars", [received_chars], UINT32)
+    return pb.ResumeRequest(session_id=session_id, received_tokens=received_tokens, received_chars=received_chars)
 
 
 def headers_of(call):
@@ -758,9 +784,7 @@ class Client(_Stub):
         process that starts over. NOT_FOUND for an unknown or expired session, OUT_OF_RANGE when
         you claim more than it committed, FAILED_PRECONDITION from a coordinator of another target,
         PERMISSION_DENIED where the session was created with another API token."""
-        check_text("session_id", session_id)
-        request = pb.ResumeRequest(session_id=session_id, received_tokens=received_tokens,
-                                   received_chars=received_chars)  # fmt: skip
+        request = build_resume_request(session_id, received_tokens, received_chars)
         call = self._stub.Resume(request, timeout=timeout, metadata=self._metadata)
         finished = False
         try:
@@ -946,9 +970,7 @@ class AsyncClient(_Stub):
     async def resume_stream(self, session_id: str, *, received_tokens: int = 0, received_chars: int = 0,
                             timeout: float | None = None) -> AsyncIterator[Chunk]:  # fmt: skip
         """Client.resume_stream, awaited."""
-        check_text("session_id", session_id)
-        request = pb.ResumeRequest(session_id=session_id, received_tokens=received_tokens,
-                                   received_chars=received_chars)  # fmt: skip
+        request = build_resume_request(session_id, received_tokens, received_chars)
         call = self._stub.Resume(request, timeout=timeout, metadata=self._metadata)
         finished = False
         try:

@@ -1895,6 +1895,25 @@ def test_one_stop_string_is_one_stop_string_and_integers_a_request_cannot_carry_
         build_request(None, prompt_token_ids=[5, -(2**31) - 1], max_new_tokens=4, stop=None, **options)
     edge = build_request(None, prompt_token_ids=[2**31 - 1, -(2**31)], max_new_tokens=2**31 - 1, stop=None, **options)
     assert list(edge.prompt_token_ids) == [2**31 - 1, -(2**31)]  # the server's to refuse, with the vocabulary's range
+    # top_k and K too, and a Resume's counts (unsigned); a wrong type names its argument as well
+    # (all were protobuf's "Value out of range: N" or a bare TypeError); numpy's integers pass.
+    import numpy as np
+
+    from specdec.client import build_resume_request
+
+    with pytest.raises(ValueError, match=r"top_k holds 2147483648, which no request carries"):
+        build_request("hi", prompt_token_ids=None, max_new_tokens=4, stop=None, **{**options, "top_k": 2**31})
+    with pytest.raises(ValueError, match=r"num_speculative_tokens holds 1099511627776"):
+        build_request("hi", prompt_token_ids=None, max_new_tokens=4, stop=None, **{**options, "num_speculative_tokens": 2**40})
+    with pytest.raises(TypeError, match=r"max_new_tokens must be an integer, got '4'"):
+        build_request("hi", prompt_token_ids=None, max_new_tokens="4", stop=None, **options)
+    with pytest.raises(ValueError, match=r"received_tokens holds -1, which no request carries \(a 32-bit unsigned"):
+        build_resume_request("s", -1, 0)
+    with pytest.raises(ValueError, match=r"received_chars holds 4294967296"):
+        build_resume_request("s", 0, 2**32)
+    assert build_resume_request("s", 2**32 - 1, np.int64(3)).received_chars == 3
+    assert list(build_request(None, prompt_token_ids=np.array([5, 6]), max_new_tokens=np.int32(4), stop=None,
+                              **options).prompt_token_ids) == [5, 6]  # fmt: skip
 
 
 def test_a_conversation_for_a_tokenizer_without_a_chat_template_is_a_failed_precondition_that_says_so():
