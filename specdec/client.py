@@ -136,21 +136,26 @@ class _Resumption:
     call: `saw` adds the time from the stream's start to it, so elapsed_s and tokens_per_second
     are the stream's, and first_token_s stays the first call's once a token came."""
 
-    def __init__(self, session_id: str, retries: int, timeout: float | None):
+    def __init__(self, session_id: str, retries: int, timeout: float | None, *, tokens: int = 0, chars: int = 0,
+                 own_id: bool = False, began: bool = False):  # fmt: skip
         self.session_id = session_id
-        self.tokens = 0  # output tokens received
-        self.chars = 0  # characters of output text received
+        self.own_id = own_id  # the id was made here (a uuid4), not the caller's
+        self.tokens = tokens  # output tokens received (a hand-made Resume: those the caller has)
+        self.chars = chars  # characters of output text received
         self.finished = False
-        self.began = False  # a call of this stream was told the session exists (SESSION_HEADER, a chunk)
+        # a call of this stream was told the session exists (SESSION_HEADER, a chunk); given for
+        # a hand-made Resume (resume_stream), whose session the caller had
+        self.began = began
         self.resumes = 0
         self.retries = retries
         self.started = time.monotonic()
         self.deadline = None if timeout is None else self.started + timeout
         self.resumed_at_s = 0.0  # seconds from the first call to the Resume now streaming
         self.first_token_s: float | None = None  # of the stream, once a token came
-        # The error of a call whose headers were not known (headers_of: None), after which a
-        # Resume is tried on the chance that the session began (see next_call).
-        self.unknown_start: grpc.RpcError | None = None
+        # The error after which a Resume is tried on the chance that the session began: a call's
+        # whose headers are not known (headers_of: None), or ALREADY_EXISTS for an id made here
+        # (see next_call).
+        self.guessed: grpc.RpcError | None = None
 
     def saw(self, chunk: "Chunk") -> "Chunk":
         self.began = True  # a chunk comes from a session that exists, headers seen or not
@@ -174,10 +179,16 @@ class _Resumption:
         sent no chunk yet may have begun: the Resume is tried, and its NOT_FOUND means it had
         not (`error_of`). Such a stream used to be given up, where an unwrapped one resumed."""
         self.began = self.began or any(key == SESSION_HEADER for key, _ in headers or ())
-        if headers is None and not self.began and error.code() == grpc.StatusCode.UNAVAILABLE:
-            self.unknown_start = self.unknown_start or error
-        maybe_began = self.began or self.unknown_start is not None
-        if error.code() != grpc.StatusCode.UNAVAILABLE or not maybe_began or self.finished or self.resumes >= self.retries:
+        code = error.code()
+        if code == grpc.StatusCode.ALREADY_EXISTS and self.own_id and not self.began and not self.resumes:
+            # The id is a uuid4 made for this call: an earlier attempt of it (gRPC's retry policy)
+            # created the session and then failed before its headers came back. Resume it, where
+            # the caller used to get ALREADY_EXISTS for a session whose id it never saw.
+            self.guessed, code = error, grpc.StatusCode.UNAVAILABLE
+        elif headers is None and not self.began and code == grpc.StatusCode.UNAVAILABLE:
+            self.guessed = self.guessed or error
+        maybe_began = self.began or self.guessed is not None
+        if code != grpc.StatusCode.UNAVAILABLE or not maybe_began or self.finished or self.resumes >= self.retries:
             return None
         initial, largest = RETRY_BACKOFF_S
         wait = random.uniform(0, min(largest, initial * 2**self.resumes))
@@ -191,10 +202,10 @@ class _Resumption:
 
     def error_of(self, error: grpc.RpcError) -> "SpecdecClientError":
         """What the stream raises when `error` ends it: its own code and message, except a
-        NOT_FOUND from a Resume tried after a call of unknown headers (next_call) while no chunk
-        came: the session never began, and the error of that first call stands."""
-        if self.unknown_start is not None and not self.began and error.code() == grpc.StatusCode.NOT_FOUND:
-            error = self.unknown_start
+        NOT_FOUND from a Resume tried on a guess (next_call) while no chunk came: the session
+        never began, and the error the guess followed stands."""
+        if self.guessed is not None and not self.began and error.code() == grpc.StatusCode.NOT_FOUND:
+            error = self.guessed
         return SpecdecClientError(error.code(), error.details() or "")
 
 
@@ -753,9 +764,14 @@ class Client(_Stub):
             speculate=speculate, stop=stop, session_id=session_id, ignore_eos=ignore_eos, pipeline=pipeline,
             adaptive_k=adaptive_k, messages=messages, affinity_key=affinity_key,
         )  # fmt: skip
-        request.session_id = request.session_id or uuid.uuid4().hex
-        resumption = _Resumption(request.session_id, self.retries, timeout)
+        resumption = _Resumption(request.session_id or uuid.uuid4().hex, self.retries, timeout,
+                                 own_id=not request.session_id)  # fmt: skip
+        request.session_id = resumption.session_id
         call = self._stub.Generate(request, timeout=timeout, metadata=self._metadata)
+        yield from self._follow(call, resumption)
+
+    def _follow(self, call, resumption: _Resumption) -> Iterator[Chunk]:
+        """The chunks of `call`, then of each Resume that goes on where it broke (_Resumption)."""
         while True:
             try:
                 for msg in call:
@@ -781,22 +797,16 @@ class Client(_Stub):
         its stream broke: yield a Chunk of what it committed after the first `received_tokens`
         output tokens and `received_chars` characters of text you have, then a Chunk per cycle
         until it finishes (at once, if it had). generate_stream resumes by itself; this is for a
-        process that starts over. NOT_FOUND for an unknown or expired session, OUT_OF_RANGE when
-        you claim more than it committed, FAILED_PRECONDITION from a coordinator of another target,
-        PERMISSION_DENIED where the session was created with another API token."""
+        process that starts over. It resumes by itself too, as generate_stream does: a stream that
+        breaks UNAVAILABLE is resumed where it broke, up to `retries` times. NOT_FOUND for an
+        unknown or expired session, OUT_OF_RANGE when you claim more than it committed,
+        FAILED_PRECONDITION from a coordinator of another target, PERMISSION_DENIED where the
+        session was created with another API token."""
         request = build_resume_request(session_id, received_tokens, received_chars)
+        resumption = _Resumption(session_id, self.retries, timeout, tokens=received_tokens, chars=received_chars,
+                                 began=True)  # fmt: skip
         call = self._stub.Resume(request, timeout=timeout, metadata=self._metadata)
-        finished = False
-        try:
-            for msg in call:
-                chunk = Chunk.from_pb(msg)
-                finished = chunk.finish_reason is not None
-                yield chunk
-        except grpc.RpcError as exc:
-            if not ended_whole(finished, exc):
-                raise SpecdecClientError(exc.code(), exc.details() or "") from None
-        finally:
-            stop_call(call)
+        yield from self._follow(call, resumption)
 
     def resume(self, session_id: str, **options: Unpack[ResumeOptions]) -> Result:
         """Resume and return the rest as a Result (same arguments as resume_stream)."""
@@ -942,9 +952,15 @@ class AsyncClient(_Stub):
             speculate=speculate, stop=stop, session_id=session_id, ignore_eos=ignore_eos, pipeline=pipeline,
             adaptive_k=adaptive_k, messages=messages, affinity_key=affinity_key,
         )  # fmt: skip
-        request.session_id = request.session_id or uuid.uuid4().hex
-        resumption = _Resumption(request.session_id, self.retries, timeout)
+        resumption = _Resumption(request.session_id or uuid.uuid4().hex, self.retries, timeout,
+                                 own_id=not request.session_id)  # fmt: skip
+        request.session_id = resumption.session_id
         call = self._stub.Generate(request, timeout=timeout, metadata=self._metadata)
+        async for chunk in self._follow(call, resumption):
+            yield chunk
+
+    async def _follow(self, call, resumption: _Resumption) -> AsyncIterator[Chunk]:
+        """Client._follow, awaited."""
         while True:
             try:
                 with self._cut_by_close():
@@ -971,19 +987,11 @@ class AsyncClient(_Stub):
                             timeout: float | None = None) -> AsyncIterator[Chunk]:  # fmt: skip
         """Client.resume_stream, awaited."""
         request = build_resume_request(session_id, received_tokens, received_chars)
+        resumption = _Resumption(session_id, self.retries, timeout, tokens=received_tokens, chars=received_chars,
+                                 began=True)  # fmt: skip
         call = self._stub.Resume(request, timeout=timeout, metadata=self._metadata)
-        finished = False
-        try:
-            with self._cut_by_close():
-                async for msg in call:
-                    chunk = Chunk.from_pb(msg)
-                    finished = chunk.finish_reason is not None
-                    yield chunk
-        except grpc.aio.AioRpcError as exc:
-            if not ended_whole(finished, exc):
-                raise SpecdecClientError(exc.code(), exc.details() or "") from None
-        finally:
-            stop_call(call)
+        async for chunk in self._follow(call, resumption):
+            yield chunk
 
     async def resume(self, session_id: str, **options: Unpack[ResumeOptions]) -> Result:
         """Resume and return the rest as a Result (same arguments as resume_stream)."""

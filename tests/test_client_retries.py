@@ -484,6 +484,71 @@ def test_a_traced_client_resumes_a_stream_broken_before_its_first_chunk_and_repo
         instrumentor.uninstrument()
 
 
+class ResumeBreakingOnce(FlakyCoordinator):
+    """Its first Resume sends the next character of "ab" and then breaks UNAVAILABLE."""
+
+    def Resume(self, request, context):
+        if self.resumes:
+            yield from super().Resume(request, context)
+            return
+        self.resumes.append(request)
+        context.send_initial_metadata(((SESSION_HEADER, request.session_id),))
+        yield pb.GenerateChunk(text="ab"[request.received_chars], token_ids=[[1, 2][request.received_tokens]],
+                               session_id=request.session_id)  # fmt: skip
+        context.abort(grpc.StatusCode.UNAVAILABLE, "lost mid-resume")
+
+
+def test_a_hand_made_resume_resumes_by_itself_where_it_breaks_as_a_generate_does(serve):
+    """resume_stream / resume (and `specdec resume`) raised UNAVAILABLE when their own stream
+    broke: a long session resumed by hand was not covered by `retries`, as a generate is."""
+    coordinator = ResumeBreakingOnce(failures=0)
+    coordinator.began.add("by-hand")
+    address = serve(coordinator)
+    with specdec.Client(address) as client:
+        assert client.resume("by-hand").text == "ab"
+    assert [(r.received_tokens, r.received_chars) for r in coordinator.resumes] == [(0, 0), (1, 1)]
+
+    async def resume_async():
+        async with specdec.AsyncClient(address) as client:
+            return await client.resume("by-hand")
+
+    coordinator.resumes.clear()
+    assert asyncio.run(resume_async()).text == "ab" and len(coordinator.resumes) == 2
+    with specdec.Client(address, retries=0) as client, pytest.raises(specdec.SpecdecClientError) as broken:
+        coordinator.resumes.clear()
+        client.resume("by-hand")
+    assert broken.value.code == grpc.StatusCode.UNAVAILABLE and len(coordinator.resumes) == 1
+
+
+class CreatedThenLost(FlakyCoordinator):
+    """Its Generate creates the session and then fails UNAVAILABLE before its headers (a
+    coordinator killed, or a Redis reply lost, right after the write); a second Generate of
+    that id, gRPC's retry of the call, is ALREADY_EXISTS."""
+
+    def Generate(self, request, context):
+        self.calls += 1
+        if request.session_id in self.began:
+            context.abort(grpc.StatusCode.ALREADY_EXISTS, f"session {request.session_id!r} already exists")
+        self.began.add(request.session_id)
+        context.abort(grpc.StatusCode.UNAVAILABLE, "lost after the session was created")
+        yield
+
+
+def test_a_call_whose_retry_finds_its_own_new_session_resumes_it_and_a_callers_id_stays_already_exists(serve):
+    """The SDK names a session with a uuid4 when the caller does not: ALREADY_EXISTS for it can
+    only mean that an earlier attempt of this very call created it, so the stream resumes it
+    (the caller got ALREADY_EXISTS for a session whose id it never saw). A caller's own id may
+    be a real duplicate: that stays ALREADY_EXISTS."""
+    coordinator = CreatedThenLost(failures=0)
+    address = serve(coordinator)
+    with specdec.Client(address) as client:
+        assert client.generate("x", max_new_tokens=2).text == "ab"
+        assert coordinator.calls == 2 and len(coordinator.resumes) == 1
+        with pytest.raises(specdec.SpecdecClientError) as taken:
+            client.generate("x", max_new_tokens=2, session_id="mine")
+    assert taken.value.code == grpc.StatusCode.ALREADY_EXISTS and len(coordinator.resumes) == 1
+
+
 def test_an_async_client_made_outside_an_event_loop_opens_its_channel_in_the_loop_of_its_first_call(serve):
     """A grpc.aio channel belongs to one event loop. AsyncClient opened its channel when made, so
     one made before asyncio.run failed inside it with gRPC's RuntimeError "... attached to a
