@@ -754,8 +754,9 @@ def run_generate(args) -> int:
                           "asked with --chat)", file=sys.stderr)  # fmt: skip
     except SpecdecClientError as exc:
         print(("\n" if last is not None else "") + client_error(exc, args), file=sys.stderr)
-        if last is not None and not last.finish_reason and args.address:
-            print(f"(the rest: specdec resume {last.session_id} --address {args.address} "
+        session_id = exc.session_id or (last.session_id if last is not None else None)  # begun, chunk or not
+        if session_id and not (last is not None and last.finish_reason) and args.address:
+            print(f"(the rest: specdec resume {session_id} --address {args.address} "
                   f"--received-tokens {tokens} --received-chars {len(text)})", file=sys.stderr)  # fmt: skip
         return 1
     finally:

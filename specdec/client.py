@@ -206,7 +206,7 @@ class _Resumption:
         never began, and the error the guess followed stands."""
         if self.guessed is not None and not self.began and error.code() == grpc.StatusCode.NOT_FOUND:
             error = self.guessed
-        return SpecdecClientError(error.code(), error.details() or "")
+        return SpecdecClientError(error.code(), error.details() or "", self.session_id if self.began else None)
 
 
 def ended_whole(finished: bool, error: grpc.RpcError) -> bool:
@@ -272,12 +272,15 @@ def auth_metadata(token: str | None) -> tuple[tuple[str, str], ...]:
 
 
 class SpecdecClientError(Exception):
-    """A failed call: `code` is the gRPC status code, `message` what the server said."""
+    """A failed call: `code` is the gRPC status code, `message` what the server said, and
+    `session_id` the session a failed stream had begun (None where none had, or for another
+    call): what client.resume takes to get the rest, even before any chunk came."""
 
-    def __init__(self, code: grpc.StatusCode, message: str):
+    def __init__(self, code: grpc.StatusCode, message: str, session_id: str | None = None):
         super().__init__(f"{code.name}: {message}")
         self.code = code
         self.message = message
+        self.session_id = session_id
 
 
 @dataclass

@@ -268,6 +268,21 @@ def test_specdec_generate_whose_stream_breaks_for_good_says_how_to_resume_it(ser
     session_id = flaky.session_ids[0]
     assert out == "a" and "error: UNAVAILABLE: resume failure 2" in err  # one resume, sent twice by its channel
     assert f"specdec resume {session_id} --address {address} --received-tokens 1 --received-chars 1" in err
+    # Broken for good before its first chunk, once its session began: the hint too (it said
+    # nothing, the CLI not knowing the id the SDK made), and the error names the session.
+    flaky = FlakyCoordinator(failures=0, fail_before_first_chunk=True, resume_failures=99)
+    address = serve(flaky)
+    assert main(["generate", "x", "--address", address, "--retries", "1"]) == 1
+    out, err = capsys.readouterr()
+    session_id = flaky.session_ids[0]
+    assert f"specdec resume {session_id} --address {address} --received-tokens 0 --received-chars 0" in err
+    with specdec.Client(address, retries=0) as client, pytest.raises(specdec.SpecdecClientError) as broken:
+        client.generate("x", max_new_tokens=2)
+    assert broken.value.session_id == flaky.session_ids[-1]
+    never = FlakyCoordinator(failures=9)
+    with specdec.Client(serve(never), retries=0) as client, pytest.raises(specdec.SpecdecClientError) as refused:
+        client.generate("x", max_new_tokens=2)
+    assert refused.value.session_id is None  # no session began
 
 
 class SlowCoordinator(FlakyCoordinator):
