@@ -70,8 +70,9 @@ class DraftServicer(ModelService, pb_grpc.DraftServicer):
         async with self.session(request) as state:
             await self.prefill(state)
             generator = cycle_generator(sampling.seed, request.cycle, DRAFT)
-            next_proposal = self.proposals(state, request.k, sampling, generator)
-            for index in range(request.k):
+            k = drafts_that_fit(request.k, state.committed_length, self.info.max_context)
+            next_proposal = self.proposals(state, k, sampling, generator)
+            for index in range(k):
                 started = time.perf_counter()
                 item = await next_proposal()
                 if item is None:
@@ -89,6 +90,15 @@ class DraftServicer(ModelService, pb_grpc.DraftServicer):
             return lambda: self.batcher.run(Step(state, sampling, generator))
         drafts = self.drafter.propose(state, k, sampling, generator)
         return lambda: self.worker.run(next, drafts, None)
+
+
+def drafts_that_fit(k: int, context: int, max_context: int) -> int:
+    """How many of k drafts a model of max_context positions (0: no limit) makes after a
+    context of that many tokens: draft i (from 0) is drawn once the context and the i drafts
+    before it are in its cache, so context + i <= max_context. The rest are not drafted (a
+    drafter may stop early); a draft of shorter context than its target's (GPT-2's 1,024
+    positions, say) used to draft past it and fail INTERNAL (an IndexError) at its end."""
+    return k if not max_context else max(0, min(k, max_context - context + 1))
 
 
 async def serve(config: DraftConfig) -> None:

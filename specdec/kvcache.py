@@ -106,7 +106,7 @@ class SessionState:
     ) -> None:
         """Bring the session to committed[:position] + new_tokens (see module doc).
         Nothing changes when the request is refused."""
-        check_position(position, new_tokens, vocab_size)
+        check_position(position, new_tokens, vocab_size, max_context)
         if committed_only:
             context, valid = await self.committed_context(position, list(new_tokens), fetch, wait_s)
         else:
@@ -169,8 +169,8 @@ class SessionState:
         checks them against Redis; when they prove not to be the committed tokens, undo the
         work (cache, held, pending) and raise as `sync` would (FailedPrecondition,
         OutOfRange). Also undone when the body raises or is cancelled."""
+        check_position(position, new_tokens, vocab_size, max_context)
         new_tokens = list(new_tokens)
-        check_position(position, new_tokens, vocab_size)
         if not self.checked_below(position):
             raise ValueError(f"claimed needs the held tokens below {position} checked: use sync")
         self.adopt(self.held[:position] + new_tokens, position, max_context)
@@ -253,10 +253,15 @@ class SessionState:
         self.confirmed = min(self.confirmed, length)
 
 
-def check_position(position: int, new_tokens: Sequence[int], vocab_size: int) -> None:
-    """InvalidArgument for a negative position or new_tokens outside the vocabulary."""
+def check_position(position: int, new_tokens: Sequence[int], vocab_size: int, max_context: int = 0) -> None:
+    """InvalidArgument for a negative position or new_tokens outside the vocabulary;
+    OutOfRange, first and at no cost, for a context past max_context (0: no limit): each id
+    was checked, and the list copied, on the event loop before the context's length was (60M
+    new_tokens: 5.9 s, every other session's call waiting)."""
     if position < 0:
         raise InvalidArgument(f"position must be >= 0, got {position}")
+    if max_context and position + len(new_tokens) > max_context:
+        raise OutOfRange(f"context of {position + len(new_tokens)} tokens exceeds the model's limit of {max_context}")
     check_token_ids(new_tokens, vocab_size, "new_tokens")
 
 

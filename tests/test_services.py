@@ -474,6 +474,49 @@ def test_a_session_id_in_use_is_refused_and_the_session_is_left_alone(client, re
     assert store.hgetall(meta_key("taken-1")) == before and before["status"] == "finished"
 
 
+def test_a_draft_of_shorter_context_than_its_target_stops_drafting_at_its_end_instead_of_failing(
+    redis_url, tiny_models, tmp_path
+):
+    """A GPT-2 draft of 16 positions (absolute position embeddings) behind a target of 2,048:
+    the coordinator asks K drafts by the target's context, and the draft used to draft past its
+    own, streaming a token and then failing INTERNAL (IndexError: index out of range) in every
+    cycle near its end. It now drafts what fits (context + i <= 16 for draft i) and stops."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from conftest import start_stack
+    from specdec.models import save_model
+
+    tokenizer = tiny_models.tokenizer
+    config = GPT2Config(vocab_size=len(tokenizer), n_positions=16, n_embd=32, n_layer=2, n_head=2,
+                        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)  # fmt: skip
+    torch.manual_seed(0)
+    save_model(GPT2LMHeadModel(config).eval(), tokenizer, tmp_path / "gpt2-draft")
+    stack = start_stack(redis_url, tiny_models.target, str(tmp_path / "gpt2-draft"), quiet=True)
+    try:
+        prompt = tokenizer.encode("hello world hel")[:12]
+        with specdec.Client(stack.address) as client:
+            result = client.generate(prompt_token_ids=prompt, max_new_tokens=10, ignore_eos=True,
+                                     num_speculative_tokens=4, session_id="short-draft")  # fmt: skip
+        assert result.token_ids == hf_greedy(tiny_models.target, prompt, 10)
+        committed = prompt + result.token_ids  # 22 tokens: past the draft's 16
+        sampling = pb.SamplingParams(temperature=0.0, seed=1)
+        drafted = {}
+        for length in (14, 15, 16):
+            tokens = list(internal_stub(stack, "draft").Propose(pb.ProposeRequest(
+                session_id="short-draft", position=0, new_tokens=committed[:length], k=4, sampling=sampling),
+                timeout=30))  # fmt: skip
+            drafted[length] = len(tokens)
+        with pytest.raises(grpc.RpcError) as past:
+            list(internal_stub(stack, "draft").Propose(pb.ProposeRequest(
+                session_id="short-draft", position=0, new_tokens=committed[:17], k=1, sampling=sampling), timeout=30))  # fmt: skip
+        log = stack.log_tail("draft")
+    finally:
+        stack.stop()
+    assert drafted == {14: 3, 15: 2, 16: 1}
+    assert past.value.code() == grpc.StatusCode.OUT_OF_RANGE and "limit of 16" in past.value.details()
+    assert "IndexError" not in log and "INTERNAL" not in log, log
+
+
 def test_a_draft_directory_without_a_k_of_its_own_leaves_requests_without_k_at_the_coordinators_default(client):
     info = client.info()
     assert info.draft.kind == "model" and info.draft.default_k == 0  # not a catalog draft
