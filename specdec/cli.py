@@ -149,13 +149,16 @@ def env_flag(
     secret: bool = False, **kw,
 ):  # fmt: skip
     """Add `flag`, whose default comes from `env` when that variable is set. The help of
-    a `secret` flag (e.g. a URL that may hold a password) never shows the value."""
+    a `secret` flag (e.g. a URL that may hold a password) never shows the value. A value the
+    flag refuses is an error of the command that takes the flag, once it runs (env_problems):
+    it used to end every command, `specdec --help` included, in the words of whichever took
+    the variable first (`SPECDEC_PORT=abc specdec models list`: "specdec up: error: ...")."""
     raw = os.environ.get(env)
     if kw.get("action") == "store_true":
         word = (raw or "").strip().lower()
         if word not in TRUE | FALSE:  # "ture" or "enabled" would otherwise be a silent False
-            parser.error(f"{env}={raw!r} is not a valid value for {flag}: expected one of 1, true, yes, on "
-                         "(set) or 0, false, no, off, empty (unset)")  # fmt: skip
+            env_problems(parser).append(f"{env}={raw!r} is not a valid value for {flag}: expected one of 1, true, "
+                                        "yes, on (set) or 0, false, no, off, empty (unset)")  # fmt: skip
         value = word in TRUE
         parser.add_argument(flag, default=value, help=f"{help} [env: {env}]", **kw)
         return
@@ -164,12 +167,19 @@ def env_flag(
             default = type(raw)
         except (ValueError, argparse.ArgumentTypeError) as exc:
             shown = env if secret else f"{env}={raw!r}"  # a secret's value is never printed
-            parser.error(f"{shown} is not a valid value for {flag}: {exc}")
+            env_problems(parser).append(f"{shown} is not a valid value for {flag}: {exc}")
     if kw.get("action") == "append":  # repeatable: the variable holds one value, which the flag replaces
         kw["action"] = AppendOverDefault
         default = [default] if default else None
     suffix = f" (default: {default})" if default not in (None, "") and not secret else ""
     parser.add_argument(flag, default=default, type=type, help=f"{help}{suffix} [env: {env}]", **kw)
+
+
+def env_problems(parser: argparse.ArgumentParser) -> list[str]:
+    """The environment variables a (sub)command's flags refuse, reported when it runs (main)."""
+    if not hasattr(parser, "specdec_env_problems"):
+        parser.specdec_env_problems = []
+    return parser.specdec_env_problems
 
 
 # ---------------------------------------------------------------- parser
@@ -918,12 +928,21 @@ def refuse_extra_arguments(parser: argparse.ArgumentParser, extra: list[str]) ->
     parser.error("; ".join([message, *hints]))
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
+def parse_command_line(argv: list[str]) -> argparse.Namespace:
+    """The arguments of a command line, or exit (status 2) with the error of the command it
+    names: an argument it does not take, or an environment variable of its flags it refuses."""
     parser = build_parser(argv)
     args, extra = parser.parse_known_args(argv)
+    command = command_parser(parser, args)
     if extra:
-        refuse_extra_arguments(command_parser(parser, args), extra)
+        refuse_extra_arguments(command, extra)
+    if problems := env_problems(command):
+        command.error(problems[0])
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_command_line(sys.argv[1:] if argv is None else argv)
     if args.verbose:
         logging.basicConfig(level=logging.INFO)
     handlers = {

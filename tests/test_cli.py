@@ -165,18 +165,31 @@ def test_the_command_line_takes_a_sampling_value_exactly_when_the_services_do(fl
 
 
 def test_a_bad_value_in_the_environment_names_the_variable_and_the_range(capsys, monkeypatch):
-    from specdec.cli import build_parser
+    """...and is the error of a command that takes the flag, in its own words, once it runs: it
+    ended every command, `specdec --help` included, as the first command that took the
+    variable ("specdec up: error: ..." for `specdec models list`)."""
+    from specdec.cli import parse_command_line
 
     monkeypatch.setenv("SPECDEC_PORT", "99999")
     with pytest.raises(SystemExit):
-        build_parser(["up"])
-    assert "SPECDEC_PORT='99999' is not a valid value for --port: expected an integer at least 1" in capsys.readouterr().err
+        parse_command_line(["up"])
+    err = capsys.readouterr().err
+    assert "specdec up: error: SPECDEC_PORT='99999' is not a valid value for --port: expected an integer at least 1" in err
+    assert parse_command_line(["models", "list"]).command == "models"  # takes no --port
+    with pytest.raises(SystemExit) as helped:
+        parse_command_line(["--help"])
+    assert helped.value.code == 0 and "Distributed, lossless speculative decoding" in capsys.readouterr().out
+    monkeypatch.setenv("SPECDEC_TIMEOUT", "-1")  # generate's, resume's...: not delete's
+    assert parse_command_line(["delete", "some-session"]).command == "delete"
+    with pytest.raises(SystemExit):
+        parse_command_line(["resume", "some-session"])
+    assert "specdec resume: error: SPECDEC_TIMEOUT='-1'" in capsys.readouterr().err
 
 
 def test_a_redis_url_of_another_scheme_is_refused_with_the_schemes_and_never_printed(capsys, monkeypatch):
     """`--redis-url http://...` (or none: `localhost:6379`) used to end a service in redis-py's
     ValueError traceback; the URL may hold a password, so the refusal never quotes it."""
-    from specdec.cli import build_parser
+    from specdec.cli import build_parser, parse_command_line
 
     for command in (["serve", "target"], ["serve", "coordinator"], ["up"]):
         with pytest.raises(SystemExit):
@@ -189,7 +202,7 @@ def test_a_redis_url_of_another_scheme_is_refused_with_the_schemes_and_never_pri
     assert "got no scheme" in capsys.readouterr().err
     monkeypatch.setenv("SPECDEC_REDIS_URL", "http://:hunter2@cache:6379")
     with pytest.raises(SystemExit):
-        build_parser(["up"])
+        parse_command_line(["up"])
     err = capsys.readouterr().err
     assert "SPECDEC_REDIS_URL is not a valid value for --redis-url: expected a Redis URL" in err and "hunter2" not in err
     for url in ("redis://:pw@cache:6379/0", "rediss://cache:6380", "unix:///tmp/redis.sock", "redis+cluster://node:7000"):
@@ -199,14 +212,14 @@ def test_a_redis_url_of_another_scheme_is_refused_with_the_schemes_and_never_pri
 
 def test_a_switch_in_the_environment_takes_yes_or_no_words_and_refuses_others_instead_of_reading_them_as_no(capsys, monkeypatch):
     """SPECDEC_CHAT=ture used to be a silent False: the prompt went as plain text."""
-    from specdec.cli import build_parser
+    from specdec.cli import build_parser, parse_command_line
 
     for word, chat in (("1", True), ("YES", True), (" on ", True), ("true", True), ("0", False), ("off", False), ("", False)):
         monkeypatch.setenv("SPECDEC_CHAT", word)
         assert build_parser().parse_args(["generate", "hi"]).chat is chat, word
     monkeypatch.setenv("SPECDEC_CHAT", "ture")
     with pytest.raises(SystemExit):
-        build_parser()
+        parse_command_line(["generate", "hi"])
     assert "SPECDEC_CHAT='ture' is not a valid value for --chat: expected one of 1, true, yes, on" in capsys.readouterr().err
 
 
@@ -307,7 +320,7 @@ def test_a_token_file_that_is_not_utf8_ends_generate_with_one_line(tmp_path, cap
 def test_specdec_stop_holds_one_stop_string_and_stop_flags_replace_it(monkeypatch, capsys):
     """SPECDEC_STOP=" the" used to become the string " the", which the request took as the four
     stop strings " ", "t", "h", "e", and `--stop` beside it failed with an AttributeError."""
-    from specdec.cli import build_parser
+    from specdec.cli import build_parser, parse_command_line
 
     assert build_parser().parse_args(["generate", "hi"]).stop is None
     assert build_parser().parse_args(["generate", "hi", "--stop", "x", "--stop", "y"]).stop == ["x", "y"]
@@ -317,7 +330,7 @@ def test_specdec_stop_holds_one_stop_string_and_stop_flags_replace_it(monkeypatc
     assert build_parser().parse_args(["generate", "hi"]).stop == [" the"]  # the default is not mutated
     monkeypatch.setenv("SPECDEC_STOP", "\udce9")
     with pytest.raises(SystemExit):
-        build_parser()
+        parse_command_line(["generate", "hi"])
     assert "SPECDEC_STOP='\\udce9' is not a valid value for --stop: the text is not UTF-8: byte 0xe9" in capsys.readouterr().err
 
 

@@ -40,7 +40,7 @@ import yaml
 
 from coordinator.replicas import parse_replica_address
 from specdec import catalog, serving
-from specdec.cli import build_parser
+from specdec.cli import build_parser, parse_command_line
 
 ROOT = Path(__file__).resolve().parents[1]
 K8S = ROOT / "k8s"
@@ -426,7 +426,7 @@ def parse_service(monkeypatch, service: str, container: dict, env: dict[str, str
         stderr = io.StringIO()
         try:
             with contextlib.redirect_stderr(stderr):
-                return build_parser().parse_args(args)
+                return parse_command_line(args)  # the environment's values checked as the command runs
         except SystemExit:
             pytest.fail(f"`specdec {' '.join(args)}` with {sorted(env)} is refused by the CLI:\n{stderr.getvalue()}")
 
