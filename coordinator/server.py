@@ -34,7 +34,9 @@ from specdec.errors import (
 )
 from specdec.metrics import CoordinatorMetrics
 from specdec.ngram import DEFAULT_K, DEFAULT_MAX_NGRAM, DEFAULT_MIN_NGRAM, NGRAM_DRAFT
-from specdec.ranges import DEFAULT_DRAIN_S, DEFAULT_STALL_TIMEOUT_S, DEFAULT_WAIT_MS
+from specdec.ranges import (
+    DEFAULT_DRAIN_S, DEFAULT_MAX_K, DEFAULT_MAX_NEW_TOKENS_LIMIT, DEFAULT_STALL_TIMEOUT_S, DEFAULT_WAIT_MS,
+)
 from specdec.security import ChannelSecurity, ServerSecurity, caller_id, is_caller
 from specdec.session import CALLER_LEASE_S, NotReplicated, SessionStore, check_session_id, new_session_id
 from specdec.vocab import chat_ids, describe_model, has_chat_template, text_ids
@@ -127,10 +129,10 @@ class CoordinatorConfig:
     # specdec.ngram.DEFAULT_K. See pick_default_k.
     default_k: int | None = None
     # Largest K a request may ask for (also bounded by what the services accept).
-    max_k: int = 16
+    max_k: int = DEFAULT_MAX_K
     # max_new_tokens when a request does not set one, and the most it may ask for.
     default_max_new_tokens: int = 128
-    max_new_tokens_limit: int = 4096
+    max_new_tokens_limit: int = DEFAULT_MAX_NEW_TOKENS_LIMIT
     # Longest prompt accepted, in tokens (RESOURCE_EXHAUSTED beyond; the target's context
     # bounds it too). Text prompts longer than PROMPT_CHARS_PER_TOKEN times this are
     # refused before they are tokenized.

@@ -54,7 +54,7 @@ from dataclasses import dataclass, field
 
 from specdec.ngram import DEFAULT_K, NGRAM_DRAFT
 from specdec.prompts import PromptFileError, read_json_lines
-from specdec.ranges import text_problem
+from specdec.ranges import AT_LEAST_ONE, DEFAULT_MAX_K, DEFAULT_MAX_NEW_TOKENS_LIMIT, text_problem
 
 DEFAULT_PROMPTS = "bench_prompts.jsonl"
 # Timed rounds of each cost after each prompt (after one untimed round). With one, the costs
@@ -80,7 +80,7 @@ class Run:
 
 def add_bench_parser(commands) -> None:
     from specdec.cli import add_ngram_first_flag, add_stack_model_flags
-    from specdec.ranges import AT_LEAST_ONE, MAX_NEW_TOKENS, TEMPERATURE, THREADS, TOP_K, TOP_P
+    from specdec.ranges import MAX_NEW_TOKENS, TEMPERATURE, THREADS, TOP_K, TOP_P
 
     p = commands.add_parser(
         "bench",
@@ -94,7 +94,7 @@ def add_bench_parser(commands) -> None:
                    help="tokens drafted per cycle, or `adaptive` (up to --max-k) (default: the draft's own K: a catalog "
                    f"draft's, 2 for smollm2-135m-instruct-draft, or the serving_k on the card of a directory `specdec "
                    f"distill` wrote; else {DEFAULT_K}, the coordinator's default)")  # fmt: skip
-    p.add_argument("--max-k", type=AT_LEAST_ONE, default=8, help="largest K with --k adaptive (default: %(default)s)")
+    p.add_argument("--max-k", type=bench_k, default=8, help="largest K with --k adaptive (default: %(default)s)")
     p.add_argument("--prompts", default=None, help='JSONL file, one {"prompt": ...} per line (default: the shipped set)')
     p.add_argument("--kind", default=None,
                    help='only the prompts whose "kind" is this, or one of these, comma-separated: code,chat '
@@ -124,20 +124,33 @@ def add_bench_parser(commands) -> None:
 
 
 def k_list(text: str) -> list[int]:
-    """`2,4` -> [2, 4]: the fixed K of --compare-k (each 1..32)."""
+    """`2,4` -> [2, 4]: the fixed K of --compare-k (each 1..DEFAULT_MAX_K, what the stack takes)."""
     try:
         ks = sorted({int(part) for part in text.split(",") if part.strip()})
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected K values separated by commas, such as 2,4; got {text!r}") from None
-    if not ks or ks[0] < 1 or ks[-1] > 32:
-        raise argparse.ArgumentTypeError(f"each K must be 1..32, got {text!r}")
+    if not ks or ks[0] < 1 or ks[-1] > DEFAULT_MAX_K:
+        raise argparse.ArgumentTypeError(f"each K must be 1..{DEFAULT_MAX_K} (the services' --max-k), got {text!r}")
     return ks
 
 
 def k_value(text: str):
+    """--k: a K the bench's stack takes (1..DEFAULT_MAX_K) or `adaptive`; a larger one used to
+    fail with a traceback once the models had loaded and the stack had started."""
     from specdec.cli import k_value as parse
 
-    return parse(text)
+    k = parse(text)
+    if k != "adaptive" and k > DEFAULT_MAX_K:
+        raise argparse.ArgumentTypeError(f"K must be at most {DEFAULT_MAX_K} (the services' --max-k), got {text!r}")
+    return k
+
+
+def bench_k(text: str) -> int:
+    """--max-k: 1..DEFAULT_MAX_K."""
+    k = AT_LEAST_ONE(text)
+    if k > DEFAULT_MAX_K:
+        raise argparse.ArgumentTypeError(f"expected at most {DEFAULT_MAX_K} (the services' --max-k), got {text!r}")
+    return k
 
 
 def load_prompts(path: str | None, kind: str | None = None) -> list[str]:
@@ -617,6 +630,11 @@ def run_bench(args) -> int:
     from specdec.catalog import default_draft, draft_default_k
     from specdec.cli import refuse_missing_model
 
+    if args.costs and args.compare_k:
+        raise SystemExit("specdec bench: --costs measures costs only and --compare-k runs generation: give one of them")
+    if args.max_new_tokens > DEFAULT_MAX_NEW_TOKENS_LIMIT:  # what the bench's own stack allows
+        raise SystemExit(f"specdec bench: --max-new-tokens {args.max_new_tokens} is more than its stack allows (at "
+                         f"most {DEFAULT_MAX_NEW_TOKENS_LIMIT}, the coordinator's --max-new-tokens-limit)")  # fmt: skip
     prompts = load_prompts(args.prompts, args.kind)  # a bad file is refused before torch loads
     args.draft = args.draft or default_draft(args.target)
     refuse_missing_model("target", args.target)  # ... and so is a model that is not there

@@ -16,7 +16,8 @@ from typing import NoReturn
 from specdec import __version__
 from specdec.ngram import DEFAULT_K, DEFAULT_MAX_NGRAM, DEFAULT_MIN_NGRAM, NGRAM_DRAFT
 from specdec.ranges import (
-    AT_LEAST_ONE, DEFAULT_DRAIN_S, DEFAULT_MAX_BATCH, DEFAULT_RETRIES, DEFAULT_STALL_TIMEOUT_S, DEFAULT_WAIT_MS,
+    AT_LEAST_ONE, DEFAULT_DRAIN_S, DEFAULT_MAX_BATCH, DEFAULT_MAX_K, DEFAULT_MAX_NEW_TOKENS_LIMIT, DEFAULT_RETRIES,
+    DEFAULT_STALL_TIMEOUT_S, DEFAULT_WAIT_MS,
     DRAIN_S, MAX_NEW_TOKENS, METRICS_PORT, PER_CALLER, PORT, RETRIES, SECONDS, SEED, REPLICA_REFRESH_S,
     SERVICE_PORT, STALL_TIMEOUT_S, TEMPERATURE, THREADS, TOP_K, TOP_P, UINT32, WAIT_MS, WAIT_REPLICAS, Range,
     grpc_address, listen_host, stop_text, undecodable, utf8_text,
@@ -324,7 +325,7 @@ def add_model_flags(p: argparse.ArgumentParser, prefix: str, model: str) -> None
              help="weights and compute dtype")
     env_flag(p, "--device", f"{prefix}_DEVICE", default="cpu", help="cpu, cuda, cuda:N or auto")
     env_flag(p, "--threads", f"{prefix}_THREADS", default=0, type=THREADS, help="torch CPU threads (0 = torch's choice)")
-    env_flag(p, "--max-k", f"{prefix}_MAX_K", default=16, type=AT_LEAST_ONE, help="largest K accepted per request")
+    env_flag(p, "--max-k", f"{prefix}_MAX_K", default=DEFAULT_MAX_K, type=AT_LEAST_ONE, help="largest K accepted per request")
     env_flag(p, "--max-sessions", f"{prefix}_MAX_SESSIONS", default=256, type=AT_LEAST_ONE,
              help="sessions whose KV cache is kept; least recently used evicted beyond")  # fmt: skip
     env_flag(p, "--max-cache-mb", f"{prefix}_MAX_CACHE_MB", default=4096.0, type=Range(float, 0, note="0 = no limit"),
@@ -378,10 +379,11 @@ def add_coordinator_flags(p: argparse.ArgumentParser) -> None:
              help="K when a request sets none (default: the K the draft service reports for its draft, "
                   f"e.g. 2 for smollm2-135m-instruct-draft, or the serving_k on the card of a distilled draft's "
                   f"directory; else {DEFAULT_K})")  # fmt: skip
-    env_flag(p, "--max-k", "SPECDEC_COORDINATOR_MAX_K", default=16, type=AT_LEAST_ONE, help="largest K a request may ask for")
+    env_flag(p, "--max-k", "SPECDEC_COORDINATOR_MAX_K", default=DEFAULT_MAX_K, type=AT_LEAST_ONE,
+             help="largest K a request may ask for")  # fmt: skip
     env_flag(p, "--default-max-new-tokens", "SPECDEC_DEFAULT_MAX_NEW_TOKENS", default=128, type=AT_LEAST_ONE,
              help="max_new_tokens when a request sets none (at most --max-new-tokens-limit)")  # fmt: skip
-    env_flag(p, "--max-new-tokens-limit", "SPECDEC_MAX_NEW_TOKENS_LIMIT", default=4096, type=AT_LEAST_ONE,
+    env_flag(p, "--max-new-tokens-limit", "SPECDEC_MAX_NEW_TOKENS_LIMIT", default=DEFAULT_MAX_NEW_TOKENS_LIMIT, type=AT_LEAST_ONE,
              help="largest max_new_tokens a request may ask for")  # fmt: skip
     env_flag(p, "--adaptive-k", "SPECDEC_ADAPTIVE_K", action="store_true",
              help="requests that set no K get K chosen per cycle (up to --max-k) instead of --default-k")  # fmt: skip
@@ -651,6 +653,7 @@ def serving_address(args):
     if args.address is not None or args.tls_ca or is_serving(address):
         yield address
         return
+    refuse_what_a_local_stack_refuses(args)
     host, port = address.rsplit(":", 1)
     if is_listening(host, int(port)):  # likely a `specdec up` still loading, meant for this command: say so
         raise SystemExit(f"specdec {args.command}: something listens on {address} but is not a serving specdec "
@@ -664,6 +667,18 @@ def serving_address(args):
           "for this command", file=sys.stderr, flush=True)  # fmt: skip
     with Stack(config, terse=not args.verbose) as stack:
         yield stack.address
+
+
+def refuse_what_a_local_stack_refuses(args) -> None:
+    """End the command, before a local stack starts, on a request its services would refuse
+    (their default limits): it used to start the whole stack, models and all, and then fail."""
+    if isinstance(args.k, int) and args.k > DEFAULT_MAX_K:
+        raise SystemExit(f"specdec {args.command}: --k {args.k} is more than a local stack takes (at most "
+                         f"{DEFAULT_MAX_K}, the services' --max-k): give --address of a stack whose services take a "
+                         "larger --max-k, or a smaller --k")  # fmt: skip
+    if args.max_new_tokens is not None and args.max_new_tokens > DEFAULT_MAX_NEW_TOKENS_LIMIT:
+        raise SystemExit(f"specdec {args.command}: --max-new-tokens {args.max_new_tokens} is more than a local stack "
+                         f"allows (at most {DEFAULT_MAX_NEW_TOKENS_LIMIT}, the coordinator's --max-new-tokens-limit)")  # fmt: skip
 
 
 def prompt_arguments(args) -> dict:

@@ -538,6 +538,8 @@ def build_request(
         check_text(f"messages[{i}] content", message["content"])
     for i, text in enumerate(stop or []):
         check_text(f"stop[{i}]", text)
+        if not text:  # every coordinator refuses it
+            raise ValueError(f"stop[{i}] is empty: a stop string must hold at least one character")
     request = pb.GenerateRequest(
         prompt=prompt or "",
         prompt_token_ids=[operator.index(i) for i in ids],

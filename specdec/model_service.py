@@ -12,7 +12,7 @@ from specdec import serving, telemetry
 from specdec.errors import FailedPrecondition, InvalidArgument, OutOfRange, SessionRecreated, Unavailable, grpc_handler
 from specdec.kvcache import PREFILL_CHUNK, SessionPool, SessionState, feed_pending, find_prefix, take_prefix
 from specdec.metrics import ModelServiceMetrics
-from specdec.ranges import DEFAULT_MAX_BATCH
+from specdec.ranges import DEFAULT_MAX_BATCH, DEFAULT_MAX_K
 from specdec.security import ServerSecurity, require_caller_credential
 from specdec.session import SessionStore, check_session_id, session_gone
 from specdec.v1 import specdec_pb2 as pb
@@ -29,7 +29,7 @@ class ModelServiceConfig:
     host: str = "127.0.0.1"
     port: int = 0
     # Largest K (drafts per request) accepted; bounds the work one request can ask for.
-    max_k: int = 16
+    max_k: int = DEFAULT_MAX_K
     # Sessions whose KV cache is kept; least recently used evicted beyond.
     max_sessions: int = 256
     # MiB the sessions' KV caches may hold; least recently used evicted beyond; 0 = no limit.

@@ -85,6 +85,10 @@ AT_LEAST_ONE = Range(int, 1)
 # A count in a uint32 proto field (ResumeRequest's received_tokens and received_chars).
 UINT32 = Range(int, 0, 2**32 - 1)
 MAX_NEW_TOKENS = AT_LEAST_ONE
+# The services' limits unless told otherwise (--max-k of all three, the coordinator's
+# --max-new-tokens-limit): what a stack a command brings up itself takes.
+DEFAULT_MAX_K = 16
+DEFAULT_MAX_NEW_TOKENS_LIMIT = 4096
 # Ports, and the service flags no deployment can use outside their range.
 PORT = Range(int, 1, 65535)
 SERVICE_PORT = Range(int, 0, 65535, note="0 = a free port, printed once serving")
@@ -146,7 +150,10 @@ STOP_ESCAPES = {"n": "\n", "t": "\t", "r": "\r", "\\": "\\"}
 def stop_text(text: str) -> str:
     """argparse type of a stop string: utf8_text, with \\n, \\t, \\r and \\\\ read as a newline,
     a tab, a carriage return and one backslash (what a user typing `--stop "\\n\\n"` means, as
-    llama.cpp reads its own strings); any other backslash stays as it is."""
+    llama.cpp reads its own strings); any other backslash stays as it is. An empty one, which
+    every coordinator refuses, is refused here (a local stack used to start first)."""
+    if not text:
+        raise argparse.ArgumentTypeError("a stop string must not be empty")
     return re.sub(r"\\([ntr\\])", lambda escape: STOP_ESCAPES[escape.group(1)], utf8_text(text))
 
 

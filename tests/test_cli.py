@@ -963,3 +963,35 @@ def test_a_quiet_services_log_tail_read_while_the_service_writes_loses_no_line()
         # The last line may be one the writer is in the middle of.
         assert tail[:-1] == whole[:-1] and whole[-1].startswith(tail[-1]), tail
     assert last == [f"line {n:05d} " + "x" * 100 for n in range(2000 - LOG_TAIL_LINES, 2000)]
+
+
+def test_requests_a_stack_the_command_starts_would_refuse_end_it_before_anything_starts(capsys, monkeypatch):
+    """`bench --k 20` loaded both models, started a stack and then ended in a traceback
+    (INVALID_ARGUMENT: K must be between 1 and 16); `bench --costs --compare-k 2` ignored
+    --costs; `generate` without --address started a local stack and then failed on a K, a
+    max_new_tokens or an empty stop string its services refuse. Each now ends at once, in one
+    line; so does an empty stop string given to the SDK."""
+    import specdec
+    from specdec.cli import main
+
+    monkeypatch.setattr("specdec.launcher.Stack.start", lambda self: pytest.fail("a stack was started"))
+    for argv, said in (
+        (["bench", "--k", "20"], "argument --k: K must be at most 16 (the services' --max-k)"),
+        (["bench", "--compare-k", "2,20"], "argument --compare-k: each K must be 1..16"),
+        (["bench", "--k", "adaptive", "--max-k", "20"], "argument --max-k: expected at most 16"),
+        (["generate", "hi", "--stop", ""], "argument --stop: a stop string must not be empty"),
+    ):
+        with pytest.raises(SystemExit) as refused:
+            main(argv)
+        assert refused.value.code == 2 and said in capsys.readouterr().err, argv
+    for argv, said in (
+        (["bench", "--costs", "--compare-k", "2"], "--costs measures costs only and --compare-k runs generation"),
+        (["bench", "--max-new-tokens", "5000"], "--max-new-tokens 5000 is more than its stack allows (at most 4096"),
+        (["generate", "hi", "--k", "99"], "--k 99 is more than a local stack takes (at most 16"),
+        (["trace", "hi", "--max-new-tokens", "5000"], "--max-new-tokens 5000 is more than a local stack allows"),
+    ):
+        with pytest.raises(SystemExit) as refused:
+            main(argv)
+        assert said in str(refused.value.code), (argv, refused.value.code)
+    with specdec.Client("127.0.0.1:9") as client, pytest.raises(ValueError, match="stop\\[1\\] is empty"):
+        client.generate("hi", stop=["a", ""])
