@@ -7,6 +7,7 @@ import argparse
 import asyncio
 import contextlib
 import difflib
+import errno
 import json
 import logging
 import os
@@ -24,6 +25,8 @@ from specdec.ranges import (
 )
 
 DEFAULT_ADDRESS = "127.0.0.1:50051"
+# Errors of writing the output (stdout), which end a command in one line (main).
+OUTPUT_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EIO, errno.EFBIG}
 TRUE = {"1", "true", "yes", "on"}
 FALSE = {"", "0", "false", "no", "off"}
 
@@ -979,6 +982,13 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:  # `specdec generate ... | head`: the reader has what it wanted
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so the exit's flush cannot fail again
         return 141  # 128 + SIGPIPE, as a shell reports a command a pipe's reader left
+    except OSError as exc:
+        if exc.errno not in OUTPUT_ERRNOS or exc.filename is not None:  # a file's error, not the output's
+            raise
+        # `> /dev/full`, a full disk or quota, a terminal gone: one line, where a traceback came
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        print(f"specdec {args.command}: cannot write the output: {exc.strerror}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -36,7 +36,7 @@ from typing import TypedDict, Unpack
 
 import grpc
 
-from specdec.ranges import DEFAULT_RETRIES, RETRIES, SEED, address_problem, text_problem, token_problem
+from specdec.ranges import DEFAULT_RETRIES, RETRIES, SECONDS, SEED, address_problem, text_problem, token_problem
 from specdec.v1 import specdec_pb2 as pb
 from specdec.v1 import specdec_pb2_grpc as pb_grpc
 
@@ -138,6 +138,8 @@ class _Resumption:
 
     def __init__(self, session_id: str, retries: int, timeout: float | None, *, tokens: int = 0, chars: int = 0,
                  own_id: bool = False, began: bool = False):  # fmt: skip
+        if timeout is not None and (problem := SECONDS.problem("timeout", timeout)):
+            raise ValueError(f"{problem} (None: no deadline)")  # 1e10 s ended the call DEADLINE_EXCEEDED at once
         self.session_id = session_id
         self.own_id = own_id  # the id was made here (a uuid4), not the caller's
         self.tokens = tokens  # output tokens received (a hand-made Resume: those the caller has)

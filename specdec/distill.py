@@ -1254,7 +1254,10 @@ def distill(config: DistillConfig) -> dict:
     out = Path(config.out)
     checkpoint_path = out / CHECKPOINT_NAME
     train_prompts, eval_prompts = load_prompts(config.prompts, config.eval_prompts or None)
-    out.mkdir(parents=True, exist_ok=True)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:  # a file on the way (/etc/passwd/x), no permission, a read-only disk: one line
+        raise DistillError(f"cannot make --out {out}: {exc.strerror}") from None
     target = load_model(config.target)
     meta_path = out / DATA_DIR / "target.json"
     made_by = {"target": config.target, "vocab_fingerprint": target.vocab_fingerprint,

@@ -76,7 +76,9 @@ TOP_K = Range(int, 0, note="0 = off")
 TOP_P = Range(float, 0, 1, above=True, note="1 = off")
 # The seeds the services take: below 2**63, though the proto field is a uint64.
 SEED = Range(int, 0, 2**63 - 1)
-SECONDS = Range(float, 0, above=True)
+# A duration. gRPC holds a deadline as 64-bit nanoseconds (292 years): a timeout of 1e10 s or more
+# ended a call DEADLINE_EXCEEDED at once. 1e9 s is 31 years.
+SECONDS = Range(float, 0, 1e9, above=True)
 # How often the SDK sends a call that failed UNAVAILABLE before any answer again (gRPC makes at
 # most 5 attempts of a call: specdec.client.service_config), and resumes a stream that broke.
 RETRIES = Range(int, 0, 4)

@@ -995,3 +995,20 @@ def test_requests_a_stack_the_command_starts_would_refuse_end_it_before_anything
         assert said in str(refused.value.code), (argv, refused.value.code)
     with specdec.Client("127.0.0.1:9") as client, pytest.raises(ValueError, match="stop\\[1\\] is empty"):
         client.generate("hi", stop=["a", ""])
+
+
+def test_an_output_that_cannot_be_written_and_a_timeout_past_what_grpc_holds_end_in_one_line():
+    """`specdec models list > /dev/full` ended in an OSError traceback; `--timeout 1e10` (and the
+    SDK's timeout=1e10) ended the call DEADLINE_EXCEEDED at once, gRPC's deadline overflowing."""
+    import specdec
+
+    with open("/dev/full", "w") as full:
+        listed = subprocess.run([*SPECDEC, "models", "list"], stdout=full, stderr=subprocess.PIPE, text=True, timeout=60)
+    assert listed.returncode == 1 and "Traceback" not in listed.stderr
+    assert "specdec models: cannot write the output: No space left on device" in listed.stderr
+    from specdec.cli import parse_command_line
+
+    with pytest.raises(SystemExit):
+        parse_command_line(["generate", "hi", "--timeout", "1e10"])
+    with specdec.Client("127.0.0.1:9") as client, pytest.raises(ValueError, match="timeout must be a number above 0 and at most"):
+        client.generate("hi", timeout=1e10)

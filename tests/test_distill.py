@@ -399,6 +399,16 @@ def test_a_flag_no_run_can_use_is_refused_with_its_name_before_anything_is_writt
     assert not out.exists()
 
 
+def test_an_out_that_cannot_be_made_ends_the_run_in_one_line(tiny, tmp_path, capsys):
+    """--out under a file (or where no directory may be made) ended in a NotADirectoryError
+    or FileNotFoundError traceback."""
+    (tmp_path / "a-file").write_text("")
+    argv = ["--target", tiny[1], "--out", str(tmp_path / "a-file" / "run"), "--prompts", tiny[2], "--minutes", "0.01",
+            *DISTILL_FLAGS]  # fmt: skip
+    assert run_distill(parse(argv)) == 1
+    assert f"cannot make --out {tmp_path / 'a-file' / 'run'}: Not a directory" in capsys.readouterr().err
+
+
 def test_a_folder_holding_something_else_is_not_written_over(tiny, tmp_path, capsys):
     out = tmp_path / "my-model"
     out.mkdir()
