@@ -36,6 +36,7 @@ RSS_EVERY_S = 10.0  # RSS time series: one sample this often...
 RSS_MAX_SAMPLES = 60  # ...but no more than this many samples per process over the run
 TICK_S = 0.5  # progress bar refresh
 ERROR_SAMPLES = 5  # distinct error messages kept for the report
+FAILURE_PAUSE_S = 0.1  # a client waits this long after a failed request before its next
 PROCESS_ORDER = ("redis", "coordinator", "draft", "target")
 
 
@@ -127,6 +128,9 @@ async def run_client(
                 result = await client.generate(prompt, **options)
             except SpecdecClientError as exc:
                 record_error(tally, exc.code.name, exc.message)
+                # A failure is counted, not hurried: against a coordinator gone away each call
+                # fails at once, and the clients sent thousands a second for the rest of the run.
+                await asyncio.sleep(FAILURE_PAUSE_S)
                 continue
             latency_ms = result.client_elapsed_s * 1000
             tally.latency_ms.append(latency_ms)
@@ -218,13 +222,43 @@ def soak_target(args):
 def run_soak(args) -> int:
     if args.pid and not args.address:
         raise SystemExit("--pid is for --address: a local stack's processes are measured anyway")
+    refuse_missing_processes(dict(args.pid))
     prompts = load_prompts(args.prompts)
     connect = client_options(args)  # an unreadable token or CA file fails before a stack starts
     with soak_target(args) as (address, pids):
+        if args.address:
+            refuse_silent_coordinator(address, connect)
         tally, elapsed = asyncio.run(soak(address, pids, prompts, args, connect))
     report = build_report(args, address, pids, tally, elapsed)
     print(json.dumps(report) if args.json else format_report(report))
     return 1 if report["errors"] else 0
+
+
+def refuse_missing_processes(pids: dict[str, int]) -> None:
+    """End the command on a --pid no process has (it ran, reported the RSS `gone`, and passed)."""
+    import psutil
+
+    for name, pid in pids.items():
+        if not psutil.pid_exists(pid):
+            raise SystemExit(f"specdec soak: --pid {name}={pid}: no process has that id on this machine")
+
+
+def refuse_silent_coordinator(address: str, connect: dict) -> None:
+    """End the command where the coordinator at `address` does not answer: the run used to go
+    on for all its minutes, every request failing at once."""
+    from specdec.client import Client, SpecdecClientError
+
+    try:
+        with Client(address, **connect) as client:
+            client.info(timeout=10)
+    except SpecdecClientError as exc:
+        raise SystemExit(f"specdec soak: the coordinator at {address} does not answer ({exc}): start it, "
+                         "or give the right --address") from None  # fmt: skip
+
+
+def latency(values: list[float], q: float) -> float | None:
+    """The q-th percentile, None where no request succeeded (it read 0.0 ms)."""
+    return percentile(values, q) if values else None
 
 
 def build_report(args, address: str, pids: dict[str, int], tally: Tally, elapsed: float) -> dict:
@@ -255,14 +289,18 @@ def build_report(args, address: str, pids: dict[str, int], tally: Tally, elapsed
         "tokens": tally.tokens,
         "requests_per_s": tally.requests / elapsed,
         "tokens_per_s": tally.tokens / elapsed,
-        "p50_latency_ms": percentile(tally.latency_ms, 50),
-        "p99_latency_ms": percentile(tally.latency_ms, 99),
-        "p50_token_ms": percentile(tally.token_ms, 50),
-        "p99_token_ms": percentile(tally.token_ms, 99),
+        "p50_latency_ms": latency(tally.latency_ms, 50),
+        "p99_latency_ms": latency(tally.latency_ms, 99),
+        "p50_token_ms": latency(tally.token_ms, 50),
+        "p99_token_ms": latency(tally.token_ms, 99),
         "processes": processes,
         "rss_series_t_s": [round(t, 1) for t, _ in tally.rss_series],
         "rss_note": None if pids else "RSS not measured: the stack is remote (name local processes with --pid NAME=PID)",
     }
+
+
+def ms(value: float | None) -> str:
+    return f"{'n/a':>9}" if value is None else f"{value:9.1f}"
 
 
 def format_report(r: dict) -> str:
@@ -276,8 +314,8 @@ def format_report(r: dict) -> str:
         f"errors     {r['errors']:>8}   {errors}".rstrip(),
         *[f"           {sample}" for sample in r["error_samples"]],
         f"tokens     {r['tokens']:>8}   {r['tokens_per_s']:.1f}/s",
-        f"latency    p50 {r['p50_latency_ms']:9.1f} ms   p99 {r['p99_latency_ms']:9.1f} ms",
-        f"per token  p50 {r['p50_token_ms']:9.1f} ms   p99 {r['p99_token_ms']:9.1f} ms",
+        f"latency    p50 {ms(r['p50_latency_ms'])} ms   p99 {ms(r['p99_latency_ms'])} ms",
+        f"per token  p50 {ms(r['p50_token_ms'])} ms   p99 {ms(r['p99_token_ms'])} ms",
         "",
     ]
     if not r["processes"]:

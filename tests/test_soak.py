@@ -48,6 +48,24 @@ def test_soak_counts_refused_requests_by_status_code_and_exits_1(tiny_stack, cap
     assert report["errors_by_code"] == {"RESOURCE_EXHAUSTED": report["errors"]}
     assert len(report["error_samples"]) == 1 and "max_new_tokens" in report["error_samples"][0]
     assert report["tokens"] == 0
+    # No request succeeded: no latency (it read 0.0 ms); and each client paused 0.1 s after each
+    # failure (2 clients for 1.2 s sent thousands of requests, each refused at once).
+    assert report["p50_latency_ms"] is None and report["p99_token_ms"] is None
+    assert report["requests"] <= 2 * (1.2 / 0.1 + 2)
+
+
+def test_soak_against_a_coordinator_that_does_not_answer_or_a_pid_no_process_has_ends_at_once(capsys):
+    """Against a dead address it ran all its minutes (10 by default), every client failing
+    thousands of calls a second; a --pid no process has ran, reported `gone`, and passed."""
+    import pytest
+
+    from specdec.redis_server import free_port
+
+    address = f"127.0.0.1:{free_port()}"
+    with pytest.raises(SystemExit, match=f"the coordinator at {address} does not answer"):
+        main(["soak", "--no-progress", "--address", address, "--minutes", "0.01"])
+    with pytest.raises(SystemExit, match="--pid coordinator=4194305: no process has that id"):  # above Linux's pid_max
+        main(["soak", "--no-progress", "--address", address, "--minutes", "0.01", "--pid", "coordinator=4194305"])
 
 
 def test_soak_with_its_own_stack_reports_rss_of_every_process(tiny_models, capsys, tmp_path):
