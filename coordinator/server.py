@@ -37,7 +37,7 @@ from specdec.ngram import DEFAULT_K, DEFAULT_MAX_NGRAM, DEFAULT_MIN_NGRAM, NGRAM
 from specdec.ranges import (
     DEFAULT_DRAIN_S, DEFAULT_MAX_K, DEFAULT_MAX_NEW_TOKENS_LIMIT, DEFAULT_STALL_TIMEOUT_S, DEFAULT_WAIT_MS,
 )
-from specdec.security import ChannelSecurity, ServerSecurity, caller_id, is_caller
+from specdec.security import ChannelSecurity, ServerSecurity, caller_id, is_caller, redact_url
 from specdec.session import CALLER_LEASE_S, NotReplicated, SessionStore, check_session_id, new_session_id
 from specdec.vocab import chat_ids, describe_model, has_chat_template, text_ids
 from specdec.v1 import specdec_pb2 as pb
@@ -248,11 +248,19 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         source = "--default-k" if self.config.default_k else "the draft's own" if self.draft_info.default_k else "default"
         log.info("draft %s, target %s; requests that set no K get K = %d (%s)",
                  self.draft_info.model, self.target_info.model, self.default_k(), source)  # fmt: skip
-        await self.check_replicas()
+        await self.check_redis()
 
-    async def check_replicas(self) -> None:
-        """Warn when a Redis master has fewer replicas than --redis-wait-replicas asks for (its
-        sessions' requests would all end UNAVAILABLE); Redis down at start is no reason to stop."""
+    async def check_redis(self) -> None:
+        """Warn when Redis does not answer, or a master has fewer replicas than
+        --redis-wait-replicas asks for: either way requests end UNAVAILABLE. Redis down at start
+        is no reason to stop (it may come up later), but a mistyped --redis-url used to leave a
+        stack saying `ready` and no word of it but each request's error."""
+        try:
+            await self.store.ping()
+        except Exception as exc:  # noqa: BLE001 - a warning either way
+            log.warning("Redis at %s does not answer (%s): every request fails UNAVAILABLE until it does; "
+                        "check --redis-url (SPECDEC_REDIS_URL)", redact_url(self.store.url), exc)  # fmt: skip
+            return
         try:
             short = await self.store.replicas_short()
         except Exception as exc:  # noqa: BLE001 - a warning either way

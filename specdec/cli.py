@@ -723,21 +723,36 @@ def add_session_parser(commands, name: str, session_help: str, **texts) -> argpa
 
 
 def client_error(exc, args) -> str:
-    """The line a failed call prints; UNAVAILABLE says where it looked and how to start a stack."""
+    """The line a failed call prints. UNAVAILABLE of a call that reached no coordinator says
+    where it looked and how to start a stack, and of a TLS handshake that failed, what to check;
+    one the coordinator answered (its Redis down, say) says what the coordinator said, and no
+    more: the hint "is a coordinator serving?" came with every UNAVAILABLE."""
     import grpc
 
     line = f"error: {exc}"
     if exc.code == grpc.StatusCode.DEADLINE_EXCEEDED and getattr(args, "timeout", None):
         line += f"\n(the call's --timeout of {args.timeout:g} s ran out; a longer one, or none, lets it finish)"
-    if exc.code == grpc.StatusCode.UNAVAILABLE:
-        address = args.address or DEFAULT_ADDRESS
-        line += (f"\n(is a coordinator serving at {address}? `specdec up` starts one; "
-                 "without --address, generate and trace start one for the command)")  # fmt: skip
+    if exc.code != grpc.StatusCode.UNAVAILABLE:
+        return line
+    address = args.address or DEFAULT_ADDRESS
+    message = exc.message.lower()
+    if "handshake" in message or "ssl" in message:
+        line += (f"\n(TLS with {address} failed: does the coordinator serve TLS, with a certificate signed by "
+                 "--tls-ca and naming the host dialled?)")  # fmt: skip
+    elif any(words in message for words in CONNECTION_FAILED):
+        started = ("without --address, generate and trace start one for the command"
+                   if not getattr(args, "tls_ca", None) else "a local one is started only without --tls-ca")  # fmt: skip
+        line += f"\n(is a coordinator serving at {address}? `specdec up` starts one; {started})"
         if names_no_port(address):
             port = DEFAULT_ADDRESS.rpartition(":")[2]
             line += (f"\n({address!r} names no port, so gRPC dialled 443; a coordinator listens on {port} "
                      f"unless its --port says otherwise: --address {address}:{port})")  # fmt: skip
     return line
+
+
+# gRPC's words for a call that reached no server (client_error), lowercased.
+CONNECTION_FAILED = ("failed to connect", "connections to all backends failing", "dns resolution failed",
+                     "connection refused", "connect failed", "no route to host", "name resolution")  # fmt: skip
 
 
 def names_no_port(address: str) -> bool:

@@ -393,6 +393,24 @@ def test_generate_against_an_address_nothing_serves_says_unavailable_where_it_lo
     assert "names no port" not in out.stderr
 
 
+def test_an_unavailable_call_is_told_where_it_looked_only_where_it_reached_no_coordinator(tiny_stack, pki):
+    """Every UNAVAILABLE came with "(is a coordinator serving at ...?)": also one the coordinator
+    answered (its Redis down) and a TLS handshake a plaintext coordinator failed; and it said a
+    local stack would be started where --tls-ca turns that off."""
+    from specdec import SpecdecClientError
+    from specdec.cli import client_error
+
+    tls = run_cli("generate", "hi", "--address", tiny_stack.address, "--tls-ca", pki["ca"], "--timeout", "20")
+    assert tls.returncode == 1 and "error: UNAVAILABLE" in tls.stderr
+    assert f"(TLS with {tiny_stack.address} failed: does the coordinator serve TLS" in tls.stderr, tls.stderr
+    assert "is a coordinator serving" not in tls.stderr
+    answered = SpecdecClientError(grpc.StatusCode.UNAVAILABLE, "session store (Redis) unreachable: Error 111")
+    assert client_error(answered, SimpleNamespace(address="10.0.0.5:50051")) == f"error: {answered}"
+    refused = SpecdecClientError(grpc.StatusCode.UNAVAILABLE, "failed to connect to all addresses")
+    line = client_error(refused, SimpleNamespace(address=None, tls_ca="ca.pem"))
+    assert "is a coordinator serving at 127.0.0.1:50051?" in line and "a local one is started only without --tls-ca" in line
+
+
 @pytest.mark.parametrize("address", ["myhost", "10.0.0.5", "[::1]", "dns:///coordinator"])
 def test_an_unavailable_address_without_a_port_is_told_that_grpc_dialled_443_and_the_port_to_add(address):
     from specdec import SpecdecClientError

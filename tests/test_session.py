@@ -44,6 +44,21 @@ def test_a_redis_url_naming_a_database_redis_lacks_is_unavailable_saying_which_p
     assert code == grpc.StatusCode.UNAVAILABLE and "no database of the number its URL ends in" in message
 
 
+def test_a_coordinator_whose_redis_does_not_answer_at_start_says_so_and_serves(tiny_stack, capfd):
+    """A mistyped --redis-url left a stack saying `ready` with no word of it but each request's
+    UNAVAILABLE; Redis down at start is still no reason to stop (it may come up later)."""
+    import specdec
+    from specdec.redis_server import free_port
+
+    url = f"redis://127.0.0.1:{free_port()}/0"
+    address = tiny_stack.add_coordinator("no-redis", "--redis-url", url)
+    err = capfd.readouterr().err
+    assert f"Redis at {url} does not answer" in err and "check --redis-url (SPECDEC_REDIS_URL)" in err
+    with specdec.Client(address, retries=0) as client, pytest.raises(specdec.SpecdecClientError) as refused:
+        client.generate("hello", max_new_tokens=2)
+    assert refused.value.code.name == "UNAVAILABLE"
+
+
 def test_create_stores_prompt_and_meta(redis_url):
     async def go():
         store = SessionStore(redis_url, ttl_s=100)
