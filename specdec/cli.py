@@ -619,7 +619,11 @@ def run_up(args) -> int:
 
     tls_files = (args.tls_cert, args.tls_key, args.tls_ca)
     if any(tls_files) and not all(tls_files):
-        raise SystemExit("TLS needs all of --tls-cert, --tls-key and --tls-ca")
+        # SPECDEC_TLS_CA is also the clients' CA (generate, resume, soak): set for them, it asked this for TLS
+        given = [f"{flag} (from {env})" if os.environ.get(env) else flag for flag, env, value in (
+            ("--tls-cert", "SPECDEC_TLS_CERT", args.tls_cert), ("--tls-key", "SPECDEC_TLS_KEY", args.tls_key),
+            ("--tls-ca", "SPECDEC_TLS_CA", args.tls_ca)) if value]  # fmt: skip
+        raise SystemExit(f"specdec up: TLS needs all of --tls-cert, --tls-key and --tls-ca; given only {', '.join(given)}")
     config = StackConfig(
         port=args.port, host=args.host, target=args.target, draft=args.draft, redis_url=args.redis_url,
         metrics_port_base=args.metrics_port_base, tls=StackTLS(*tls_files) if all(tls_files) else None,

@@ -1030,3 +1030,14 @@ def test_an_output_that_cannot_be_written_and_a_timeout_past_what_grpc_holds_end
         parse_command_line(["generate", "hi", "--timeout", "1e10"])
     with specdec.Client("127.0.0.1:9") as client, pytest.raises(ValueError, match="timeout must be a number above 0 and at most"):
         client.generate("hi", timeout=1e10)
+
+
+def test_up_with_only_part_of_tls_names_what_it_was_given_and_where_from(monkeypatch):
+    """SPECDEC_TLS_CA is also the clients' CA: set for `specdec generate`, it made `specdec up`
+    exit with "TLS needs all of --tls-cert, --tls-key and --tls-ca", naming no variable."""
+    from specdec.cli import main
+
+    monkeypatch.setenv("SPECDEC_TLS_CA", "/etc/specdec/ca.pem")
+    with pytest.raises(SystemExit) as refused:
+        main(["up"])
+    assert str(refused.value).endswith("given only --tls-ca (from SPECDEC_TLS_CA)")
