@@ -225,6 +225,7 @@ class DraftCall:
     def __init__(self, replica: Replica, request: pb.ProposeRequest, budget: float | None,
                  eos_token_ids: frozenset[int], tracer):  # fmt: skip
         self.replica = replica  # the draft replica asked
+        self.started = time.monotonic()
         self.k = request.k  # tokens asked for
         self.budget = budget  # seconds it may run (draft_budget)
         self.tokens: list[pb.DraftToken] = []
@@ -242,6 +243,7 @@ class DraftCall:
         try:
             async for token in self.call:
                 self.tokens.append(token)
+                self.replica.answered_at = time.monotonic()
                 self.changed.set()
                 if token.token_id in self.eos_token_ids:
                     self.call.cancel()
@@ -729,19 +731,21 @@ class CycleLoop:
     async def replica_lost(self, call: DraftCall, code: grpc.StatusCode) -> bool:
         """Whether a Propose that failed with `code` says its replica is lost (UNAVAILABLE) or
         frozen: silent for its whole --draft-timeout, where other replicas can be asked (a frozen
-        one used to cost each drafting cycle its budget). Silent means not even the service's
-        first answer (`DraftCall.answered`): a replica that began the call and then ran past the
-        budget is busy, not frozen (a long prompt's first Propose prefilling past
-        --draft-timeout marked a healthy replica failed, and moved every session on it). Not
-        for a --draft-timeout cut short by the request's own deadline (a quarter of the time
-        left): a healthy replica was skipped for a request about to end. With --draft-timeout 0
-        the deadline's share is the budget."""
+        one used to cost each drafting cycle its budget). Not where it is busy: it began the call
+        (`DraftCall.answered`) and streamed other calls' tokens meanwhile, as a replica does while
+        one session's long prompt prefills past --draft-timeout (in chunks between the others'
+        passes; which marked a healthy replica failed, and moved every session on it). One that
+        began the call and served nothing since is wedged (a hung worker) and is skipped. Not for
+        a --draft-timeout cut short by the request's own deadline (a quarter of the time left): a
+        healthy replica was skipped for a request about to end. With --draft-timeout 0 the
+        deadline's share is the budget."""
         if code == grpc.StatusCode.UNAVAILABLE:
             return True
         whole_budget = self.draft_timeout_s <= 0 or call.budget == self.draft_timeout_s
         if code != grpc.StatusCode.DEADLINE_EXCEEDED or call.tokens or self.drafts.single or not whole_budget:
             return False
-        return not await call.answered()
+        busy = call.replica.answered_at > call.started and await call.answered()
+        return not busy
 
     async def take_drafts(self, call: DraftCall, k: int) -> list[pb.DraftToken]:
         """The first k drafts of `call`; on a draft fault (an error, or the call's budget

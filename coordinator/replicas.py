@@ -125,6 +125,9 @@ class Replica:
     checked: bool = False  # serves the coordinator's model (module doc); set by Replicas
     refused: str = ""  # why it is never called: it serves another model
     info: pb.ModelInfoResponse | None = None  # what it answered when last checked
+    # time.monotonic() a Propose on it last streamed a token (a draft replica busy with one
+    # session's long prefill serves the others meanwhile; a wedged one serves none: cycles)
+    answered_at: float = 0.0
 
     def failed(self) -> None:
         """Skip this replica for DOWN_S seconds (a call to it failed UNAVAILABLE, or a Propose

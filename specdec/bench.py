@@ -94,7 +94,7 @@ def add_bench_parser(commands) -> None:
                    help="tokens drafted per cycle, or `adaptive` (up to --max-k) (default: the draft's own K: a catalog "
                    f"draft's, 2 for smollm2-135m-instruct-draft, or the serving_k on the card of a directory `specdec "
                    f"distill` wrote; else {DEFAULT_K}, the coordinator's default)")  # fmt: skip
-    p.add_argument("--max-k", type=bench_k, default=8, help="largest K with --k adaptive (default: %(default)s)")
+    p.add_argument("--max-k", type=AT_LEAST_ONE, default=8, help="largest K with --k adaptive (default: %(default)s)")
     p.add_argument("--prompts", default=None, help='JSONL file, one {"prompt": ...} per line (default: the shipped set)')
     p.add_argument("--kind", default=None,
                    help='only the prompts whose "kind" is this, or one of these, comma-separated: code,chat '
@@ -135,22 +135,24 @@ def k_list(text: str) -> list[int]:
 
 
 def k_value(text: str):
-    """--k: a K the bench's stack takes (1..DEFAULT_MAX_K) or `adaptive`; a larger one used to
-    fail with a traceback once the models had loaded and the stack had started."""
     from specdec.cli import k_value as parse
 
-    k = parse(text)
-    if k != "adaptive" and k > DEFAULT_MAX_K:
-        raise argparse.ArgumentTypeError(f"K must be at most {DEFAULT_MAX_K} (the services' --max-k), got {text!r}")
-    return k
+    return parse(text)
 
 
-def bench_k(text: str) -> int:
-    """--max-k: 1..DEFAULT_MAX_K."""
-    k = AT_LEAST_ONE(text)
-    if k > DEFAULT_MAX_K:
-        raise argparse.ArgumentTypeError(f"expected at most {DEFAULT_MAX_K} (the services' --max-k), got {text!r}")
-    return k
+def refuse_what_the_stack_refuses(args) -> None:
+    """End the command, before a model loads, on a K or max_new_tokens the bench's stack would
+    refuse (the services' default limits); `bench --k 20` loaded both models and started its
+    stack before it ended in a traceback. --costs starts no stack: its K may be any."""
+    if args.costs:
+        return
+    for flag, k in (("--k", args.k), ("--max-k", args.max_k if args.k == "adaptive" else None)):
+        if isinstance(k, int) and k > DEFAULT_MAX_K:
+            raise SystemExit(f"specdec bench: {flag} {k} is more than its stack takes (at most {DEFAULT_MAX_K}, the "
+                             "services' --max-k)")  # fmt: skip
+    if args.max_new_tokens > DEFAULT_MAX_NEW_TOKENS_LIMIT:
+        raise SystemExit(f"specdec bench: --max-new-tokens {args.max_new_tokens} is more than its stack allows (at "
+                         f"most {DEFAULT_MAX_NEW_TOKENS_LIMIT}, the coordinator's --max-new-tokens-limit)")  # fmt: skip
 
 
 def load_prompts(path: str | None, kind: str | None = None) -> list[str]:
@@ -632,9 +634,7 @@ def run_bench(args) -> int:
 
     if args.costs and args.compare_k:
         raise SystemExit("specdec bench: --costs measures costs only and --compare-k runs generation: give one of them")
-    if args.max_new_tokens > DEFAULT_MAX_NEW_TOKENS_LIMIT:  # what the bench's own stack allows
-        raise SystemExit(f"specdec bench: --max-new-tokens {args.max_new_tokens} is more than its stack allows (at "
-                         f"most {DEFAULT_MAX_NEW_TOKENS_LIMIT}, the coordinator's --max-new-tokens-limit)")  # fmt: skip
+    refuse_what_the_stack_refuses(args)
     prompts = load_prompts(args.prompts, args.kind)  # a bad file is refused before torch loads
     args.draft = args.draft or default_draft(args.target)
     refuse_missing_model("target", args.target)  # ... and so is a model that is not there

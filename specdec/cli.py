@@ -7,7 +7,6 @@ import argparse
 import asyncio
 import contextlib
 import difflib
-import errno
 import json
 import logging
 import os
@@ -25,8 +24,6 @@ from specdec.ranges import (
 )
 
 DEFAULT_ADDRESS = "127.0.0.1:50051"
-# Errors of writing the output (stdout), which end a command in one line (main).
-OUTPUT_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EIO, errno.EFBIG}
 TRUE = {"1", "true", "yes", "on"}
 FALSE = {"", "0", "false", "no", "off"}
 
@@ -166,6 +163,8 @@ def env_flag(
         value = word in TRUE
         parser.add_argument(flag, default=value, help=f"{help} [env: {env}]", **kw)
         return
+    if raw == "" and kw.get("action") == "append":  # `SPECDEC_STOP=` blanks it: none, as a switch's empty is off
+        raw = None
     if raw is not None:
         try:
             default = type(raw)
@@ -740,10 +739,12 @@ def client_error(exc, args) -> str:
         return line
     address = args.address or DEFAULT_ADDRESS
     message = exc.message.lower()
+    if not message.startswith(CONNECTION_FAILED):  # the coordinator's own words ("downstream call failed: ...")
+        return line
     if "handshake" in message or "ssl" in message:
         line += (f"\n(TLS with {address} failed: does the coordinator serve TLS, with a certificate signed by "
                  "--tls-ca and naming the host dialled?)")  # fmt: skip
-    elif any(words in message for words in CONNECTION_FAILED):
+    else:
         started = ("without --address, generate and trace start one for the command"
                    if not getattr(args, "tls_ca", None) else "a local one is started only without --tls-ca")  # fmt: skip
         line += f"\n(is a coordinator serving at {address}? `specdec up` starts one; {started})"
@@ -754,9 +755,11 @@ def client_error(exc, args) -> str:
     return line
 
 
-# gRPC's words for a call that reached no server (client_error), lowercased.
+# How gRPC's own message for a call that reached no server begins (client_error), lowercased; a
+# coordinator's UNAVAILABLE may quote such words after its own ("downstream call failed: failed to
+# connect ..."), and is no connection failure of this client's.
 CONNECTION_FAILED = ("failed to connect", "connections to all backends failing", "dns resolution failed",
-                     "connection refused", "connect failed", "no route to host", "name resolution")  # fmt: skip
+                     "empty address list")  # fmt: skip
 
 
 def names_no_port(address: str) -> bool:
@@ -965,6 +968,36 @@ def refuse_extra_arguments(parser: argparse.ArgumentParser, extra: list[str]) ->
     parser.error("; ".join([message, *hints]))
 
 
+class OutputError(OSError):
+    """Writing the command's output (stdout) failed: told from any other file's error (main)."""
+
+
+class GuardedOutput:
+    """sys.stdout while a command runs: an OSError writing it becomes an OutputError (a
+    BrokenPipeError stays one: the reader left, main ends quietly)."""
+
+    def __init__(self, stream):
+        self.stream = stream
+
+    def write(self, text: str) -> int:
+        return self.guarded(self.stream.write, text)
+
+    def flush(self) -> None:
+        self.guarded(self.stream.flush)
+
+    @staticmethod
+    def guarded(operation, *args):
+        try:
+            return operation(*args)
+        except BrokenPipeError:
+            raise
+        except OSError as exc:
+            raise OutputError(exc.errno, exc.strerror) from exc
+
+    def __getattr__(self, name: str):
+        return getattr(self.stream, name)
+
+
 def parse_command_line(argv: list[str]) -> argparse.Namespace:
     """The arguments of a command line, or exit (status 2) with the error of the command it
     names: an argument it does not take, or an environment variable of its flags it refuses."""
@@ -988,6 +1021,7 @@ def main(argv: list[str] | None = None) -> int:
     }  # fmt: skip
     from specdec.launcher import StackStartError
 
+    output, sys.stdout = sys.stdout, GuardedOutput(sys.stdout)
     try:
         status = handlers[args.command](args)
         sys.stdout.flush()  # here, not at exit: a pipe's reader that left is caught below
@@ -1001,13 +1035,12 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:  # `specdec generate ... | head`: the reader has what it wanted
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so the exit's flush cannot fail again
         return 141  # 128 + SIGPIPE, as a shell reports a command a pipe's reader left
-    except OSError as exc:
-        if exc.errno not in OUTPUT_ERRNOS or exc.filename is not None:  # a file's error, not the output's
-            raise
-        # `> /dev/full`, a full disk or quota, a terminal gone: one line, where a traceback came
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    except OutputError as exc:  # `> /dev/full`, a full disk or quota, a terminal gone: a traceback came
+        os.dup2(os.open(os.devnull, os.O_WRONLY), output.fileno())  # so the exit's flush cannot fail again
         print(f"specdec {args.command}: cannot write the output: {exc.strerror}", file=sys.stderr)
         return 1
+    finally:
+        sys.stdout = output
 
 
 if __name__ == "__main__":

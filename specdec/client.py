@@ -178,8 +178,9 @@ class _Resumption:
         None when the error stands: not UNAVAILABLE, the session never began or had finished, no
         retry or time left. Where the headers are not known (a call wrapped by OpenTelemetry's
         instrumentation, which `specdec generate` installs when tracing is on) a session that
-        sent no chunk yet may have begun: the Resume is tried, and its NOT_FOUND means it had
-        not (`error_of`). Such a stream used to be given up, where an unwrapped one resumed."""
+        sent no chunk yet may have begun: where the SDK made its id, one Resume is tried, and its
+        NOT_FOUND means it had not (`error_of`). Such a stream used to be given up, where an
+        unwrapped one resumed."""
         self.began = self.began or any(key == SESSION_HEADER for key, _ in headers or ())
         code = error.code()
         if code == grpc.StatusCode.ALREADY_EXISTS and self.own_id and not self.began and not self.resumes:
@@ -187,9 +188,11 @@ class _Resumption:
             # created the session and then failed before its headers came back. Resume it, where
             # the caller used to get ALREADY_EXISTS for a session whose id it never saw.
             self.guessed, code = error, grpc.StatusCode.UNAVAILABLE
-        elif headers is None and not self.began and code == grpc.StatusCode.UNAVAILABLE:
+        elif headers is None and not self.began and code == grpc.StatusCode.UNAVAILABLE and self.own_id:
+            # Only for an id made here: a caller's may name an earlier session, whose output a
+            # Resume would hand back as this call's.
             self.guessed = self.guessed or error
-        maybe_began = self.began or self.guessed is not None
+        maybe_began = self.began or (self.guessed is not None and not self.resumes)  # one guess, not `retries`
         if code != grpc.StatusCode.UNAVAILABLE or not maybe_began or self.finished or self.resumes >= self.retries:
             return None
         initial, largest = RETRY_BACKOFF_S
@@ -792,7 +795,7 @@ class Client(_Stub):
             finally:
                 stop_call(call)
             resume_request, wait, timeout = resume
-            if self._closing.wait(wait):  # close() during the wait cuts the stream, as it cuts a call
+            if self._closing.wait(wait) or self._open_stub is None:  # close() during the wait cuts the stream
                 raise cut_by_close()
             call = self._stub.Resume(resume_request, timeout=timeout, metadata=self._metadata)
 

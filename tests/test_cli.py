@@ -83,13 +83,13 @@ def test_every_command_that_starts_a_stack_takes_its_models_from_the_same_variab
     (["generate", "hi"], "--top-p", "0", "a number above 0 and at most 1 (1 = off)"),
     (["generate", "hi"], "--top-k", "-1", "an integer at least 0 (0 = off)"),
     (["generate", "hi"], "--max-new-tokens", "0", "an integer at least 1"),
-    (["trace", "hi"], "--timeout", "-5", "a number above 0"),
+    (["trace", "hi"], "--timeout", "-5", "a number above 0 and at most 1e+09"),
     (["bench"], "--repeats", "0", "an integer at least 1"),
     (["bench"], "--temperature", "nan", "a number at least 0 (0 = greedy)"),
     (["bench"], "--max-k", "0", "an integer at least 1"),
     (["soak"], "--clients", "0", "an integer at least 1"),
     (["soak"], "--minutes", "0", "a number above 0"),
-    (["soak"], "--timeout", "0", "a number above 0"),
+    (["soak"], "--timeout", "0", "a number above 0 and at most 1e+09"),
     # service flags no deployment can use
     (["serve", "draft"], "--log-level", "LOUD", "one of DEBUG, INFO, WARNING, ERROR, CRITICAL"),
     (["up"], "--port", "99999", "an integer at least 1 and at most 65535"),
@@ -328,6 +328,8 @@ def test_specdec_stop_holds_one_stop_string_and_stop_flags_replace_it(monkeypatc
     assert build_parser().parse_args(["generate", "hi"]).stop == [" the"]
     assert build_parser().parse_args(["generate", "hi", "--stop", "x", "--stop", "y"]).stop == ["x", "y"]
     assert build_parser().parse_args(["generate", "hi"]).stop == [" the"]  # the default is not mutated
+    monkeypatch.setenv("SPECDEC_STOP", "")  # blanked: no stop string (an empty one is refused as a flag)
+    assert parse_command_line(["generate", "hi"]).stop is None
     monkeypatch.setenv("SPECDEC_STOP", "\udce9")
     with pytest.raises(SystemExit):
         parse_command_line(["generate", "hi"])
@@ -404,8 +406,13 @@ def test_an_unavailable_call_is_told_where_it_looked_only_where_it_reached_no_co
     assert tls.returncode == 1 and "error: UNAVAILABLE" in tls.stderr
     assert f"(TLS with {tiny_stack.address} failed: does the coordinator serve TLS" in tls.stderr, tls.stderr
     assert "is a coordinator serving" not in tls.stderr
-    answered = SpecdecClientError(grpc.StatusCode.UNAVAILABLE, "session store (Redis) unreachable: Error 111")
-    assert client_error(answered, SimpleNamespace(address="10.0.0.5:50051")) == f"error: {answered}"
+    for said in ("session store (Redis) unreachable: Error 111 connecting to redis:6379. Connection refused.",
+                 "session store (Redis) unreachable: Error -3 connecting to redis:6379. Temporary failure in name "
+                 "resolution.", "session store (Redis) unreachable: [SSL: CERTIFICATE_VERIFY_FAILED] certificate "
+                 "verify failed", "downstream call failed: failed to connect to all addresses; last error: UNKNOWN: "
+                 "ipv4:10.0.0.7:50053: Failed to connect to remote host: Connection refused"):  # fmt: skip
+        answered = SpecdecClientError(grpc.StatusCode.UNAVAILABLE, said)
+        assert client_error(answered, SimpleNamespace(address="10.0.0.5:50051")) == f"error: {answered}", said
     refused = SpecdecClientError(grpc.StatusCode.UNAVAILABLE, "failed to connect to all addresses")
     line = client_error(refused, SimpleNamespace(address=None, tls_ca="ca.pem"))
     assert "is a coordinator serving at 127.0.0.1:50051?" in line and "a local one is started only without --tls-ca" in line
@@ -416,7 +423,8 @@ def test_an_unavailable_address_without_a_port_is_told_that_grpc_dialled_443_and
     from specdec import SpecdecClientError
     from specdec.cli import client_error
 
-    line = client_error(SpecdecClientError(grpc.StatusCode.UNAVAILABLE, "connection refused"), SimpleNamespace(address=address))
+    refused = "failed to connect to all addresses; last error: UNKNOWN: ipv4:10.0.0.5:443: Connection refused"
+    line = client_error(SpecdecClientError(grpc.StatusCode.UNAVAILABLE, refused), SimpleNamespace(address=address))
     assert f"{address!r} names no port, so gRPC dialled 443" in line
     assert line.endswith(f"--address {address}:50051)")
     for not_a_bare_host in (f"{address}:50051", "h1:1,h2:2", "dns:///coordinator:50051", "unix:///run/specdec.sock"):
@@ -994,15 +1002,15 @@ def test_requests_a_stack_the_command_starts_would_refuse_end_it_before_anything
 
     monkeypatch.setattr("specdec.launcher.Stack.start", lambda self: pytest.fail("a stack was started"))
     for argv, said in (
-        (["bench", "--k", "20"], "argument --k: K must be at most 16 (the services' --max-k)"),
         (["bench", "--compare-k", "2,20"], "argument --compare-k: each K must be 1..16"),
-        (["bench", "--k", "adaptive", "--max-k", "20"], "argument --max-k: expected at most 16"),
         (["generate", "hi", "--stop", ""], "argument --stop: a stop string must not be empty"),
     ):
         with pytest.raises(SystemExit) as refused:
             main(argv)
         assert refused.value.code == 2 and said in capsys.readouterr().err, argv
     for argv, said in (
+        (["bench", "--k", "20"], "--k 20 is more than its stack takes (at most 16, the services' --max-k)"),
+        (["bench", "--k", "adaptive", "--max-k", "20"], "--max-k 20 is more than its stack takes"),
         (["bench", "--costs", "--compare-k", "2"], "--costs measures costs only and --compare-k runs generation"),
         (["bench", "--max-new-tokens", "5000"], "--max-new-tokens 5000 is more than its stack allows (at most 4096"),
         (["generate", "hi", "--k", "99"], "--k 99 is more than a local stack takes (at most 16"),
@@ -1013,12 +1021,28 @@ def test_requests_a_stack_the_command_starts_would_refuse_end_it_before_anything
         assert said in str(refused.value.code), (argv, refused.value.code)
     with specdec.Client("127.0.0.1:9") as client, pytest.raises(ValueError, match="stop\\[1\\] is empty"):
         client.generate("hi", stop=["a", ""])
+    from specdec.bench import refuse_what_the_stack_refuses
+    from specdec.cli import parse_command_line
+
+    refuse_what_the_stack_refuses(parse_command_line(["bench", "--costs", "--k", "20"]))  # no stack: any K
 
 
-def test_an_output_that_cannot_be_written_and_a_timeout_past_what_grpc_holds_end_in_one_line():
+def test_an_output_that_cannot_be_written_and_a_timeout_past_what_grpc_holds_end_in_one_line(monkeypatch):
     """`specdec models list > /dev/full` ended in an OSError traceback; `--timeout 1e10` (and the
-    SDK's timeout=1e10) ended the call DEADLINE_EXCEEDED at once, gRPC's deadline overflowing."""
+    SDK's timeout=1e10) ended the call DEADLINE_EXCEEDED at once, gRPC's deadline overflowing.
+    Another file's error (distill's --out on a full disk) is not blamed on the output."""
+    import errno
+
     import specdec
+    from specdec import cli
+
+    def full_disk(args):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(cli, "run_models", full_disk)
+    with pytest.raises(OSError) as raised:
+        cli.main(["models", "list"])
+    assert type(raised.value) is OSError and sys.stdout is not None and type(sys.stdout).__name__ != "GuardedOutput"
 
     with open("/dev/full", "w") as full:
         listed = subprocess.run([*SPECDEC, "models", "list"], stdout=full, stderr=subprocess.PIPE, text=True, timeout=60)

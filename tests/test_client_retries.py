@@ -495,6 +495,12 @@ def test_a_traced_client_resumes_a_stream_broken_before_its_first_chunk_and_repo
             client.generate("x", max_new_tokens=2)
         assert failed.value.code == grpc.StatusCode.UNAVAILABLE and failed.value.message == "failure 3"
         assert never.calls == 3 and len(never.resumes) == 1
+        # A caller's id may name an earlier session: no guess, or its output would come back as this call's.
+        earlier = FlakyCoordinator(failures=3)
+        earlier.began.add("mine")
+        with specdec.Client(serve(earlier)) as client, pytest.raises(specdec.SpecdecClientError) as failed:
+            client.generate("x", max_new_tokens=2, session_id="mine")
+        assert failed.value.message == "failure 3" and not earlier.resumes
     finally:
         instrumentor.uninstrument()
 

@@ -372,7 +372,7 @@ def test_each_ranged_setting_is_a_config_field_whose_flag_takes_that_same_range(
 @pytest.mark.parametrize(("changes", "message"), [
     ({"layers": 0}, "--layers must be an integer at least 1, got 0"),
     ({"dropout": 1.0}, "--dropout must be a number at least 0 and below 1, got 1.0"),
-    ({"eval_every_s": 0.0}, "--eval-every must be a number above 0, got 0.0"),
+    ({"eval_every_s": 0.0}, "--eval-every must be a number above 0 and at most 1e+09, got 0.0"),
     ({"minutes": float("nan")}, "--minutes must be a number at least 0"),
     ({"seed": -1}, "--seed must be an integer at least 0"),
     ({"hidden": 32.0}, "--hidden must be an integer at least 1, got 32.0"),

@@ -1655,17 +1655,30 @@ def test_a_verify_with_no_target_replica_answered_yet_waits_for_one_as_for_a_los
 
 class SilentDraftStub:
     """A draft whose every Propose ends DEADLINE_EXCEEDED having sent nothing (a frozen host);
-    `busy`: having sent its first answer only (a live one, prefilling a long prompt, say)."""
+    `began`: having sent its first answer only; `serving`: while other sessions' Proposes on
+    `replica` stream tokens (a live replica prefilling one session's long prompt, say)."""
 
-    def __init__(self, busy: bool = False):
+    def __init__(self, began: bool = False, serving: bool = False):
         self.calls = 0
-        self.busy = busy
+        self.began, self.serving = began, serving
+        self.replica = None  # the Replica it is, for `serving`
 
     def Propose(self, request, timeout=None):
         from specdec.wire import PROPOSE_STARTED
 
         self.calls += 1
-        return FailingDraftStream(PROPOSE_STARTED if self.busy else ())
+        stream = FailingDraftStream(PROPOSE_STARTED if self.began else ())
+        if self.serving:
+            failing = stream.tokens
+
+            async def serving_others():
+                await asyncio.sleep(0.01)
+                self.replica.answered_at = time.monotonic()  # another session's token, meanwhile
+                async for token in failing:
+                    yield token
+
+            stream.tokens = serving_others()
+        return stream
 
 
 def test_a_draft_replica_silent_for_a_whole_propose_budget_is_skipped_where_there_are_others():
@@ -1700,11 +1713,12 @@ def test_a_draft_replica_silent_for_a_whole_propose_budget_is_skipped_where_ther
 
 def test_a_draft_replica_that_began_a_propose_and_ran_past_its_budget_is_busy_and_not_skipped():
     """A draft service sends its first answer (PROPOSE_STARTED, initial metadata) before any
-    prefill or queue. A Propose that got it and then ran past --draft-timeout (a long prompt's
-    first call, prefilling; the chunks it fed are kept for the next call) reached a live
-    replica: the cycle runs target-only, and the replica stays, with every other session on it.
-    It used to be marked failed as a frozen one is, its sessions moved to the others, where
-    the same long prompt made each of them fail in turn."""
+    prefill or queue. A Propose that got it and then ran past --draft-timeout while the replica
+    streamed other sessions' tokens (a long prompt's first call, prefilling in chunks between
+    their passes; the chunks it fed are kept for the next call) reached a live, busy replica:
+    the cycle runs target-only, and the replica stays, with every other session on it. It used
+    to be marked failed as a frozen one is, its sessions moved to the others, where the same
+    long prompt made each of them fail in turn."""
     from coordinator.cycles import CycleLoop, Plan
 
     async def run(drafts):
@@ -1714,12 +1728,16 @@ def test_a_draft_replica_that_began_a_propose_and_ran_past_its_budget_is_busy_an
                     pipeline=False)  # fmt: skip
         return [o async for o in CycleLoop(drafts, OneReplica(AcceptingTargetStub()), store, plan, None).run()]
 
-    busy, silent = OneReplica(SilentDraftStub(busy=True)), OneReplica(SilentDraftStub())
-    busy.single = silent.single = False
+    busy = OneReplica(SilentDraftStub(began=True, serving=True))
+    busy.replica.stub.replica = busy.replica
+    wedged, silent = OneReplica(SilentDraftStub(began=True)), OneReplica(SilentDraftStub())
+    busy.single = wedged.single = silent.single = False
     assert sum(len(o.tokens) for o in asyncio.run(run(busy))) == 2 and busy.replica.stub.calls >= 1
     assert busy.replica.down_until == 0 and not busy.replica.recovering
-    assert sum(len(o.tokens) for o in asyncio.run(run(silent))) == 2
-    assert silent.replica.down_until > time.monotonic()
+    # Began the call and served nothing since (a hung worker): skipped, as a frozen one is.
+    for lost in (wedged, silent):
+        assert sum(len(o.tokens) for o in asyncio.run(run(lost))) == 2
+        assert lost.replica.down_until > time.monotonic()
 
 
 class TargetHoldingAnEarlierSession:
