@@ -54,7 +54,7 @@ from dataclasses import dataclass, field
 
 from specdec.ngram import DEFAULT_K, NGRAM_DRAFT
 from specdec.prompts import PromptFileError, read_json_lines
-from specdec.ranges import AT_LEAST_ONE, DEFAULT_MAX_K, DEFAULT_MAX_NEW_TOKENS_LIMIT, text_problem
+from specdec.ranges import AT_LEAST_ONE, DEFAULT_MAX_K, text_problem
 
 DEFAULT_PROMPTS = "bench_prompts.jsonl"
 # Timed rounds of each cost after each prompt (after one untimed round). With one, the costs
@@ -144,15 +144,11 @@ def refuse_what_the_stack_refuses(args) -> None:
     """End the command, before a model loads, on a K or max_new_tokens the bench's stack would
     refuse (the services' default limits); `bench --k 20` loaded both models and started its
     stack before it ended in a traceback. --costs starts no stack: its K may be any."""
-    if args.costs:
-        return
-    for flag, k in (("--k", args.k), ("--max-k", args.max_k if args.k == "adaptive" else None)):
-        if isinstance(k, int) and k > DEFAULT_MAX_K:
-            raise SystemExit(f"specdec bench: {flag} {k} is more than its stack takes (at most {DEFAULT_MAX_K}, the "
-                             "services' --max-k)")  # fmt: skip
-    if args.max_new_tokens > DEFAULT_MAX_NEW_TOKENS_LIMIT:
-        raise SystemExit(f"specdec bench: --max-new-tokens {args.max_new_tokens} is more than its stack allows (at "
-                         f"most {DEFAULT_MAX_NEW_TOKENS_LIMIT}, the coordinator's --max-new-tokens-limit)")  # fmt: skip
+    from specdec.cli import refuse_past_stack_limits
+
+    if not args.costs:
+        ks = {"--k": args.k, "--max-k": args.max_k if args.k == "adaptive" else None}
+        refuse_past_stack_limits("bench", "its stack", ks, args.max_new_tokens)
 
 
 def load_prompts(path: str | None, kind: str | None = None) -> list[str]:

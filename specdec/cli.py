@@ -659,7 +659,8 @@ def serving_address(args):
     if args.address is not None or args.tls_ca or is_serving(address):
         yield address
         return
-    refuse_what_a_local_stack_refuses(args)
+    refuse_past_stack_limits(args.command, "a local stack", {"--k": args.k}, args.max_new_tokens,
+                             ": give --address of a stack whose services take a larger --max-k, or a smaller --k")  # fmt: skip
     host, port = address.rsplit(":", 1)
     if is_listening(host, int(port)):  # likely a `specdec up` still loading, meant for this command: say so
         raise SystemExit(f"specdec {args.command}: something listens on {address} but is not a serving specdec "
@@ -675,16 +676,18 @@ def serving_address(args):
         yield stack.address
 
 
-def refuse_what_a_local_stack_refuses(args) -> None:
-    """End the command, before a local stack starts, on a request its services would refuse
-    (their default limits): it used to start the whole stack, models and all, and then fail."""
-    if isinstance(args.k, int) and args.k > DEFAULT_MAX_K:
-        raise SystemExit(f"specdec {args.command}: --k {args.k} is more than a local stack takes (at most "
-                         f"{DEFAULT_MAX_K}, the services' --max-k): give --address of a stack whose services take a "
-                         "larger --max-k, or a smaller --k")  # fmt: skip
-    if args.max_new_tokens is not None and args.max_new_tokens > DEFAULT_MAX_NEW_TOKENS_LIMIT:
-        raise SystemExit(f"specdec {args.command}: --max-new-tokens {args.max_new_tokens} is more than a local stack "
-                         f"allows (at most {DEFAULT_MAX_NEW_TOKENS_LIMIT}, the coordinator's --max-new-tokens-limit)")  # fmt: skip
+def refuse_past_stack_limits(command: str, stack: str, ks: dict[str, object], max_new_tokens: int | None,
+                             advice: str = "") -> None:  # fmt: skip
+    """End `command`, before a stack it starts itself loads anything, on a K (flag -> value) or a
+    max_new_tokens its services refuse at their default limits (`stack` names it in the
+    message): generate and bench used to start the whole stack, models and all, and then fail."""
+    for flag, k in ks.items():
+        if isinstance(k, int) and k > DEFAULT_MAX_K:
+            raise SystemExit(f"specdec {command}: {flag} {k} is more than {stack} takes (at most {DEFAULT_MAX_K}, the "
+                             f"services' --max-k){advice}")  # fmt: skip
+    if max_new_tokens is not None and max_new_tokens > DEFAULT_MAX_NEW_TOKENS_LIMIT:
+        raise SystemExit(f"specdec {command}: --max-new-tokens {max_new_tokens} is more than {stack} allows (at most "
+                         f"{DEFAULT_MAX_NEW_TOKENS_LIMIT}, the coordinator's --max-new-tokens-limit)")  # fmt: skip
 
 
 def prompt_arguments(args) -> dict:

@@ -36,7 +36,9 @@ from typing import TypedDict, Unpack
 
 import grpc
 
-from specdec.ranges import DEFAULT_RETRIES, RETRIES, SECONDS, SEED, address_problem, text_problem, token_problem
+from specdec.ranges import (
+    DEFAULT_RETRIES, INT32, RETRIES, SECONDS, SEED, UINT32, Range, address_problem, text_problem, token_problem,
+)
 from specdec.v1 import specdec_pb2 as pb
 from specdec.v1 import specdec_pb2_grpc as pb_grpc
 
@@ -479,22 +481,18 @@ class ServerInfo:
                    msg.max_new_tokens_limit)  # fmt: skip
 
 
-INT32 = (-(2**31), 2**31 - 1)  # max_new_tokens, top_k, num_speculative_tokens and prompt_token_ids
-UINT32 = (0, 2**32 - 1)  # a Resume's received_tokens and received_chars
-
-
-def check_integers(name: str, values: Sequence, bounds: tuple[int, int]) -> None:
+def check_integers(name: str, values: Sequence, field: Range) -> None:
     """TypeError / ValueError naming the argument where one of `values` is no integer or lies
-    outside the field's `bounds`; protobuf's own ("Value out of range: N", a bare TypeError)
-    name none. Anything with __index__ is an integer (numpy's too), as protobuf takes it."""
-    low, high = bounds
+    outside the proto `field`'s range (ranges.INT32, UINT32); protobuf's own ("Value out of
+    range: N", a bare TypeError) name none. Anything with __index__ is an integer (numpy's
+    too), as protobuf takes it."""
     for value in values:
         try:
             number = operator.index(value)
         except TypeError:
             raise TypeError(f"{name} must be an integer, got {value!r}") from None
-        if not low <= number <= high:
-            kind = "32-bit integer" if low < 0 else "32-bit unsigned integer"
+        if number not in field:
+            kind = "32-bit integer" if field.low < 0 else "32-bit unsigned integer"
             raise ValueError(f"{name} holds {number}, which no request carries (a {kind} field)")
 
 

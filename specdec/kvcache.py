@@ -111,16 +111,15 @@ class SessionState:
             context, valid = await self.committed_context(position, list(new_tokens), fetch, wait_s)
         else:
             context, valid = await self.claimed_context(position, list(new_tokens), fetch)
-        self.adopt(context, valid, max_context)
+        self.adopt(context, valid)
         self.confirmed = len(context) if committed_only else 0
 
-    def adopt(self, context: list[int], valid: int, max_context: int = 0) -> None:
+    def adopt(self, context: list[int], valid: int) -> None:
         """Make `context` the session's tokens, keeping the cache of its first `valid` held
-        tokens (but never the last token: it stays pending)."""
+        tokens (but never the last token: it stays pending). Its length against the model's
+        was checked first (check_position: it is position + len(new_tokens))."""
         if not context:
             raise InvalidArgument("the session has no tokens: send the prompt as new_tokens at position 0")
-        if max_context and len(context) > max_context:
-            raise OutOfRange(f"context of {len(context)} tokens exceeds the model's limit of {max_context}")
         keep = min(valid, len(context) - 1)
         crop_cache(self.cache, keep)
         self.held = self.held[:keep]
@@ -173,7 +172,7 @@ class SessionState:
         new_tokens = list(new_tokens)
         if not self.checked_below(position):
             raise ValueError(f"claimed needs the held tokens below {position} checked: use sync")
-        self.adopt(self.held[:position] + new_tokens, position, max_context)
+        self.adopt(self.held[:position] + new_tokens, position)
         keep, pending = len(self.held), list(self.pending)
         self.confirmed = keep + len(pending)
         check = asyncio.ensure_future(self.check_committed(fetch, position, position, new_tokens, wait_s))

@@ -86,6 +86,8 @@ DEFAULT_RETRIES = 2
 AT_LEAST_ONE = Range(int, 1)
 # A count in a uint32 proto field (ResumeRequest's received_tokens and received_chars).
 UINT32 = Range(int, 0, 2**32 - 1)
+# An int32 proto field (max_new_tokens, top_k, num_speculative_tokens, prompt_token_ids).
+INT32 = Range(int, -(2**31), 2**31 - 1)
 MAX_NEW_TOKENS = AT_LEAST_ONE
 # The services' limits unless told otherwise (--max-k of all three, the coordinator's
 # --max-new-tokens-limit): what a stack a command brings up itself takes.
