@@ -195,7 +195,7 @@ def address_problem(address: str) -> str | None:
     rest = text[len(scheme):].rpartition("/")[2] if scheme == "dns:" else text[len(scheme):]
     for piece in rest.split(","):
         host, sep, port = piece.strip().rpartition(":")
-        if not sep or (":" in host and not host.startswith("[")):  # a HOST alone; an IPv6 address without a port
+        if not sep or (":" in host and not host.startswith("[")) or piece.strip().endswith("]"):  # a HOST alone; an IPv6 address without a port
             continue
         if not (port.isdigit() and int(port) in PORT):
             where = f" in {address!r}" if piece.strip() != text else ""

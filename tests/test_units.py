@@ -1831,7 +1831,7 @@ def test_an_address_is_host_port_or_a_grpc_target_and_the_sdk_refuses_one_that_n
         with pytest.raises(argparse.ArgumentTypeError):
             listen_host(bad)
 
-    for good in ["127.0.0.1:50051", "coordinator", "[::1]:7600", "::1", "dns:///specdec.svc:50051", "unix:/tmp/s.sock",
+    for good in ["127.0.0.1:50051", "coordinator", "[::1]:7600", "::1", "[::1]", "ipv6:[::1]", "dns:///specdec.svc:50051", "unix:/tmp/s.sock",
                  "ipv4:10.0.0.5:50051,10.0.0.6:50051", "ipv6:[::1]:7600", "dns://8.8.8.8/c.example:443", " a:1 "]:
         assert address_problem(good) is None, good
     for bad, says in [
