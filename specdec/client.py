@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import math
 import operator
 import random
 import threading
@@ -37,7 +38,8 @@ from typing import TypedDict, Unpack
 import grpc
 
 from specdec.ranges import (
-    DEFAULT_RETRIES, INT32, RETRIES, SECONDS, SEED, UINT32, Range, address_problem, text_problem, token_problem,
+    DEFAULT_RETRIES, FLOAT32_MAX, INT32, RETRIES, SECONDS, SEED, TEMPERATURE, UINT32, Range, address_problem,
+    text_problem, token_problem,
 )
 from specdec.v1 import specdec_pb2 as pb
 from specdec.v1 import specdec_pb2_grpc as pb_grpc
@@ -531,6 +533,8 @@ def build_request(
         stop = [stop]
     for name, value in (("max_new_tokens", max_new_tokens), ("top_k", top_k), ("num_speculative_tokens", num_speculative_tokens)):
         check_integers(name, [] if value is None else [value], INT32)
+    if isinstance(temperature, (int, float)) and math.isfinite(temperature) and abs(temperature) > FLOAT32_MAX:
+        raise ValueError(TEMPERATURE.problem("temperature", temperature))  # protobuf would send inf
     ids = [] if prompt_token_ids is None else list(prompt_token_ids)  # a list, a tuple, a numpy array, ...
     check_integers("prompt_token_ids", ids, INT32)
     check_text("prompt", prompt)

@@ -71,7 +71,9 @@ class Range:
 
 
 # Every request may set these (the coordinator refuses the rest with INVALID_ARGUMENT).
-TEMPERATURE = Range(float, 0, note="0 = greedy")
+# A proto float is 32-bit: a larger value would travel as inf.
+FLOAT32_MAX = 3.4028234663852886e38
+TEMPERATURE = Range(float, 0, FLOAT32_MAX, note="0 = greedy")
 TOP_K = Range(int, 0, note="0 = off")
 TOP_P = Range(float, 0, 1, above=True, note="1 = off")
 # The seeds the services take: below 2**63, though the proto field is a uint64.

@@ -78,14 +78,14 @@ def test_every_command_that_starts_a_stack_takes_its_models_from_the_same_variab
 
 @pytest.mark.parametrize(("command", "flag", "value", "rule"), [
     # request flags the coordinator would refuse
-    (["generate", "hi"], "--temperature", "-1", "a number at least 0 (0 = greedy)"),
+    (["generate", "hi"], "--temperature", "-1", "a number at least 0 and at most 3.40282e+38 (0 = greedy)"),
     (["generate", "hi"], "--top-p", "1.5", "a number above 0 and at most 1 (1 = off)"),
     (["generate", "hi"], "--top-p", "0", "a number above 0 and at most 1 (1 = off)"),
     (["generate", "hi"], "--top-k", "-1", "an integer at least 0 (0 = off)"),
     (["generate", "hi"], "--max-new-tokens", "0", "an integer at least 1"),
     (["trace", "hi"], "--timeout", "-5", "a number above 0 and at most 1e+09"),
     (["bench"], "--repeats", "0", "an integer at least 1"),
-    (["bench"], "--temperature", "nan", "a number at least 0 (0 = greedy)"),
+    (["bench"], "--temperature", "nan", "a number at least 0 and at most 3.40282e+38 (0 = greedy)"),
     (["bench"], "--max-k", "0", "an integer at least 1"),
     (["soak"], "--clients", "0", "an integer at least 1"),
     (["soak"], "--minutes", "0", "a number above 0"),

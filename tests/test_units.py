@@ -1934,6 +1934,22 @@ def test_one_stop_string_is_one_stop_string_and_integers_a_request_cannot_carry_
                               **options).prompt_token_ids) == [5, 6]  # fmt: skip
 
 
+def test_a_temperature_a_proto_float_would_carry_as_inf_is_refused_by_the_sdk_and_the_command_line():
+    """A proto float is 32-bit: temperature=1e308 travelled as inf, and the coordinator's refusal
+    said "got inf" (the CLI started a local stack first); a large float32 still travels."""
+    from specdec.client import build_request
+    from specdec.ranges import FLOAT32_MAX, TEMPERATURE
+
+    options = dict(prompt_token_ids=None, max_new_tokens=4, top_k=0, top_p=1.0, seed=None, num_speculative_tokens=None,
+                   speculate=True, stop=None, session_id=None, ignore_eos=False)  # fmt: skip
+    with pytest.raises(ValueError, match=r"temperature must be a number at least 0 and at most 3.40282e\+38 .*got 1e\+308"):
+        build_request("hi", temperature=1e308, **options)
+    assert build_request("hi", temperature=3e38, **options).sampling.temperature == pytest.approx(3e38)
+    with pytest.raises(argparse.ArgumentTypeError, match="at most 3.40282e"):
+        TEMPERATURE("1e308")
+    assert TEMPERATURE(str(FLOAT32_MAX)) == FLOAT32_MAX
+
+
 def test_a_conversation_for_a_tokenizer_without_a_chat_template_is_a_failed_precondition_that_says_so():
     from types import SimpleNamespace
 
