@@ -14,7 +14,9 @@ Terms:
     RSS             resident set size of one process (not its children), MiB
     growth          (end RSS − start RSS) / start RSS, in %
 Throughput, latencies and errors cover the whole run, warm-up included. A request in flight
-when the time is up is allowed to finish.
+when the time is up is allowed to finish. Ctrl-C ends the run early: the requests in flight are
+cancelled (not counted as errors) and the report covers the time that ran, marked interrupted
+(exit code 130); a second Ctrl-C ends the command without one.
 """
 
 from __future__ import annotations
@@ -53,6 +55,8 @@ class Tally:
     rss_start: dict[str, float | None] = field(default_factory=dict)
     rss_end: dict[str, float | None] = field(default_factory=dict)
     rss_series: list[tuple[float, dict[str, float | None]]] = field(default_factory=list)  # (t_s, name -> MiB)
+    rss_start_s: float = 0.0  # when the start RSS was taken, s into the run
+    interrupted: bool = False  # Ctrl-C ended the run before its time
 
 
 def add_soak_parser(commands) -> None:
@@ -157,7 +161,7 @@ async def watch(pids: dict[str, int], started: float, seconds: float, warmup_s: 
             tally.rss_series.append((now - started, rss_mib(pids)))
             next_sample += every_s
         if pids and not tally.rss_start and now - started >= warmup_s:
-            tally.rss_start = rss_mib(pids)
+            tally.rss_start, tally.rss_start_s = rss_mib(pids), now - started
         bar.n = min(round(now - started), bar.total)
         # The run ends at a known time: the time left is that, not tqdm's estimate from the
         # rate, which swung from 00:07 to 00:14 and back within the first seconds.
@@ -181,8 +185,13 @@ async def soak(address: str, pids: dict[str, int], prompts: list[str], args, con
     layout = "{desc}: {percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt} s{postfix}"
     with tqdm(total=round(seconds), file=sys.stderr, disable=args.no_progress, desc="soak", bar_format=layout) as bar:
         watcher = asyncio.create_task(watch(pids, started, seconds, warmup_seconds(args), bar, tally))
-        clients = [run_client(address, prompts, i, deadline, options, tally, connect) for i in range(args.clients)]
-        await asyncio.gather(*clients)
+        clients = asyncio.gather(*[run_client(address, prompts, i, deadline, options, tally, connect)
+                                   for i in range(args.clients)])  # fmt: skip
+        try:
+            await clients
+        except asyncio.CancelledError:  # Ctrl-C: asyncio.run cancels this task (and so the clients)
+            tally.interrupted = True
+            await asyncio.gather(clients, return_exceptions=True)  # their channels closed
         watcher.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await watcher
@@ -190,7 +199,8 @@ async def soak(address: str, pids: dict[str, int], prompts: list[str], args, con
     if pids:
         tally.rss_end = rss_mib(pids)
         tally.rss_series.append((elapsed, tally.rss_end))
-        tally.rss_start = tally.rss_start or tally.rss_series[0][1]
+        if not tally.rss_start:  # the run ended within its warm-up: its first sample
+            tally.rss_start_s, tally.rss_start = tally.rss_series[0]
     return tally, elapsed
 
 
@@ -231,7 +241,7 @@ def run_soak(args) -> int:
         tally, elapsed = asyncio.run(soak(address, pids, prompts, args, connect))
     report = build_report(args, address, pids, tally, elapsed)
     print(json.dumps(report) if args.json else format_report(report))
-    return 1 if report["errors"] else 0
+    return 130 if tally.interrupted else 1 if report["errors"] else 0
 
 
 def refuse_missing_processes(pids: dict[str, int]) -> None:
@@ -279,6 +289,7 @@ def build_report(args, address: str, pids: dict[str, int], tally: Tally, elapsed
         "draft": None if args.address else args.draft,
         "clients": args.clients,
         "duration_s": elapsed,
+        "interrupted": tally.interrupted,
         "warmup_s": warmup_seconds(args),
         "max_new_tokens": args.max_new_tokens,
         "temperature": args.temperature,
@@ -295,6 +306,7 @@ def build_report(args, address: str, pids: dict[str, int], tally: Tally, elapsed
         "p99_token_ms": latency(tally.token_ms, 99),
         "processes": processes,
         "rss_series_t_s": [round(t, 1) for t, _ in tally.rss_series],
+        "rss_start_t_s": round(tally.rss_start_s, 1) if pids else None,
         "rss_note": None if pids else "RSS not measured: the stack is remote (name local processes with --pid NAME=PID)",
     }
 
@@ -307,7 +319,8 @@ def format_report(r: dict) -> str:
     models = f" (target {r['target']}, draft {r['draft']})" if r["target"] else ""
     errors = ", ".join(f"{code} {n}" for code, n in sorted(r["errors_by_code"].items()))
     lines = [
-        f"soak: {r['clients']} client{'s' * (r['clients'] != 1)} for {r['duration_s']:.0f} s against {r['address']}{models}, "
+        f"soak: {r['clients']} client{'s' * (r['clients'] != 1)} for {r['duration_s']:.0f} s"
+        f"{' (interrupted by Ctrl-C)' if r['interrupted'] else ''} against {r['address']}{models}, "
         f"max_new_tokens {r['max_new_tokens']}, temperature {r['temperature']}",
         "",
         f"requests   {r['requests']:>8}   {r['requests_per_s']:.2f}/s",
@@ -324,7 +337,7 @@ def format_report(r: dict) -> str:
     for name, p in r["processes"].items():
         growth = "" if p["growth_pct"] is None else f"{p['growth_pct']:+.1f}%"
         lines.append(f"{name:<12}{p['pid']:>8}{mib(p['rss_start_mib']):>15}{mib(p['rss_end_mib']):>13}{growth:>9}")
-    lines.append(f"(start RSS after {r['warmup_s']:.0f} s of warm-up; `gone` = the process had exited)")
+    lines.append(f"(start RSS after {r['rss_start_t_s']:.0f} s of warm-up; `gone` = the process had exited)")
     return "\n".join(lines)
 
 

@@ -2,6 +2,10 @@
 (The real soak, 8 clients for 10 minutes, is a command a person runs; nothing here is timed.)"""
 
 import json
+import signal
+import subprocess
+import sys
+import time
 
 from specdec.cli import main
 
@@ -74,7 +78,7 @@ def test_soak_with_its_own_stack_reports_rss_of_every_process(tiny_models, capsy
     assert code == 0, report["error_samples"]
     assert report["errors"] == 0 and report["requests"] > 0 and report["tokens"] > 0
     assert report["p50_latency_ms"] <= report["p99_latency_ms"]
-    assert report["warmup_s"] == 1 and report["duration_s"] >= 6
+    assert report["warmup_s"] == 1 and report["duration_s"] >= 6 and 1 <= report["rss_start_t_s"] < 3
     assert list(report["processes"]) == ["redis", "coordinator", "draft", "target"]
     for name, process in report["processes"].items():
         assert process["rss_start_mib"] > 0 and process["rss_end_mib"] > 0, name
@@ -103,3 +107,37 @@ def test_the_soak_bar_counts_the_time_left_down_from_the_runs_length():
 
     shown = [int(s) for s in re.findall(r"00:(\d\d) left", asyncio.run(run()))]
     assert shown[0] == 3 and shown[-1] <= 1 and shown == sorted(shown, reverse=True), shown
+
+
+def test_ctrl_c_ends_a_soak_early_with_the_report_of_the_time_that_ran_marked_interrupted(tiny_stack, tmp_path):
+    """A soak of many minutes stopped by Ctrl-C used to end in a KeyboardInterrupt traceback and
+    no report; now the requests in flight are cancelled (not errors) and the report covers what ran."""
+    soak = subprocess.Popen([sys.executable, "-m", "specdec.cli", "soak", "--json", "--address", tiny_stack.address,
+                             "--clients", "2", "--minutes", "10", "--max-new-tokens", "8", "--prompts", prompts_file(tmp_path),
+                             "--pid", f"coordinator={tiny_stack.processes['coordinator'].pid}", "--warmup-s", "60"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        assert "soak:" in read_until(soak.stderr, "soak:", timeout_s=60)  # the bar: the clients run
+        time.sleep(2)
+        soak.send_signal(signal.SIGINT)
+        out, err = soak.communicate(timeout=60)
+    finally:
+        soak.kill()
+    assert soak.returncode == 130, err
+    report = json.loads(out)
+    assert report["interrupted"] is True and report["duration_s"] < 60
+    assert report["requests"] > 0 and report["tokens"] > 0 and report["errors"] == 0, report
+    # Stopped within its warm-up: the start RSS is the run's first sample, and the report says when.
+    assert report["rss_start_t_s"] < 2 and report["processes"]["coordinator"]["rss_start_mib"] > 0
+    assert "Traceback" not in err
+
+
+def read_until(stream, text: str, timeout_s: float) -> str:
+    """What `stream` gave until a chunk holding `text` (or its end, or timeout_s)."""
+    seen, deadline = "", time.monotonic() + timeout_s
+    while text not in seen and time.monotonic() < deadline:
+        chunk = stream.read(1)
+        if not chunk:
+            break
+        seen += chunk
+    return seen
