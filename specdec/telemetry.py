@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 
 from opentelemetry import trace
 
@@ -106,7 +107,7 @@ def make_exporters() -> list:
         elif name == "console":
             from opentelemetry.sdk.trace.export import ConsoleSpanExporter
 
-            exporters.append(ConsoleSpanExporter())
+            exporters.append(ConsoleSpanExporter(out=sys.stderr))  # stdout is a command's output (--json)
         else:
             raise SystemExit(f"OTEL_TRACES_EXPORTER={name!r} is not supported here; use otlp, console or none")
     return exporters

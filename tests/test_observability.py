@@ -406,3 +406,16 @@ def test_tracing_is_on_when_an_endpoint_is_given():
     out = subprocess.run([sys.executable, "-c", DISABLED_CHECK], capture_output=True, text=True,
                          env={**clean, "OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:9"}, timeout=60)  # fmt: skip
     assert out.stdout.split() == ["False", "TracerProvider", "False"], out.stderr
+
+
+def test_console_spans_go_to_stderr_so_a_commands_json_output_stays_one_document(tiny_stack):
+    """OTEL_TRACES_EXPORTER=console wrote the CLI's spans to stdout, after `generate --json`'s
+    result (before `trace --json`'s), and json.loads of the output failed."""
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
+    for command in ("generate", "trace"):
+        out = subprocess.run([sys.executable, "-m", "specdec.cli", command, "--json", "--address", tiny_stack.address,
+                              "--max-new-tokens", "4", "hello"], capture_output=True, text=True,
+                             env={**clean, "OTEL_TRACES_EXPORTER": "console"}, timeout=120)  # fmt: skip
+        assert out.returncode == 0, out.stderr
+        assert json.loads(out.stdout)["token_ids"], command
+        assert '"name": "/specdec.v1.Coordinator/Generate"' in out.stderr, command  # the client's span
