@@ -23,6 +23,7 @@ import hashlib
 import json
 import re
 import secrets
+import threading
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
@@ -79,7 +80,7 @@ def chat_ids(tokenizer, messages: Sequence[Mapping[str, str]]) -> list[int]:
     ids: list[int] = []
     for i, piece in enumerate(pieces):
         if i % 2:
-            ids += tokenizer(markers[piece], add_special_tokens=False, split_special_tokens=True)["input_ids"]
+            ids += encode(tokenizer, markers[piece], add_special_tokens=False, split_special_tokens=True)
         elif piece:
             ids += text_ids(tokenizer, piece, special_tokens=False)
     return ids
@@ -99,7 +100,20 @@ def text_ids(tokenizer, text: str, special_tokens: bool = True) -> list[int]:
     length "will result in indexing errors": callers check the length themselves (the
     coordinator refuses such a prompt RESOURCE_EXHAUSTED), and an operator reading the
     warning in a service's log would look for a fault that is not there."""
-    return list(tokenizer(text, add_special_tokens=special_tokens, verbose=False)["input_ids"])
+    return encode(tokenizer, text, add_special_tokens=special_tokens, verbose=False)
+
+
+def encode(tokenizer, text: str, *, add_special_tokens: bool, split_special_tokens: bool = False, **options) -> list[int]:
+    """Token ids of `text`, one call at a time (ENCODE_LOCK): a fast tokenizer sets its
+    split_special_tokens switch on the shared Rust tokenizer, then encodes, so two requests
+    tokenized at once on the coordinator's threads read each other's switch: a message's
+    special-token text became real turn markers, or a plain prompt lost its template's."""
+    with ENCODE_LOCK:
+        return list(tokenizer(text, add_special_tokens=add_special_tokens, split_special_tokens=split_special_tokens,
+                              **options)["input_ids"])  # fmt: skip
+
+
+ENCODE_LOCK = threading.Lock()
 
 
 def load_tokenizer(name_or_path: str):
