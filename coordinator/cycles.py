@@ -80,7 +80,7 @@ from coordinator.replicas import NoReplicaYet, Replica, Replicas
 from specdec import telemetry
 from specdec.errors import Unavailable
 from specdec.ngram import find_continuation
-from specdec.session import SessionStore
+from specdec.session import SessionStore, superseded
 from specdec.v1 import specdec_pb2 as pb
 from specdec.wire import PROPOSE_STARTED, Sampling, sampling_to_pb, target_key
 
@@ -834,6 +834,16 @@ class CycleLoop:
             return None
         return pause
 
+    async def raise_if_superseded(self) -> None:
+        """NotFound when this run's session is gone, Aborted when another run owns it: a target
+        that finds this run's positions past the session's tokens (OUT_OF_RANGE) or its tokens
+        changed (FAILED_PRECONDITION) is then speaking of a session no longer this run's (deleted
+        and created again under its id, or resumed), and the stream ended OUT_OF_RANGE
+        "position 13 is past the session's 11 committed tokens", as if the client's fault."""
+        meta = await self.store.meta(self.plan.session_id)  # NotFound when gone
+        if meta.get("owner") != self.plan.owner:
+            raise superseded(self.plan.session_id)
+
     async def verify(self, drafts: Sequence[pb.DraftToken], steps: int = 1, draft_busy: bool = False,
                      stop_at_ngram: pb.NgramStop | None = None) -> pb.VerifyResponse:  # fmt: skip
         """Verify on the target, retrying a retryable failure (the request is idempotent:
@@ -887,6 +897,8 @@ class CycleLoop:
                 if exc.code() == grpc.StatusCode.FAILED_PRECONDITION and await self.targets.recheck(replica):
                     attempt += 1  # it serves another model now: refused, the session goes to its next replica
                     continue
+                if exc.code() in (grpc.StatusCode.OUT_OF_RANGE, grpc.StatusCode.FAILED_PRECONDITION):
+                    await self.raise_if_superseded()
                 if (pause := self.retry_pause(exc.code(), attempt)) is None:
                     raise
                 # The target reads the session from Redis: if Redis is down no retry can

@@ -215,6 +215,12 @@ def session_gone(session_id: str) -> NotFound:
     return NotFound(f"session {session_id!r} does not exist (expired, deleted or never created)")
 
 
+def superseded(session_id: str) -> Aborted:
+    """The error for a run whose session another run owns now: a Resume took it over, or it was
+    deleted and created again under its id."""
+    return Aborted(f"session {session_id!r} was deleted or resumed by another request, which goes on with it; this one stops")
+
+
 def new_session_id() -> str:
     return uuid.uuid4().hex
 
@@ -348,8 +354,7 @@ class SessionStore:
         if status == -1:
             raise session_gone(session_id)
         if status == -2:
-            raise Aborted(f"session {session_id!r} was resumed by another request, which goes on with it; "
-                          "this one stops")  # fmt: skip
+            raise superseded(session_id)
         if status == 0:
             raise Aborted(
                 f"session {session_id!r} is at cycle {cycle}, not {expected_cycle}: "

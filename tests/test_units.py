@@ -1777,6 +1777,48 @@ def test_a_verify_refused_for_a_stale_state_of_its_session_is_sent_again_and_its
     assert targets.replica.down_until == 0 and not targets.replica.recovering
 
 
+class TargetPastTheSession:
+    """A target whose every Verify finds the call's position past the session's tokens, as for
+    a run whose session was deleted and created again, shorter, under its id."""
+
+    async def Verify(self, request, timeout=None, wait_for_ready=None):
+        from specdec.errors import OutOfRange, status_for
+
+        code, details = status_for(OutOfRange(f"position {request.position} is past the session's 2 committed tokens"))
+        raise grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details)
+
+
+def test_a_run_whose_session_was_deleted_or_taken_over_ends_not_found_or_aborted_not_out_of_range():
+    """A stream whose session was deleted and created again under its id (the "regenerate"
+    pattern) ended OUT_OF_RANGE "position 3 is past the session's 2 committed tokens", which
+    reads as the client's own request out of range; now Redis is asked whose the session is."""
+    from coordinator.cycles import CycleLoop, Plan
+    from specdec.errors import Aborted, NotFound
+
+    async def run(meta: dict | None):
+        store = CommitWatchingStore(RecordingDraftStub())
+        store.ping = lambda: asyncio.sleep(0)
+
+        async def read_meta(session_id):
+            if meta is None:
+                raise NotFound(f"session {session_id!r} does not exist (expired, deleted or never created)")
+            return meta
+
+        store.meta = read_meta
+        plan = Plan(session_id="s", prompt=[1, 2, 3], max_new_tokens=2, sampling=Sampling(0.0, 0, 1.0, 1), k=2,
+                    eos_token_ids=frozenset(), max_context=0, draft_model="", draft_fingerprint="",
+                    pipeline=False, owner="mine")  # fmt: skip
+        return [o async for o in CycleLoop(NoDraftReplica(None), OneReplica(TargetPastTheSession()), store, plan, None).run()]
+
+    with pytest.raises(Aborted, match="session 's' was deleted or resumed by another request"):
+        asyncio.run(run({"owner": "another run's"}))
+    with pytest.raises(NotFound, match="does not exist"):
+        asyncio.run(run(None))
+    with pytest.raises(grpc.aio.AioRpcError) as still_mine:  # the session is this run's: the target's word stands
+        asyncio.run(run({"owner": "mine"}))
+    assert still_mine.value.code() == grpc.StatusCode.OUT_OF_RANGE
+
+
 def test_with_no_draft_replica_to_ask_the_cycles_run_target_only_and_the_request_completes():
     """A Propose that cannot be sent (every draft replica refused) is a cycle without drafts,
     as a failed one is: the target decodes, the request ends, nothing is drafted."""
