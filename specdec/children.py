@@ -17,10 +17,18 @@ runs as it would have, without that guard.
 The kernel sends the signal when the *thread* that started the child ends, not only the
 process: start children from a thread that lives as long as they should (every caller here
 starts them from its main thread).
+
+`start_child` starts one so, in a session of its own: a terminal's Ctrl-C goes to its
+foreground process group, which held the children too, so each stopped at once as the parent
+began its ordered stop (the coordinators first, draining their requests, then the model
+services and Redis): streams in flight ended UNAVAILABLE and the coordinator could not record
+how its sessions ended, Redis gone. Now only the parent gets it, and stops them in order.
 """
 
 from __future__ import annotations
 
+import os
+import subprocess
 import sys
 from collections.abc import Sequence
 
@@ -42,3 +50,9 @@ def ending_with_parent(command: Sequence[str], parent_pid: int) -> list[str]:
     Popen starts, so that it receives SIGTERM when `parent_pid` (the caller: os.getpid()),
     or rather the thread that starts it, ends (module doc)."""
     return [sys.executable, "-S", "-c", EXEC_SHIM, str(parent_pid), *command]
+
+
+def start_child(command: Sequence[str], **popen) -> subprocess.Popen:
+    """Popen of `command`, ending with this process (ending_with_parent) and in a session of
+    its own, out of reach of a terminal's Ctrl-C (module doc); `popen`: Popen's other arguments."""
+    return subprocess.Popen(ending_with_parent(command, os.getpid()), start_new_session=True, **popen)

