@@ -180,6 +180,14 @@ def status_for(exc: BaseException, quiet: bool = False) -> tuple[grpc.StatusCode
     if isinstance(exc, CLUSTER_IN_FLUX):
         return grpc.StatusCode.UNAVAILABLE, f"session store (Redis Cluster) failing over or moving slots: {exc}"
     if isinstance(exc, grpc.aio.AioRpcError):
+        if exc.code() in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
+            # This service's own credential was refused: passed on, it told a caller whose token was
+            # accepted that it was not. A deployment's fault, for its operator's log.
+            log.error("a downstream service refused this service's credential: %s", exc.details())
+            return grpc.StatusCode.INTERNAL, (
+                f"a downstream service refused this service's credential (the internal token or TLS "
+                f"certificate the services share differs; not the caller's): {exc.details()}"
+            )
         # A downstream call failed: pass its code on, say which hop it was.
         return exc.code(), f"downstream call failed: {exc.details()}"
     if (refused := redis_refusal(exc)) is not None:

@@ -501,6 +501,40 @@ def test_the_internal_token_rotates_in_three_steps_on_a_running_stack_with_no_re
         stack.stop()
 
 
+def test_a_model_service_refusing_the_coordinators_credential_is_internal_for_the_caller_not_unauthenticated(
+    redis_url, tiny_models, tmp_path
+):
+    """A rotation gone wrong (the target's token file no longer holds the coordinator's token):
+    the target's UNAUTHENTICATED was passed on as it was, telling a caller whose own token had
+    been accepted that it was not; the caller gets INTERNAL now, saying whose credential failed."""
+    import time
+
+    tokens, sent = tmp_path / "target-token", tmp_path / "coordinator-token"
+    tokens.write_text("shared-internal-token\n")
+    sent.write_text("shared-internal-token\n")
+    stack = start_stack(redis_url, tiny_models.target, tiny_models.draft, draft_args=["--internal-token-file", str(sent)],
+                        target_args=["--internal-token-file", str(tokens)],
+                        coordinator_args=["--internal-token-file", str(sent)])  # fmt: skip
+    try:
+        with specdec.Client(stack.address, retries=0) as client:
+            client.generate(PROMPT, max_new_tokens=4, temperature=0.0)
+            staged = tmp_path / "staged"
+            staged.write_text("another-token\n")
+            os.replace(staged, tokens)  # the target's file now; the coordinator keeps sending its own
+            deadline, failed = time.monotonic() + 20, None
+            while failed is None and time.monotonic() < deadline:  # until the target reads its file again
+                try:
+                    client.generate(PROMPT, max_new_tokens=4, temperature=0.0)
+                    time.sleep(0.3)
+                except specdec.SpecdecClientError as exc:
+                    failed = exc
+        assert failed is not None and failed.code == grpc.StatusCode.INTERNAL, failed
+        assert "a downstream service refused this service's credential" in failed.message
+        assert "not the caller's" in failed.message
+    finally:
+        stack.stop()
+
+
 REFUSAL_CHECK = """
 import sys
 from specdec.cli import main
