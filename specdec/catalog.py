@@ -182,6 +182,15 @@ def sha256(path: Path) -> str:
 
 # A Hugging Face directory holds its tokenizer in one of these (fast, sentencepiece, byte-level BPE).
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
+# ...and its weights in one of these (one file, or an index of shards).
+WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
+GGUF_MAGIC = b"GGUF"  # a GGUF file's first four bytes
+GGUF_HEADER_BYTES = 24  # magic, version, tensor count, metadata count: less is no GGUF file
+
+# The errors of loading a model that are a user's to fix, each one line (a path with no model, a
+# file that is not one, a catalog model that cannot be fetched or cached, a config that does not
+# parse, a draft for another vocabulary): the services, bench and distill print them so.
+USER_LOAD_ERRORS = (OSError, ValueError, CatalogFetchError)
 
 
 def local_model(name_or_path: str) -> tuple[Path, Path | None] | None:
@@ -194,6 +203,7 @@ def local_model(name_or_path: str) -> tuple[Path, Path | None] | None:
             raise ModelNotFoundError(
                 f"{name_or_path!r} is a file but not a .gguf; pass a .gguf file or a model directory with config.json"
             )
+        check_gguf(candidate)
         return candidate.resolve(), candidate.resolve()
     if candidate.is_dir():
         if (candidate / "config.json").is_file():
@@ -206,6 +216,7 @@ def local_model(name_or_path: str) -> tuple[Path, Path | None] | None:
             return candidate.resolve(), None
         ggufs = sorted(candidate.glob("*.gguf"))
         if len(ggufs) == 1:  # a folder holding one GGUF, as llama.cpp users keep them
+            check_gguf(ggufs[0])
             return ggufs[0].resolve(), ggufs[0].resolve()
         raise ModelNotFoundError(
             f"{name_or_path!r} is a directory without config.json"
@@ -216,6 +227,25 @@ def local_model(name_or_path: str) -> tuple[Path, Path | None] | None:
 
 def is_catalog_name(name: str) -> bool:
     return name in CATALOG or name in draft_catalog()
+
+
+def check_gguf(path: Path) -> None:
+    """ModelNotFoundError naming `path` when it does not begin as a GGUF file does (empty,
+    truncated, another format): its loader failed on it with a struct.error traceback, or
+    "cannot mmap an empty file", naming no file."""
+    with open(path, "rb") as file:
+        head = file.read(GGUF_HEADER_BYTES)
+    if not head.startswith(GGUF_MAGIC) or len(head) < GGUF_HEADER_BYTES:
+        what = "empty" if not head else "truncated" if head.startswith(GGUF_MAGIC) else f"it begins {head[:4]!r}, not {GGUF_MAGIC!r}"
+        raise ModelNotFoundError(f"{str(path)!r} is not a GGUF file ({what})")
+
+
+def check_weights(directory: Path) -> None:
+    """ModelNotFoundError when a model directory holds no weights file (WEIGHT_FILES): loading
+    it failed with a traceback around transformers' "Error no file named model.safetensors".
+    Not part of local_model: a tokenizer alone (the coordinator's) needs none."""
+    if not any((directory / name).is_file() for name in WEIGHT_FILES):
+        raise ModelNotFoundError(f"{str(directory)!r} has config.json but no weights ({', '.join(WEIGHT_FILES)})")
 
 
 def check_model(name_or_path: str) -> tuple[Path, Path | None] | None:

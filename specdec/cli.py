@@ -543,13 +543,14 @@ def server_security(args, token_file: str, token_env: str):
 def refuse_missing_model(service: str, model: str) -> None:
     """Exit at once with the line a failed load would print seconds later (after importing
     torch and transformers) when --model names no file, folder or catalog model."""
-    from specdec.catalog import ModelNotFoundError, check_model
+    from specdec.catalog import ModelNotFoundError, check_model, check_weights
     from specdec.serving import load_failed
 
     if service == "draft" and model == NGRAM_DRAFT:
         return
     try:
-        check_model(model)
+        if (found := check_model(model)) is not None and found[1] is None:
+            check_weights(found[0])
     except ModelNotFoundError as exc:
         raise SystemExit(load_failed(service, exc)) from None
 

@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import SafetensorError
 from tqdm.auto import tqdm
 
 # Importing transformers is slow (seconds); it happens here anyway because every
@@ -47,8 +48,8 @@ import transformers
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerBase
 
 from specdec.catalog import (  # the catalog itself (names, cache folder, checks): light to import
-    CACHE_ENV, CACHE_MARKER, CATALOG, CatalogEntry, CatalogFetchError, ModelNotFoundError, catalog_model_dir, draft_catalog, is_cached,
-    list_catalog, resolve_model, sha256,
+    CACHE_ENV, CACHE_MARKER, CATALOG, CatalogEntry, CatalogFetchError, ModelNotFoundError, catalog_model_dir, check_weights,
+    draft_catalog, is_cached, list_catalog, resolve_model, sha256,
 )  # fmt: skip
 from specdec.packed import pack_model
 from specdec.plain_forward import enable_plain_forward
@@ -143,6 +144,11 @@ def staged_build(name: str):
         staging = final.parent / f".{name}.staging-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         try:
             yield staging
+        except ModelNotFoundError:
+            raise
+        except (OSError, SafetensorError) as exc:  # a full disk, mostly: one line, not a traceback
+            raise CatalogFetchError(f"could not write {name} into the model cache {final.parent}: "
+                                    f"{getattr(exc, 'strerror', None) or exc}") from exc  # fmt: skip
         finally:
             if staging.exists():
                 shutil.rmtree(staging, ignore_errors=True)
@@ -345,9 +351,11 @@ def _exclusive_lock(path: Path):
 
 
 def _remove_stale_staging(final: Path) -> None:
-    """Delete staging dirs of interrupted conversions (safe: we hold the lock, so none is live)."""
-    for leftover in final.parent.glob(f".{final.name}.staging-*"):
-        shutil.rmtree(leftover, ignore_errors=True)
+    """Delete the staging and download dirs of interrupted conversions (safe: we hold the lock,
+    so none is live); a service stopped while preparing a model exits without its clean-up."""
+    for pattern in (f".{final.name}.staging-*", f".{final.name}.download-*"):
+        for leftover in final.parent.glob(pattern):
+            shutil.rmtree(leftover, ignore_errors=True)
 
 
 @contextlib.contextmanager
@@ -409,6 +417,7 @@ def load_model(name_or_path: str, *, dtype: str = "float32", device: str = "cpu"
     device = resolve_device(device)
     path, gguf_file = resolve_model(name_or_path)
     if gguf_file is None:
+        check_weights(path)
         tokenizer = load_tokenizer(str(path))
         model = AutoModelForCausalLM.from_pretrained(str(path), local_files_only=True, **_dtype_kwarg(torch_dtype))
     else:

