@@ -51,11 +51,14 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import itertools
 import json
 import math
 import os
+import pickle
 import random
 import shlex
+import shutil
 import sys
 import time
 from dataclasses import dataclass
@@ -88,6 +91,11 @@ EVAL_FILES = ("eval-00000.pt", "eval-greedy-00000.pt")  # in DATA_DIR: the held-
 CHECKPOINT_NAME = "distill-checkpoint.pt"
 SERVING_MAX_K = 8  # the largest K evaluate() considers for the card's serving_k
 CALIBRATION_TEMPERATURES = (0.5, 0.6, 0.7, 0.75, 0.8, 0.85, 0.9, 0.95, 1.0, 1.1, 1.25)  # the τ choose_temperature tries
+RUN_RECORD = "target.json"  # in DATA_DIR: what the run's data was sampled from and with (run_record)
+# The DistillConfig fields that fix the data a run samples, beside the target and the prompts:
+# the run record keeps them, and --resume must give the same (check_resume).
+DATA_OPTIONS = ("top_k", "max_new_tokens", "temperatures", "seed")
+DRAFT_STAGING = ".draft-staging-"  # in --out: materialize_draft builds the model directory in one of these
 
 
 # ---------------------------------------------------------------------------------------
@@ -96,7 +104,10 @@ CALIBRATION_TEMPERATURES = (0.5, 0.6, 0.7, 0.75, 0.8, 0.85, 0.9, 0.95, 1.0, 1.1,
 # The range of each numeric setting (specdec.ranges): the argparse type of its flag, and
 # check_config's rule for a DistillConfig built in code. Keys are DistillConfig fields.
 RANGES = {
-    "minutes": Range(float, 0, note="0 only with --resume: calibrate, write and evaluate the checkpoint again"),
+    # At most 1e7 minutes (19 years, 6e8 s, inside specdec.ranges.SECONDS): 1e307 made the deadline
+    # inf and ended the run in an OverflowError.
+    "minutes": Range(float, 0, 1e7, note="0 only with --resume of a run that has a checkpoint: calibrate, write and "
+                     "evaluate it again"),
     "layers": AT_LEAST_ONE, "hidden": AT_LEAST_ONE, "heads": AT_LEAST_ONE, "top_k": AT_LEAST_ONE,
     "data_tokens": AT_LEAST_ONE, "max_new_tokens": AT_LEAST_ONE, "gen_batch_size": AT_LEAST_ONE, "batch_size": AT_LEAST_ONE,
     "data_share": Range(float, 0, 1, above=True),
@@ -115,6 +126,16 @@ RANGES = {
 def flag_of(field: str) -> str:
     """The command-line flag of a DistillConfig field: eval_every_s -> --eval-every."""
     return "--" + field.removesuffix("_s").replace("_", "-")
+
+
+def format_temperatures(values) -> str:
+    """(1.0, 0.6) -> "1,0.6": --temperatures as the command line writes it (parse_temperatures reads it)."""
+    return ",".join(f"{t:g}" for t in values)
+
+
+def show_option(value) -> str:
+    """A DistillConfig value as its flag is written: 16 -> "16", (1.0, 0.0) -> "1,0"."""
+    return format_temperatures(value) if isinstance(value, (list, tuple)) else str(value)
 
 
 @dataclass
@@ -169,7 +190,7 @@ class DistillConfig:
             "--gen-batch-size", str(self.gen_batch_size), "--batch-size", str(self.batch_size),
             "--lr", f"{self.lr:g}", "--dropout", f"{self.dropout:g}", "--weight-decay", f"{self.weight_decay:g}",
             "--calibration-share", f"{self.calibration_share:g}", "--lookup-ngram", str(self.lookup_ngram), "--seed", str(self.seed), "--threads", str(self.threads),
-            "--precision", self.precision, "--temperatures", ",".join(f"{t:g}" for t in self.temperatures),
+            "--precision", self.precision, "--temperatures", format_temperatures(self.temperatures),
         ]  # fmt: skip
         parts.append("--learn-projections" if self.learn_projections else "--no-learn-projections")
         if self.resume:
@@ -208,7 +229,9 @@ class DistillError(RuntimeError):
 def load_prompts(path: str | os.PathLike, eval_path: str | os.PathLike | None = None) -> tuple[list, list]:
     """Return (train prompts, held-out prompts) from JSONL files.
 
-    Each line is {"prompt": str} or {"messages": [...]}, optionally with "split": "eval".
+    Each line is {"prompt": str} or {"messages": [{"role": str, "content": str}, ...]} (a line
+    that is just a string is a prompt), optionally with "split": "eval"; any other line is
+    refused naming its file and line (prompt_row_problem), before anything is written.
     With `eval_path`, every prompt of `path` trains and `eval_path` holds the held-out set;
     without it, the "eval" split of `path` is held out (every 10th line if none is marked).
     """
@@ -222,8 +245,8 @@ def load_prompts(path: str | os.PathLike, eval_path: str | os.PathLike | None = 
         for where, row in lines:
             if isinstance(row, str):
                 row = {"prompt": row}
-            if not isinstance(row, dict) or not ("prompt" in row or "messages" in row):
-                raise DistillError(f"{where}: expected an object with 'prompt' or 'messages'")
+            if problem := prompt_row_problem(row):
+                raise DistillError(f"{where}: {problem}")
             rows.append(row)
         if not rows:
             raise DistillError(f"{file} holds no prompts")
@@ -248,6 +271,23 @@ def load_prompts(path: str | os.PathLike, eval_path: str | os.PathLike | None = 
     return train, held_out
 
 
+def prompt_row_problem(row: object) -> str | None:
+    """What is wrong with one line of a prompts file (load_prompts), None when nothing: it must be
+    an object with "prompt", a string, or "messages", a non-empty list of objects each with a
+    string "role" and a string "content" (where both are given, "messages" is the prompt)."""
+    if not isinstance(row, dict) or not ("prompt" in row or "messages" in row):
+        return "expected an object with 'prompt' or 'messages'"
+    if "messages" not in row:
+        return None if isinstance(row["prompt"], str) else f"'prompt' must be a string, got {json.dumps(row['prompt'])[:60]}"
+    messages = row["messages"]
+    if not isinstance(messages, list) or not messages:
+        return f"'messages' must be a non-empty list of {{\"role\": ..., \"content\": ...}}, got {json.dumps(messages)[:60]}"
+    for index, message in enumerate(messages):
+        if not (isinstance(message, dict) and isinstance(message.get("role"), str) and isinstance(message.get("content"), str)):
+            return f"messages[{index}] must be an object with a string 'role' and a string 'content', got {json.dumps(message)[:60]}"
+    return None
+
+
 def check_held_out(train: list, held_out: list) -> None:
     """DistillError when a held-out prompt is also a training prompt: the figures would measure
     text the draft trained on (the same file given as --prompts and --eval-prompts, say)."""
@@ -268,6 +308,24 @@ def encode_prompt(tokenizer, prompt) -> list[int]:
         return chat_ids(tokenizer, messages)
     text = "\n".join(m["content"] for m in messages)
     return text_ids(tokenizer, text)
+
+
+def encode_prompts(tokenizer, prompts: list) -> list[list[int]]:
+    """encode_prompt of each prompt; DistillError naming the first one the tokenizer refuses (a
+    role its chat template rejects, say) or that comes out as no tokens. distill() encodes
+    before it writes anything, so such a prompt leaves --out as it was."""
+    from jinja2 import TemplateError
+
+    encoded = []
+    for prompt in prompts:
+        try:
+            ids = encode_prompt(tokenizer, prompt)
+        except (ValueError, TemplateError) as exc:
+            raise DistillError(f"the prompt {json.dumps(prompt)[:80]} cannot be tokenized: {exc}") from None
+        if not ids:
+            raise DistillError(f"the prompt {json.dumps(prompt)[:80]} is no tokens at all; give it some text")
+        encoded.append(ids)
+    return encoded
 
 
 # ---------------------------------------------------------------------------------------
@@ -395,8 +453,32 @@ def _data_dir(config: DistillConfig) -> Path:
 def _load_shards(directory: Path, prefix: str) -> list[dict]:
     records = []
     for shard in sorted(directory.glob(f"{prefix}-*.pt")):
-        records.extend(torch.load(shard, weights_only=True))
+        records.extend(load_saved(shard))
     return records
+
+
+def load_saved(path: Path) -> Any:
+    """torch.load of a file a run saved in --out (shards, held-out sets, the checkpoint: tensors,
+    numbers, strings, lists and dicts, so weights_only). DistillError naming the file where it
+    cannot be read: cut short by a full disk or a copy, it ended --resume in a traceback."""
+    try:
+        return torch.load(path, weights_only=True)
+    except (RuntimeError, EOFError, OSError, pickle.UnpicklingError) as exc:
+        reason = str(exc).split(". ")[0] or "empty"
+        raise DistillError(f"{path} cannot be read ({reason}): it is damaged or cut short; remove it and --resume "
+                           "goes on without it, or pick a new --out") from None  # fmt: skip
+
+
+def prompt_order(count: int, seed: int):
+    """The training prompts' indices 0..count-1 in the order the data samples them: a shuffle of
+    all of them (random.Random(seed)), then another of the same generator, and so on forever, so
+    every prompt is used about equally. A generator: its memory is one block, whatever
+    --data-tokens (a list sized for --data-tokens 1e9 ended the run in a MemoryError)."""
+    rng = random.Random(seed)
+    while count:
+        block = list(range(count))
+        rng.shuffle(block)
+        yield from block
 
 
 def _positions(records: list[dict]) -> int:
@@ -413,21 +495,20 @@ class HeldOut:
     greedy: list[dict]
 
 
-def generate_data(config: DistillConfig, target, train_prompts: list, eval_prompts: list,
+def generate_data(config: DistillConfig, target, encoded_train: list[list[int]], encoded_eval: list[list[int]],
                   deadline: float) -> tuple[list[dict], HeldOut, dict]:  # fmt: skip
     """Sample (or load) the held-out sets, then training data until data_tokens or `deadline`.
 
-    Shards are written as they are made (`distill-data/train-NNNNN.pt`), so an interrupted
-    run and `--resume` keep everything already generated (a held-out set a run lacks is
-    made on resume). Returns (train, held-out, stats).
+    encoded_train / encoded_eval: the prompts' token ids (encode_prompts). Shards are written
+    as they are made (`distill-data/train-NNNNN.pt`), so an interrupted run and `--resume`
+    keep everything already generated (a held-out set a run lacks is made on resume).
+    Returns (train, held-out, stats).
     """
     directory = _data_dir(config)
     directory.mkdir(parents=True, exist_ok=True)
     tokenizer = target.tokenizer
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (target.eos_token_ids or [0])[0]
     top_k = min(config.top_k, target.vocab_size)
-    encoded_train = [encode_prompt(tokenizer, p) for p in train_prompts]
-    encoded_eval = [encode_prompt(tokenizer, p) for p in eval_prompts]
 
     sampler = []  # the sampling model, loaded on first use (a resumed run may sample nothing)
 
@@ -450,7 +531,7 @@ def generate_data(config: DistillConfig, target, train_prompts: list, eval_promp
             for start in range(0, len(encoded_eval), config.gen_batch_size):
                 records.extend(sample(encoded_eval[start : start + config.gen_batch_size], config.seed + 10_000 + start))
             _atomic_save(records, path)
-        return torch.load(path, weights_only=True)
+        return load_saved(path)
 
     # the held-out sets, made first (small, and the progress bar needs one): every eval prompt
     # once, sampled as the training data is, and the target's greedy continuation of each
@@ -461,21 +542,18 @@ def generate_data(config: DistillConfig, target, train_prompts: list, eval_promp
     stats_path = directory / "stats.json"
     if stats_path.exists() and train:  # a finished data phase: --resume trains on exactly this data
         return train, held_out, json.loads(stats_path.read_text())
-    shard = len(list(directory.glob("train-*.pt")))
-    # the prompt order: a seeded shuffle repeated forever, so every prompt is used about equally
-    order_rng = random.Random(config.seed)
-    order: list[int] = []
-    while len(order) < (shard + 1 + config.data_tokens // max(config.max_new_tokens // 2, 1)) * config.gen_batch_size:
-        block = list(range(len(encoded_train)))
-        order_rng.shuffle(block)
-        order.extend(block)
+    # the next shard's number (after the highest, so a shard removed from the middle is not
+    # written over), and the prompts' order past those already sampled, one record each
+    shard = 1 + max((int(path.stem.removeprefix("train-")) for path in directory.glob("train-*.pt")), default=-1)
+    order = prompt_order(len(encoded_train), config.seed)
+    next(itertools.islice(order, len(train), len(train)), None)
     bar = tqdm(total=config.data_tokens, initial=min(have, config.data_tokens), desc="distill: sampling target",
                unit="tok", disable=not config.progress, file=sys.stderr, dynamic_ncols=True)  # fmt: skip
     started, had = time.monotonic(), have
     try:
         # the first batch is made whatever the deadline, so there is always something to train on
         while have < config.data_tokens and (time.monotonic() < deadline or not train):
-            picks = order[shard * config.gen_batch_size : (shard + 1) * config.gen_batch_size]
+            picks = list(itertools.islice(order, config.gen_batch_size))
             if not picks:
                 break
             temperature = config.temperatures[shard % len(config.temperatures)]
@@ -1056,10 +1134,14 @@ def evaluate_draft(config: DistillConfig, draft_name: str) -> dict[str, Any]:
     check_model(config.target)  # before torch loads either
     check_model(draft_name)
     use_threads(config)
-    target, draft = load_model(config.target), load_model(draft_name)
+    target = load_model(config.target)
+    # the held-out sets hold the run's target's continuations, which another target's p would judge
+    check_sampled_from(Path(config.out), read_run_record(Path(config.out)), target_record(config.target, target),
+                       "give --target the run's own target")  # fmt: skip
+    draft = load_model(draft_name)
     if draft.vocab_fingerprint != target.vocab_fingerprint:
         raise DistillError(f"{draft_name} does not share {config.target}'s vocabulary")
-    held_out = HeldOut(*(torch.load(path, weights_only=True) for path in files))
+    held_out = HeldOut(*(load_saved(path) for path in files))
     lookup_weights = resolve_lookup_weights("auto", draft.path)  # those it serves with, if its directory has any
     return {"draft": draft_name, "target": config.target, "held_out": str(_data_dir(config)),
             **evaluate(target, draft, held_out, lookup_weights=lookup_weights)}  # fmt: skip
@@ -1100,11 +1182,14 @@ def materialize_draft(target: str | Any, draft_weights_path: str | os.PathLike, 
     and the lookup file (specdec.ngram.LOOKUP_FILE) when the weights carry lookup weights.
     Its tokenizer and generation config are copied. Refuses a target whose vocabulary
     fingerprint differs from the one the weights were trained against.
+    The files are built in a staging directory inside `out_dir` and moved into place after
+    (publish_draft_files): a build stopped part way (Ctrl-C) leaves `out_dir` as it was, where it
+    used to leave a directory that loaded with the whole vocabulary as its output vocabulary.
     """
     from safetensors import safe_open
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from specdec.models import OUTPUT_VOCAB_FILE, load_model, save_model, write_output_vocab
+    from specdec.models import load_model, save_model, write_output_vocab
     from specdec.vocab import VocabMismatchError
 
     # the target as transformers loads it: only its embedding, tokenizer and generation config are used
@@ -1141,20 +1226,39 @@ def materialize_draft(target: str | Any, draft_weights_path: str | os.PathLike, 
     if generation_config is not None:
         model.generation_config = generation_config
     out_dir = Path(out_dir)
-    save_model(model, loaded.tokenizer, out_dir)
-    # Each file is written or removed: a resumed run rebuilds over its last one, and a file
-    # left from it would be served (the old lookup weights under a card that says "off").
-    if len(vocab_ids) < embedding.shape[0]:
-        write_output_vocab(out_dir, vocab_ids)
-    else:
-        (out_dir / OUTPUT_VOCAB_FILE).unlink(missing_ok=True)
-    if meta.get("lookup_weights"):
-        note = ("specdec serve draft draws each token from (1 - w) * q + w * (the prompt lookup's token), w the "
-                "weight of the match length; chosen by specdec distill on its calibration sequences")  # fmt: skip
-        write_lookup_file(out_dir, parse_lookup_weights(meta["lookup_weights"]), note=note)
-    else:
-        (out_dir / LOOKUP_FILE).unlink(missing_ok=True)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for leftover in out_dir.glob(f"{DRAFT_STAGING}*"):  # a build killed outright (SIGKILL) left it
+        shutil.rmtree(leftover, ignore_errors=True)
+    staging = out_dir / f"{DRAFT_STAGING}{os.getpid()}"
+    try:
+        save_model(model, loaded.tokenizer, staging)
+        if len(vocab_ids) < embedding.shape[0]:
+            write_output_vocab(staging, vocab_ids)
+        if meta.get("lookup_weights"):
+            note = ("specdec serve draft draws each token from (1 - w) * q + w * (the prompt lookup's token), w the "
+                    "weight of the match length; chosen by specdec distill on its calibration sequences")  # fmt: skip
+            write_lookup_file(staging, parse_lookup_weights(meta["lookup_weights"]), note=note)
+        publish_draft_files(staging, out_dir)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
     return out_dir
+
+
+def publish_draft_files(staging: Path, out_dir: Path) -> None:
+    """Move the model directory built in `staging` into `out_dir`, so that `out_dir` is never a
+    model made of two builds or part of one: its config.json goes first (a folder without one is
+    no model: specdec.catalog.local_model), then the output-vocabulary and lookup files of an
+    earlier build that this one lacks (a resumed run rebuilds over its last draft, and a file left
+    from it would be served: the old lookup weights under a card that says "off"), then each
+    file of `staging` moves in, config.json last. Renames only: a moment's work."""
+    from specdec.models import OUTPUT_VOCAB_FILE
+
+    (out_dir / "config.json").unlink(missing_ok=True)
+    for name in (OUTPUT_VOCAB_FILE, LOOKUP_FILE):
+        if not (staging / name).exists():
+            (out_dir / name).unlink(missing_ok=True)
+    for path in sorted(staging.iterdir(), key=lambda path: path.name == "config.json"):
+        os.replace(path, out_dir / path.name)
 
 
 def export_draft(config: DistillConfig, draft: DraftModel, target, lookup_weights: dict[int, float] | None = None) -> Path:
@@ -1226,19 +1330,84 @@ def check_config(config: DistillConfig) -> None:
 
 def check_out(config: DistillConfig) -> None:
     """DistillError unless --out suits the run: a new or empty directory, or, with --resume, one
-    holding a run (its data or checkpoint). A run writes a model directory into --out, so a folder
-    holding anything else (another model, say) is refused rather than written over."""
+    holding a run (its data or checkpoint), and with --minutes 0 one holding a checkpoint (a run
+    stopped while sampling had none, and --minutes 0 took its data as finished and wrote an
+    untrained draft). A run writes a model directory into --out, so a folder holding anything
+    else (another model, say) is refused rather than written over."""
     out = Path(config.out)
     holds_run = (out / CHECKPOINT_NAME).exists() or (out / DATA_DIR).exists()
     if out.exists() and not out.is_dir():
         raise DistillError(f"--out {out} is a file; pick a directory")
     if config.resume and not holds_run:
         raise DistillError(f"{out} holds no distillation run to resume; drop --resume to start one there")
+    if config.resume and config.minutes == 0 and not (out / CHECKPOINT_NAME).exists():
+        raise DistillError(f"--minutes 0 --resume needs a checkpoint to write, and {out} has none (its run stopped "
+                           "before training began): resume with some minutes")  # fmt: skip
     if not config.resume and holds_run:
         raise DistillError(f"{out} already holds a distillation run; pass --resume to continue it, or pick a new --out")
     if not config.resume and out.exists() and any(out.iterdir()):
         raise DistillError(f"{out} is not empty and holds no distillation run; the run writes a model directory "
                            "there, so pick a new or empty --out")  # fmt: skip
+
+
+def run_record(config: DistillConfig, target, train_prompts: list, eval_prompts: list) -> dict:
+    """What distill-data/target.json records of a run, written before its first sample: the
+    target (its name, and the fingerprints of its vocabulary and of its weights), the prompts'
+    fingerprint (prompts_fingerprint) and, under "sampled_with", the data options
+    (DATA_OPTIONS) the data is sampled with. check_resume holds a resumed run to them."""
+    return {**target_record(config.target, target), "prompts_fingerprint": prompts_fingerprint(train_prompts, eval_prompts),
+            "sampled_with": data_options(config)}  # fmt: skip
+
+
+def target_record(name: str, target) -> dict:
+    """The run record's fields of a target: `name` as given, and its two fingerprints."""
+    return {"target": name, "vocab_fingerprint": target.vocab_fingerprint, "weights_fingerprint": target.weights_fingerprint}
+
+
+def data_options(config: DistillConfig) -> dict:
+    """The DATA_OPTIONS fields of `config`, as JSON holds them (temperatures as a list)."""
+    options = {field: getattr(config, field) for field in DATA_OPTIONS}
+    options["temperatures"] = list(config.temperatures)
+    return options
+
+
+def read_run_record(out: Path) -> dict:
+    """The run record (run_record) of the run in `out`; {} where there is none."""
+    path = out / DATA_DIR / RUN_RECORD
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
+def check_sampled_from(out: Path, previous: dict, target: dict, advice: str) -> None:
+    """DistillError, ending in `advice`, when the data of the run in `out` (its run record
+    `previous`; {} for none) was sampled from a target other than `target` (target_record):
+    another vocabulary, or other weights. A record written before weights were recorded is
+    checked by vocabulary."""
+    if not previous:
+        return
+    weights = previous.get("weights_fingerprint", target["weights_fingerprint"])
+    if (previous["vocab_fingerprint"], weights) != (target["vocab_fingerprint"], target["weights_fingerprint"]):
+        sampled_from = describe_model(previous["target"], previous["vocab_fingerprint"], weights)
+        this = describe_model(target["target"], target["vocab_fingerprint"], target["weights_fingerprint"])
+        raise DistillError(f"{out} holds data sampled from another target, {sampled_from}, not {this}; {advice}")
+
+
+def check_resume(config: DistillConfig, previous: dict, record: dict) -> None:
+    """DistillError unless this run (its record, run_record) may go on with the data of the run
+    in --out (`previous`, its record; {} for none): sampled from the same target, from the same
+    prompts, and with the same data options. Where they differ a resumed run trained on a mix of
+    two targets' distributions, or on the old prompts' data while the card named the new ones,
+    or crashed: shards of two --top-k do not stack. A record of a run begun before a field was
+    recorded says nothing of that field, and is taken as agreeing."""
+    out = Path(config.out)
+    check_sampled_from(out, previous, record, "pick a new --out")
+    if previous.get("prompts_fingerprint", record["prompts_fingerprint"]) != record["prompts_fingerprint"]:
+        raise DistillError(f"{out} holds data sampled from other prompts than --prompts and --eval-prompts "
+                           "give now; resume with the ones the run began with, or pick a new --out")  # fmt: skip
+    for field, value in previous.get("sampled_with", {}).items():
+        if value != record["sampled_with"].get(field, value):
+            flag, shown, given = flag_of(field), show_option(value), show_option(record["sampled_with"][field])
+            raise DistillError(f"{out} holds data sampled with {flag} {shown}, not {given}: resume with {flag} "
+                               f"{shown}, or pick a new --out for a run with {flag} {given}")  # fmt: skip
 
 
 def distill(config: DistillConfig) -> dict:
@@ -1259,30 +1428,16 @@ def distill(config: DistillConfig) -> dict:
     except OSError as exc:  # a file on the way (/etc/passwd/x), no permission, a read-only disk: one line
         raise DistillError(f"cannot make --out {out}: {exc.strerror}") from None
     target = load_model(config.target)
-    meta_path = out / DATA_DIR / "target.json"
-    made_by = {"target": config.target, "vocab_fingerprint": target.vocab_fingerprint,
-               "weights_fingerprint": target.weights_fingerprint,
-               "prompts_fingerprint": prompts_fingerprint(train_prompts, eval_prompts)}  # fmt: skip
-    if meta_path.exists():
-        previous = json.loads(meta_path.read_text())
-        # data written before weights were recorded is checked by vocabulary
-        weights = previous.get("weights_fingerprint", target.weights_fingerprint)
-        if (previous["vocab_fingerprint"], weights) != (target.vocab_fingerprint, target.weights_fingerprint):
-            sampled_from = describe_model(previous["target"], previous["vocab_fingerprint"], weights)
-            this = describe_model(config.target, target.vocab_fingerprint, target.weights_fingerprint)
-            raise DistillError(f"{out} holds data sampled from another target, {sampled_from}, not {this}; "
-                               "pick a new --out")  # fmt: skip
-        # A resumed run trains and evaluates on the data already sampled: from other prompts, the
-        # card would name prompts the draft never saw, and the held-out set would not be theirs.
-        if previous.get("prompts_fingerprint", made_by["prompts_fingerprint"]) != made_by["prompts_fingerprint"]:
-            raise DistillError(f"{out} holds data sampled from other prompts than --prompts and --eval-prompts "
-                               "give now; resume with the ones the run began with, or pick a new --out")  # fmt: skip
+    # every check of the prompts and of the run in --out comes before the first file is written
+    encoded_train, encoded_eval = encode_prompts(target.tokenizer, train_prompts), encode_prompts(target.tokenizer, eval_prompts)
+    record = run_record(config, target, train_prompts, eval_prompts)
+    check_resume(config, read_run_record(out), record)
     (out / DATA_DIR).mkdir(parents=True, exist_ok=True)
-    write_json(meta_path, made_by)
+    write_json(out / DATA_DIR / RUN_RECORD, record)
 
     # 1. data (at most data_share of the budget)
     data_deadline = began + config.minutes * 60 * config.data_share
-    train_records, held_out, data_stats = generate_data(config, target, train_prompts, eval_prompts, data_deadline)
+    train_records, held_out, data_stats = generate_data(config, target, encoded_train, encoded_eval, data_deadline)
     if data_stats["top_k"] != min(config.top_k, target.vocab_size):
         print(f"specdec distill: the cached data holds top-{data_stats['top_k']} log-probs; using those", file=sys.stderr)
         config.top_k = data_stats["top_k"]
@@ -1292,10 +1447,10 @@ def distill(config: DistillConfig) -> dict:
     llama_config = draft_llama_config(target.model.config, hidden=config.hidden, layers=config.layers,
                                       heads=config.heads, vocab_size=target.vocab_size)  # fmt: skip
     embedding = target.model.get_input_embeddings().weight.detach()
-    saved = torch.load(checkpoint_path, weights_only=False) if checkpoint_path.exists() else None
+    saved = load_saved(checkpoint_path) if checkpoint_path.exists() else None
     if saved is not None and saved.get("arch") != _arch(config):
         raise DistillError(f"the checkpoint in {out} is a {saved['arch']} draft; resume with the same "
-                           "--layers/--hidden/--heads/--draft-vocab/--learn-projections/--calibration-share")  # fmt: skip
+                           + "/".join(flag_of(field) for field in _arch(config)))  # fmt: skip
     # a resumed run keeps the output vocabulary it started with (the token ids are in the checkpoint)
     vocab_ids = saved["draft"]["vocab_ids"] if saved else choose_output_vocab(train_records, config.draft_vocab, target.vocab_size)
     coverage = vocab_coverage(held_out.sampled, vocab_ids, target.vocab_size)
@@ -1405,7 +1560,9 @@ def add_distill_parser(subparsers) -> argparse.ArgumentParser:
     )
     parser.add_argument("--target", required=True, help="catalog name or path of the target model")
     parser.add_argument("--out", required=True, help="output directory (draft model, card, data cache, checkpoint)")
-    parser.add_argument("--minutes", type=RANGES["minutes"], default=defaults.minutes, help="wall-clock budget for data + training (default: %(default)s)")
+    parser.add_argument("--minutes", type=RANGES["minutes"], default=defaults.minutes,
+                        help="wall-clock budget for data + training; 0 only with --resume of a run that has a "
+                        "checkpoint: calibrate, write and evaluate it again (default: %(default)s)")
     parser.add_argument("--prompts", default=defaults.prompts, help="JSONL prompt set (default: the packaged set)")
     parser.add_argument("--eval-prompts", default="", help="JSONL of held-out prompts (default: the 'eval' split of --prompts)")
     parser.add_argument("--layers", type=RANGES["layers"], default=defaults.layers, help="draft layers (default: %(default)s)")
@@ -1448,7 +1605,11 @@ def add_distill_parser(subparsers) -> argparse.ArgumentParser:
     parser.add_argument("--learn-projections", action=argparse.BooleanOptionalAction, default=defaults.learn_projections,
                         help="train the projection of the target's embedding that feeds the draft "
                         "(--no-learn-projections keeps its PCA init; default: %(default)s)")
-    parser.add_argument("--resume", action="store_true", help="continue the run in --out (its data and checkpoint)")
+    parser.add_argument("--resume", action="store_true",
+                        help="continue the run in --out (its data and checkpoint). The run fixes its target, "
+                        "--prompts, --eval-prompts, " + ", ".join(flag_of(field) for field in DATA_OPTIONS)
+                        + " (its data was sampled with them) and " + ", ".join(flag_of(field) for field in _arch(defaults))
+                        + " (its checkpoint's draft): give the same")
     parser.add_argument("--evaluate", metavar="DRAFT", default="",
                         help="instead of distilling, print the held-out figures (JSON) of DRAFT, a model directory "
                         "or catalog name, on the held-out sets of the run in --out: compares drafts on one set")

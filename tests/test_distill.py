@@ -341,8 +341,9 @@ def test_the_calibration_prompts_pick_a_temperature_that_is_folded_into_the_writ
     ("--dropout", "-0.1", "a number at least 0 and below 1"),
     ("--weight-decay", "-1", "a number at least 0"),
     ("--calibration-share", "1", "a number at least 0 and below 1 (0 = none)"),
-    ("--minutes", "-1", "a number at least 0 (0 only with --resume"),
+    ("--minutes", "-1", "a number at least 0 and at most 1e+07 (0 only with --resume"),
     ("--minutes", "nan", "a number at least 0"),
+    ("--minutes", "1e307", "a number at least 0 and at most 1e+07"),  # it made the deadline inf: OverflowError
     ("--layers", "0", "an integer at least 1"),
     ("--layers", "1.5", "an integer at least 1"),
     ("--batch-size", "0", "an integer at least 1"),
@@ -374,6 +375,7 @@ def test_each_ranged_setting_is_a_config_field_whose_flag_takes_that_same_range(
     ({"dropout": 1.0}, "--dropout must be a number at least 0 and below 1, got 1.0"),
     ({"eval_every_s": 0.0}, "--eval-every must be a number above 0 and at most 1e+09, got 0.0"),
     ({"minutes": float("nan")}, "--minutes must be a number at least 0"),
+    ({"minutes": 1e307}, "--minutes must be a number at least 0 and at most 1e+07"),
     ({"seed": -1}, "--seed must be an integer at least 0"),
     ({"hidden": 32.0}, "--hidden must be an integer at least 1, got 32.0"),
 ])  # fmt: skip
@@ -535,6 +537,169 @@ def test_resuming_with_other_prompts_is_refused_and_leaves_the_run_as_it_was(dis
     assert run_distill(parse(argv)) == 1
     assert "holds data sampled from other prompts than --prompts and --eval-prompts give now" in capsys.readouterr().err
     assert {p: p.read_bytes() for p in copied.rglob("*") if p.is_file()} == before
+
+
+def files_of(folder: Path) -> dict:
+    """Every file under `folder` and its bytes: what a refused run must leave as it was."""
+    return {p: p.read_bytes() for p in folder.rglob("*") if p.is_file()}
+
+
+def test_resuming_with_other_data_options_is_refused_naming_the_flag_and_leaves_the_run_as_it_was(distilled, tiny,
+                                                                                                 tmp_path, capsys):
+    """--top-k, --max-new-tokens, --temperatures and --seed fix the data a run samples. Resumed with
+    another --top-k, a run interrupted while sampling crashed stacking shards of two k (and its
+    stats.json then named the new k, so every later --resume crashed too); a finished one went on
+    with the old data while the card's command named the new values. distill-data/target.json
+    records them, and --resume with another is refused before anything is written. A run recorded
+    before they were resumes with any."""
+    out, first, _, _ = distilled
+    copied = shutil.copytree(out, tmp_path / "run")
+    record = json.loads((copied / DATA_DIR / "target.json").read_text())
+    assert record["sampled_with"] == {"top_k": 256, "max_new_tokens": 40, "temperatures": [1, 1, 1, 0], "seed": 0}
+    assert "--top-k 256" in first["command"] and "--max-new-tokens 40" in first["command"]
+    before = files_of(copied)
+    argv = ["--target", tiny[1], "--out", str(copied), "--prompts", tiny[2], "--minutes", "0.01", "--resume", *DISTILL_FLAGS]
+    for flag, value, recorded in [("--top-k", "8", "256"), ("--max-new-tokens", "20", "40"),
+                                  ("--temperatures", "1,0.5", "1,1,1,0"), ("--seed", "3", "0")]:  # fmt: skip
+        assert run_distill(parse([*argv, flag, value])) == 1
+        assert (f"holds data sampled with {flag} {recorded}, not {value}: resume with {flag} {recorded}"
+                in capsys.readouterr().err)  # fmt: skip
+    assert files_of(copied) == before
+    del record["sampled_with"]  # as a run begun before the data options were recorded
+    (copied / DATA_DIR / "target.json").write_text(json.dumps(record))
+    assert run_distill(parse([*argv, "--seed", "3"])) == 0
+
+
+@pytest.mark.parametrize("row", [
+    {"prompt": 5}, {"prompt": None}, {"messages": [{"content": "hi"}]}, {"messages": [{"role": "user"}]},
+    {"messages": ["hi"]}, {"messages": []}, {"messages": "hi"}, {"messages": [{"role": "user", "content": 5}]},
+])  # fmt: skip
+def test_a_malformed_prompt_row_is_refused_naming_its_file_and_line_before_anything_is_written(tiny, tmp_path, capsys, row):
+    """Such a row passed load_prompts and crashed the run in a traceback after target.json was
+    written, and then neither a plain run nor --resume worked on that --out."""
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(Path(tiny[2]).read_text() + json.dumps(row) + "\n")
+    with pytest.raises(DistillError, match=f"^{re.escape(str(prompts))}:17: "):
+        load_prompts(prompts)
+    out = tmp_path / "run"
+    assert run_distill(parse(["--target", tiny[1], "--out", str(out), "--prompts", str(prompts), "--minutes", "0.01",
+                              *DISTILL_FLAGS])) == 1  # fmt: skip
+    err = capsys.readouterr().err
+    assert f"{prompts}:17: " in err and len(err.strip().splitlines()) == 1
+    assert not out.exists()
+
+
+def test_a_prompt_the_tokenizer_refuses_ends_the_run_in_one_line_before_anything_is_written(tiny, tmp_path, capsys):
+    """A role holding a special token's text passes load_prompts but not the chat template
+    (specdec.vocab.chat_ids): it ended the run in a ValueError traceback after target.json was
+    written, and --out then held a run no command could go on with."""
+    prompts = tmp_path / "prompts.jsonl"
+    row = {"messages": [{"role": "<s>", "content": "hi"}]}
+    prompts.write_text(Path(tiny[2]).read_text() + json.dumps(row) + "\n")
+    out = tmp_path / "run"
+    argv = ["--target", tiny[1], "--out", str(out), "--prompts", str(prompts), "--minutes", "0.01", *DISTILL_FLAGS]
+    assert run_distill(parse(argv)) == 1
+    err = capsys.readouterr().err
+    assert 'the prompt [{"role": "<s>", "content": "hi"}] cannot be tokenized' in err and "Traceback" not in err
+    assert not any(out.iterdir())
+
+
+def test_a_draft_directory_interrupted_while_written_is_no_model_and_resume_writes_it_whole(tiny, tmp_path,
+                                                                                           monkeypatch, capsys):
+    """Ctrl-C after the config and weights were written but before the output-vocabulary file
+    left --out a model that loaded without complaint and predicted the whole vocabulary. The
+    directory is built in a staging folder and moved in at the end: interrupted, --out holds no
+    model, no staging folder, and `--minutes 0 --resume` writes the draft whole, as the message says."""
+    import specdec.models as models
+
+    def ctrl_c(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    out = tmp_path / "run"
+    argv = ["--target", tiny[1], "--out", str(out), "--prompts", tiny[2], *DISTILL_FLAGS]
+    monkeypatch.setattr(models, "write_output_vocab", ctrl_c)
+    assert run_distill(parse([*argv, "--minutes", "0.02"])) == 130
+    assert "run the same command with --resume to continue" in capsys.readouterr().err
+    assert not (out / "config.json").exists() and not list(out.glob(".*"))
+    with pytest.raises(catalog.ModelNotFoundError):
+        load_model(str(out))
+    monkeypatch.undo()
+    assert run_distill(parse([*argv, "--minutes", "0", "--resume"])) == 0
+    vocab = json.loads((out / "specdec-output-vocab.json").read_text())["token_ids"]
+    logits = load_model(str(out)).model(input_ids=torch.tensor([[1, 5, 9]])).logits[0]  # [T, V]
+    assert len(vocab) == 32 and torch.isneginf(logits).sum(-1).tolist() == [39 - 32] * 3
+
+
+def test_minutes_0_resume_of_a_run_without_a_checkpoint_is_refused_and_writes_nothing(distilled, tiny, tmp_path, capsys):
+    """A run stopped while sampling has data and no checkpoint: `--minutes 0 --resume` took its
+    data as finished (a batch or two) and wrote an untrained draft."""
+    out, _, _, _ = distilled
+    copied = shutil.copytree(out, tmp_path / "run")
+    (copied / CHECKPOINT_NAME).unlink()
+    before = files_of(copied)
+    argv = ["--target", tiny[1], "--out", str(copied), "--prompts", tiny[2], *DISTILL_FLAGS, "--minutes", "0", "--resume"]
+    assert run_distill(parse(argv)) == 1
+    assert f"--minutes 0 --resume needs a checkpoint to write, and {copied} has none" in capsys.readouterr().err
+    assert files_of(copied) == before
+
+
+def test_the_prompt_order_is_drawn_as_it_is_sampled_so_a_large_data_tokens_costs_nothing_up_front(tiny, tmp_path,
+                                                                                                  monkeypatch):
+    """The order used to be a list sized for all of --data-tokens, built before the first sample
+    (1e8: 15 s and 2.6 GB; 1e9: MemoryError). It is the same order, seeded shuffles of the
+    prompts one after another, drawn as the batches need it."""
+    import itertools
+    import random
+
+    reference, rng = [], random.Random(7)  # the order runs have sampled in: shuffles of one generator
+    for _ in range(5):
+        block = list(range(13))
+        rng.shuffle(block)
+        reference += block
+    assert list(itertools.islice(distill_module.prompt_order(13, 7), 65)) == reference
+    shuffled = []
+
+    class CountingRandom(random.Random):
+        def shuffle(self, x):
+            shuffled.append(len(x))
+            super().shuffle(x)
+
+    monkeypatch.setattr(distill_module.random, "Random", CountingRandom)
+    argv = ["--target", tiny[1], "--out", str(tmp_path / "run"), "--prompts", tiny[2], *DISTILL_FLAGS,
+            "--data-tokens", str(10**7), "--gen-batch-size", "4", "--minutes", "0.02"]  # fmt: skip
+    assert run_distill(parse(argv)) == 0
+    sampled = json.loads((tmp_path / "run" / DRAFT_CARD_NAME).read_text())["training"]["train_sequences"]
+    assert 0 < sum(shuffled) <= sampled + 12  # the prompts of the batches sampled, up to one block (was 2 million)
+
+
+def test_evaluate_refuses_a_target_other_than_the_one_the_runs_data_was_sampled_from(distilled, tiny, tmp_path, capsys):
+    """--evaluate judged the run's held-out sets with whatever --target it was given: another
+    vocabulary ended in an IndexError, other weights under one vocabulary gave wrong figures."""
+    out, _, _, _ = distilled
+    tokenizer = build_tiny_tokenizer()
+    model = build_tiny_model(tokenizer, hidden_size=64, num_layers=2, seed=3, initializer_range=TINY_INIT_RANGE)
+    with torch.no_grad():
+        model.model.layers[1].self_attn.q_proj.weight[0, 0] += 1e-3
+    tuned = save_model(model, tokenizer, tmp_path / "tuned")
+    assert run_distill(parse(["--target", str(tuned), "--out", str(out), "--evaluate", str(out)])) == 1
+    err = capsys.readouterr().err
+    assert f"holds data sampled from another target, {tiny[1]} (vocabulary" in err and f"not {tuned} (vocabulary" in err
+    assert "give --target the run's own target" in err
+
+
+@pytest.mark.parametrize("name", [CHECKPOINT_NAME, f"{DATA_DIR}/train-00000.pt", f"{DATA_DIR}/eval-00000.pt"])
+def test_a_damaged_checkpoint_or_shard_ends_the_run_in_one_line_naming_it_and_removing_it_lets_resume_go_on(
+        distilled, tiny, tmp_path, capsys, name):  # fmt: skip
+    """A file cut short (a full disk, a copy) ended --resume in torch's RuntimeError traceback."""
+    out, _, _, _ = distilled
+    copied = shutil.copytree(out, tmp_path / "run")
+    damaged = copied / name
+    damaged.write_bytes(damaged.read_bytes()[: damaged.stat().st_size // 2])
+    argv = ["--target", tiny[1], "--out", str(copied), "--prompts", tiny[2], *DISTILL_FLAGS, "--minutes", "0.01", "--resume"]
+    assert run_distill(parse(argv)) == 1
+    assert f"{damaged} cannot be read (" in capsys.readouterr().err
+    damaged.unlink()
+    assert run_distill(parse(argv)) == 0
 
 
 def test_materialize_rebuilds_the_draft_and_refuses_another_vocabulary(distilled, tiny, tmp_path):
