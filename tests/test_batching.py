@@ -155,6 +155,44 @@ def sessions_and_jobs(verifier, temperature: float):
     return jobs
 
 
+def test_the_target_runs_once_per_cycle_whatever_k_and_wherever_the_first_rejection_falls(verifier):
+    """Seed bank: the target verifies all K drafts in ONE forward pass over the pending context
+    and the drafts (K + 1 rows of logits), not once per draft, and no more after a rejection:
+    the recovered or bonus token comes from those rows. Counted by the passes through the
+    model's embedding (every forward path runs it once)."""
+    vocab = verifier.loaded.vocab_size
+    passes: list[int] = []  # tokens fed by each pass
+    hook = verifier.model.get_input_embeddings().register_forward_hook(lambda module, args, out: passes.append(out.shape[1]))
+    generator = torch.Generator().manual_seed(21)
+    accepted = set()
+    try:
+        for k in (1, 4, 8):
+            for trial in range(6):
+                context = torch.randint(4, vocab, (12,), generator=generator).tolist()
+                state = SessionState(f"once-{k}-{trial}", held=[], pending=context, cache=new_cache(verifier.model.config))
+                tokens = torch.randint(4, vocab, (k,), generator=generator).tolist()
+                greedy = trial % 2 == 0  # greedy: the target's own tokens up to a wrong one at `trial // 2`
+                if greedy:
+                    tokens = greedy_continuation(verifier.model, context, k)
+                    tokens[min(trial // 2, k - 1)] = (tokens[min(trial // 2, k - 1)] + 1) % vocab
+                drafts = [Draft(t, None if greedy else peaked(t, vocab)) for t in tokens]
+                passes.clear()
+                with torch.inference_mode():
+                    verdict = verifier.verify(state, drafts, Sampling(0.0 if greedy else 1.0, 0, 1.0, seed=trial),
+                                              torch.Generator().manual_seed(trial))  # fmt: skip
+                assert passes == [12 + k], (k, trial, passes)  # one pass: the context and the K drafts
+                accepted.add((k, verdict.num_accepted < k))
+        # The count sees every pass: plain decoding of 3 tokens (no drafts) is three.
+        state = SessionState("plain", held=[], pending=context, cache=new_cache(verifier.model.config))
+        passes.clear()
+        with torch.inference_mode():
+            verifier.verify(state, [], Sampling(0.0, 0, 1.0, seed=0), torch.Generator(), steps=3)
+        assert passes == [12, 1, 1]
+    finally:
+        hook.remove()
+    assert {(k, True) for k in (1, 4, 8)} <= accepted  # a rejection in every K's cycles
+
+
 def test_a_long_prompt_is_prefilled_a_chunk_a_pass_and_another_sessions_pass_runs_between_its_chunks(verifier):
     """A session's pending context longer than PREFILL_CHUNK is fed a chunk a pass, each queued
     behind the passes waiting: another session's call that arrives during the first chunk is

@@ -372,6 +372,15 @@ def test_identical_draft_accepts_every_token_and_adds_target_bonus():
         assert tv(bonus, target_probs[num_drafts]) < tv_bound(6, NUM_DRAWS)
 
 
+def test_the_target_as_its_own_draft_accepts_everything_and_gains_nothing():
+    """Seed bank: q = p accepts every draft, yet drafting K tokens with the target itself costs K
+    target passes per cycle: (K + 1) tokens for K + 1 passes, no speedup at all."""
+    for k in range(1, 9):
+        assert expected_tokens_per_cycle(1.0, k) == pytest.approx(k + 1)
+        assert expected_speedup(1.0, k, cost_ratio=1.0) == pytest.approx(1.0)
+    assert expected_speedup(1.0, 4, cost_ratio=0.1) > 3  # the same α from a cheap draft is the gain
+
+
 def test_identical_draft_accepts_everything_for_every_seed():
     generator = torch.Generator().manual_seed(1)
     target_probs = random_probs(generator, 4, 7)  # [4, 7]
@@ -496,10 +505,13 @@ def test_recovered_token_after_certain_rejection_is_the_only_residual_token():
     """max(0, p - q) can leave a single token: then the recovered token is fixed."""
     target_probs = torch.tensor([[0.5, 0.5, 0.0], [0.2, 0.3, 0.5]])  # [2, 3]
     draft_probs = torch.tensor([[0.9, 0.1, 0.0]])  # residual = [0, 0.4, 0]
+    rejections = 0
     for seed in range(300):
         num_accepted, next_token = rejection_sample([0], draft_probs, target_probs, torch.Generator().manual_seed(seed))
         if num_accepted == 0:
             assert next_token == 1
+            rejections += 1
+    assert 80 < rejections < 190  # rejected with 1 - 0.5/0.9 = 4/9: ~133 of 300 (a sampler that never rejects passed)
 
 
 def test_recovery_falls_back_to_target_when_residual_mass_is_zero():
@@ -512,6 +524,19 @@ def test_recovery_falls_back_to_target_when_residual_mass_is_zero():
     assert torch.equal(compute_recovery_probs(target, nearly), target)
 
 
+def test_a_residual_just_above_the_fallback_threshold_is_drawn_from_not_replaced_by_p():
+    """The fallback to p is for a residual that is numerically nothing; one above
+    MIN_RESIDUAL_MASS is the distribution. A threshold set 20,000 times too high (0.02) passed
+    every sampled test, which cannot see a bias under ~1%, yet moves each recovered token by up
+    to the threshold: pinned here from above, exactly."""
+    from specdec.sampling import compute_recovery_probs
+
+    delta = 2 * MIN_RESIDUAL_MASS
+    target = torch.tensor([[0.5, 0.5]])
+    draft = torch.tensor([[0.5 - delta, 0.5 + delta]])  # residual [delta, 0]: only token 0
+    assert torch.equal(compute_recovery_probs(target, draft), torch.tensor([[1.0, 0.0]]))
+
+
 def test_first_draft_rejected_still_emits_one_target_distributed_token():
     """Seed bank edge case: when the very first draft is rejected the cycle still emits one
     token. With a one-hot draft of a token the target forbids, every cycle rejects at 0 and
@@ -522,6 +547,19 @@ def test_first_draft_rejected_still_emits_one_target_distributed_token():
     num_accepted, next_tokens = run_cycles(draft_tokens, None, target_probs, generator)
     assert (num_accepted == 0).all()
     assert tv(empirical(next_tokens, 4), target_probs[0]) < tv_bound(4, NUM_DRAWS)
+    # Supports that overlap: a cycle whose first draft is rejected still emits exactly one token,
+    # drawn from the residual max(0, p - q)/Z = [0.8, 0, 0.2, 0], not from p (which the case
+    # above cannot tell apart), and the first token over all cycles is distributed as p.
+    draft_probs = torch.tensor([[0.1, 0.6, 0.1, 0.2], [0.25] * 4])  # [2, 4]
+    draft_tokens = sample_drafts(draft_probs, NUM_DRAWS, generator)  # [N, 2]
+    num_accepted, next_tokens = run_cycles(draft_tokens, draft_probs, target_probs, generator)
+    rejected = num_accepted == 0
+    assert 0.4 < rejected.float().mean() < 0.6  # 1 - α = 1 - 0.5
+    recovered = empirical(next_tokens[rejected], 4)
+    assert tv(recovered, torch.tensor([0.8, 0.0, 0.2, 0.0])) < tv_bound(4, int(rejected.sum()))
+    assert tv(recovered, target_probs[0]) > 0.2
+    first = first_emitted_tokens(draft_tokens, num_accepted, next_tokens)
+    assert tv(empirical(first, 4), target_probs[0]) < tv_bound(4, NUM_DRAWS)
 
 
 def test_alpha_zero_emits_one_token_per_cycle_and_stays_lossless():
@@ -544,7 +582,9 @@ def test_greedy_acceptance_degenerates_to_an_equality_check():
     generator = torch.Generator().manual_seed(8)
     for case in range(40):
         target_logits = torch.randn(num_drafts + 1, vocab_size, generator=generator)
-        target_logits[:, 5] = target_logits[:, 2] = target_logits.max(dim=1).values + 1  # ties
+        rows = torch.arange(num_drafts + 1)
+        low, high = (rows + case) % vocab_size, (rows + case + 3) % vocab_size  # each row its own tied pair
+        target_logits[rows, low] = target_logits[rows, high] = target_logits.max(dim=1).values + 1
         draft_logits = torch.randn(num_drafts, vocab_size, generator=generator)
         agree = case % (num_drafts + 1)  # drafts 0 .. agree-1 match the target
         draft_logits[:agree] = target_logits[:agree]
@@ -555,7 +595,7 @@ def test_greedy_acceptance_degenerates_to_an_equality_check():
             draft_tokens[agree] = (target_probs[agree].argmax() + 1) % vocab_size
             draft_probs[agree] = torch.nn.functional.one_hot(draft_tokens[agree], vocab_size).float()
         target_argmax = target_probs.argmax(dim=1)  # [K+1]
-        assert target_argmax.eq(2).all()  # ties went to the lowest index
+        assert torch.equal(target_argmax, torch.minimum(low, high))  # ties went to the lowest index
         matching_prefix = int((draft_tokens == target_argmax[:num_drafts]).long().cumprod(0).sum())
         assert matching_prefix == agree
         for seed in range(10):
