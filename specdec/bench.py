@@ -146,8 +146,8 @@ def refuse_what_the_stack_refuses(args) -> None:
     stack before it ended in a traceback. --costs starts no stack: its K may be any."""
     from specdec.cli import refuse_past_stack_limits
 
-    if not args.costs:
-        ks = {"--k": args.k, "--max-k": args.max_k if args.k == "adaptive" else None}
+    if not args.costs:  # --compare-k runs adaptive K up to --max-k beside its fixed Ks
+        ks = {"--k": args.k, "--max-k": args.max_k if args.k == "adaptive" or args.compare_k else None}
         refuse_past_stack_limits("bench", "its stack", ks, args.max_new_tokens)
 
 
@@ -188,9 +188,14 @@ def progress(message: str) -> None:
 # ---------------------------------------------------------------- in-process baselines
 
 
-def hf_generate(model, ids: list[int], args, **extra) -> list[int]:
+def hf_generate(model, ids: list[int], args, *, assistant_settings: dict | None = None, **extra) -> list[int]:
+    """transformers' generate of `ids`; `assistant_settings` (assisted_kwargs) are set on the
+    assistant's generation config first, each call: its heuristic schedule changes its K from
+    call to call, and a timed call starts where the one before left it."""
     import torch
 
+    for name, value in (assistant_settings or {}).items():
+        setattr(extra["assistant_model"].generation_config, name, value)
     sampled = args.temperature > 0
     out = model.generate(
         torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
@@ -211,19 +216,22 @@ def time_hf(run: Run, model, ids: list[int], args, **extra) -> None:
 
 
 def assisted_kwargs(args, draft_model) -> dict:
-    """transformers' settings for the same K; with --k adaptive, its own adaptive schedule."""
+    """hf_generate's arguments for transformers' assisted generation at the same K: K drafts a
+    cycle (no early stop on the assistant's confidence); with --k adaptive, transformers' own
+    adaptive schedule (its heuristic K from --max-k, its default confidence stop). A model
+    draft's settings go on the assistant's generation config, where transformers reads them
+    (AssistedCandidateGenerator): passed to generate() they were ignored, and it drafted its
+    default 20 tokens a cycle, stopping below a confidence of 0.4, whatever --k."""
+    from transformers import GenerationConfig
+
     adaptive = args.k == "adaptive"
     k = args.max_k if adaptive else args.k
     if draft_model is None:
         return {"prompt_lookup_num_tokens": k}
-    if adaptive:
-        return {"assistant_model": draft_model, "num_assistant_tokens": k, "num_assistant_tokens_schedule": "heuristic"}
-    return {
-        "assistant_model": draft_model,
-        "num_assistant_tokens": k,
-        "num_assistant_tokens_schedule": "constant",
-        "assistant_confidence_threshold": 0.0,
-    }
+    threshold = GenerationConfig().assistant_confidence_threshold if adaptive else 0.0
+    settings = {"num_assistant_tokens": k, "num_assistant_tokens_schedule": "heuristic" if adaptive else "constant",
+                "assistant_confidence_threshold": threshold}  # fmt: skip
+    return {"assistant_model": draft_model, "assistant_settings": settings}
 
 
 # ---------------------------------------------------------------- costs
@@ -824,10 +832,17 @@ def load_vocab_size(name: str) -> int:
 
 
 def percentile(values: list[float], q: float) -> float:
+    """The q-th percentile of `values`, interpolated between the two nearest ranks (numpy's
+    default), so q = 50 is the median; 0.0 for none. The nearest rank, rounded half to even,
+    took the lower middle of 2 or 6 values and the upper of 4 or 8: the costs' "medians" leaned
+    one way or the other with the number of prompts."""
     if not values:
         return 0.0
     ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))]
+    position = q / 100 * (len(ordered) - 1)
+    low = int(position)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
 
 
 def format_report(r: dict) -> str:

@@ -5,6 +5,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 REQUIRED = {
     "target", "draft", "k", "prompts", "new_tokens", "runs", "alpha", "mean_accepted_length", "c_q_ms", "c_p_ms",
     "c_verify_ms", "analytic_tokens_per_s", "efficiency", "speedup_vs_target_only", "speedup_vs_hf_assisted",
@@ -63,6 +65,40 @@ def test_bench_json_has_every_figure_and_greedy_outputs_agree(tiny_models, tmp_p
         part = report["profile"][kind]
         assert 0 < part["forward_ms"] <= part["verify_ms"] <= part["interval_ms"]
         assert part["alone_ms"] > 0 and part["forward_vs_alone"] > 0 and part["commit_ms"] > 0
+
+
+def test_transformers_assisted_baseline_drafts_the_benchs_k_each_cycle(tiny_models, monkeypatch):
+    """The baseline's K went to generate() as arguments, which transformers ignores (it reads
+    them from the assistant's generation config): it drafted its default 20 tokens a cycle,
+    stopping below a confidence of 0.4, so "vs transformers assisted" compared other work.
+    Counted by the drafts of each cycle transformers' candidate generator made."""
+    import argparse
+
+    import transformers.generation.candidate_generator as candidates
+
+    from specdec.bench import assisted_kwargs, hf_generate
+    from specdec.models import load_model
+
+    drafted: list[tuple[int, int]] = []  # (drafts made, the generator's K then)
+    real = candidates.AssistedCandidateGenerator.get_candidates
+
+    def counting(self, input_ids, *rest, **options):
+        ids, logits = real(self, input_ids, *rest, **options)
+        drafted.append((ids.shape[1] - input_ids.shape[1], self.num_assistant_tokens))
+        return ids, logits
+
+    monkeypatch.setattr(candidates.AssistedCandidateGenerator, "get_candidates", counting)
+    target, draft = load_model(tiny_models.target, pack=False), load_model(tiny_models.draft, pack=False)
+    ids = target.tokenizer("the cat sat on the mat")["input_ids"]
+    fixed = argparse.Namespace(temperature=0.0, top_k=0, top_p=1.0, max_new_tokens=40, k=3, max_k=8)
+    assert len(hf_generate(target.model, ids, fixed, **assisted_kwargs(fixed, draft.model))) == 40
+    # K a cycle, fewer only in the last ones, where fewer tokens are left to make than K + 1
+    assert len(drafted) > 8 and all(k == 3 for _, k in drafted) and all(n == 3 for n, _ in drafted[:-4]), drafted
+    adaptive = argparse.Namespace(**{**vars(fixed), "k": "adaptive"})
+    for _ in range(2):  # transformers' heuristic changes K within a call; each timed call starts at --max-k
+        drafted.clear()
+        hf_generate(target.model, ids, adaptive, **assisted_kwargs(adaptive, draft.model))
+        assert drafted[0][1] == 8, drafted
 
 
 def test_analytic_rates_sum_the_runs_own_cycles():
@@ -205,3 +241,19 @@ def test_bench_compare_k_refuses_a_k_list_it_cannot_use():
     out = subprocess.run([sys.executable, "-m", "specdec.cli", "bench", "--compare-k", "2,x"],
                          capture_output=True, text=True, timeout=60)  # fmt: skip
     assert out.returncode == 2 and "expected K values separated by commas" in out.stderr
+    # its adaptive system runs up to --max-k: past the stack's limit it loaded both models and
+    # started the stack before the coordinator's refusal ended it in a traceback
+    out = subprocess.run([sys.executable, "-m", "specdec.cli", "bench", "--compare-k", "2", "--max-k", "20"],
+                         capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert out.returncode == 1 and out.stderr.strip() == (
+        "specdec bench: --max-k 20 is more than its stack takes (at most 16, the services' --max-k)")
+
+
+def test_a_median_of_an_even_count_is_the_mean_of_the_middle_two_whatever_the_count():
+    """Nearest rank rounded half to even took the lower middle of 2 or 6 values and the upper of
+    4 or 8, so the costs' medians leaned with the number of prompts."""
+    from specdec.bench import percentile
+
+    assert [percentile(list(range(1, n + 1)), 50) for n in (1, 2, 3, 4, 6, 8)] == [1, 1.5, 2, 2.5, 3.5, 4.5]
+    assert percentile([5.0, 1.0, 3.0], 50) == 3.0 and percentile([], 50) == 0.0
+    assert percentile(list(range(1, 101)), 99) == pytest.approx(99.01) and percentile([1, 9], 100) == 9
