@@ -923,7 +923,8 @@ def run_models(args) -> int:
         print(f"(the cache: {catalog.cache_dir() / 'models'}; {catalog.CACHE_ENV} moves it)", file=sys.stderr)
         return 0
     if not catalog.is_catalog_name(args.name):
-        print(f"error: {args.name!r} is not in the catalog; known: {', '.join(catalog.list_catalog())}", file=sys.stderr)
+        print(f"specdec models pull: {args.name!r} is not in the catalog; known: {', '.join(catalog.list_catalog())}",
+              file=sys.stderr)
         return 2
     from specdec.models import CatalogFetchError, ensure_catalog_model
 

@@ -454,7 +454,7 @@ def test_models_list_names_the_catalog_and_its_cache_without_loading_torch(tmp_p
     assert out.returncode == 0 and "smollm2-135m-instruct\tnot cached\t" in out.stdout
     assert f"(the cache: {tmp_path / 'models'}; SPECDEC_CACHE moves it)" in out.stderr
     bad = run_cli("models", "pull", "no-such-model")
-    assert bad.returncode == 2 and "not in the catalog" in bad.stderr
+    assert bad.returncode == 2 and bad.stderr.startswith("specdec models pull: ") and "not in the catalog" in bad.stderr
     # torch and transformers take seconds to import; the catalog needs neither.
     timed = subprocess.run([sys.executable, "-X", "importtime", "-m", "specdec.cli", "models", "list"],
                            capture_output=True, text=True, timeout=120)  # fmt: skip
