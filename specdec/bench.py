@@ -632,16 +632,18 @@ def format_compare_k(r: dict) -> str:
     return "\n".join(lines)
 
 
-def loading(load, name: str, **options):
-    """load(name, **options), or the command's end in one line where the model cannot be loaded
-    for a reason its user fixes (catalog.USER_LOAD_ERRORS: a path with no model, a cache that
-    cannot be written, ...), which was a traceback around that line."""
+def loading(role: str, load, name: str, **options):
+    """load(name, **options), or the command's end in the line a service of that `role` would
+    end with (serving.load_failed) where the model cannot be loaded for a reason its user fixes
+    (catalog.USER_LOAD_ERRORS: a cache that cannot be written, a config that does not parse,
+    ...), which was a traceback around that line."""
     from specdec.catalog import USER_LOAD_ERRORS
+    from specdec.serving import load_failed
 
     try:
         return load(name, **options)
     except USER_LOAD_ERRORS as exc:
-        raise SystemExit(f"specdec bench: could not load {name}: {exc}") from None
+        raise SystemExit(load_failed(role, exc)) from None
 
 
 def run_bench(args) -> int:
@@ -676,10 +678,10 @@ def run_bench(args) -> int:
     if args.compare_k:  # specdec only: the services load the models themselves
         from specdec.vocab import load_tokenizer
 
-        tokenizer = loading(load_tokenizer, args.target)
+        tokenizer = loading("target", load_tokenizer, args.target)
         return run_compare_k(args, [encode(tokenizer, p, not args.no_chat_template) for p in prompts])
-    target = loading(load_model, args.target, pack=False)
-    draft = None if args.draft == NGRAM_DRAFT else loading(load_model, args.draft, pack=False)
+    target = loading("target", load_model, args.target, pack=False)
+    draft = None if args.draft == NGRAM_DRAFT else loading("draft", load_model, args.draft, pack=False)
     prompts_ids = [encode(target.tokenizer, p, not args.no_chat_template) for p in prompts]
     if args.costs:  # a context of ~128 tokens made of the prompts themselves
         context = [t for ids in prompts_ids for t in ids][:128]

@@ -24,7 +24,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import math
 import operator
 import random
 import threading
@@ -533,8 +532,8 @@ def build_request(
         stop = [stop]
     for name, value in (("max_new_tokens", max_new_tokens), ("top_k", top_k), ("num_speculative_tokens", num_speculative_tokens)):
         check_integers(name, [] if value is None else [value], INT32)
-    if isinstance(temperature, (int, float)) and math.isfinite(temperature) and abs(temperature) > FLOAT32_MAX:
-        raise ValueError(TEMPERATURE.problem("temperature", temperature))  # protobuf would send inf
+    if isinstance(temperature, (int, float)) and abs(temperature) > FLOAT32_MAX:  # protobuf would send inf
+        raise ValueError(TEMPERATURE.problem("temperature", temperature))
     ids = [] if prompt_token_ids is None else list(prompt_token_ids)  # a list, a tuple, a numpy array, ...
     check_integers("prompt_token_ids", ids, INT32)
     check_text("prompt", prompt)

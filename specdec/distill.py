@@ -463,7 +463,11 @@ def load_saved(path: Path) -> Any:
     cannot be read: cut short by a full disk or a copy, it ended --resume in a traceback."""
     try:
         return torch.load(path, weights_only=True)
-    except (RuntimeError, EOFError, OSError, pickle.UnpicklingError) as exc:
+    except pickle.UnpicklingError as exc:  # whole, but holding an object a weights-only load refuses
+        raise DistillError(f"{path} holds what a weights-only load refuses ({str(exc).splitlines()[0]}): written by "
+                           "another version of specdec? Keep it, and resume with the version that wrote it, or "
+                           "pick a new --out") from None  # fmt: skip
+    except (RuntimeError, EOFError, OSError) as exc:
         reason = str(exc).split(". ")[0] or "empty"
         raise DistillError(f"{path} cannot be read ({reason}): it is damaged or cut short; remove it and --resume "
                            "goes on without it, or pick a new --out") from None  # fmt: skip

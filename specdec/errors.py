@@ -183,7 +183,8 @@ def status_for(exc: BaseException, quiet: bool = False) -> tuple[grpc.StatusCode
         if exc.code() in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
             # This service's own credential was refused: passed on, it told a caller whose token was
             # accepted that it was not. A deployment's fault, for its operator's log.
-            log.error("a downstream service refused this service's credential: %s", exc.details())
+            if not quiet:
+                log.error("a downstream service refused this service's credential: %s", exc.details())
             return grpc.StatusCode.INTERNAL, (
                 f"a downstream service refused this service's credential (the internal token or TLS "
                 f"certificate the services share differs; not the caller's): {exc.details()}"

@@ -226,6 +226,7 @@ class Stack:
 
     @staticmethod
     def start_redis() -> EmbeddedRedis:
+        """An embedded redis-server, started; StackStartError (the command's one line) where it cannot start."""
         try:
             return EmbeddedRedis().start()
         except RedisStartError as exc:  # a command's one line, as a service that cannot start
@@ -371,23 +372,28 @@ class Stack:
                     raise StackStartError(f"the {name} service did not report SERVING in {self.config.ready_timeout_s}s")
                 time.sleep(0.2)
 
+    def first_exited(self, names) -> tuple[str, int] | None:
+        """(name, exit code) of the first of `names` whose process has exited; None while all run."""
+        for name in names:
+            if (code := self.processes[name].poll()) is not None:
+                return name, code
+        return None
+
     def exited(self) -> str | None:
         """What has ended, once a process of the running stack has exited ("the coordinator
         service exited with code -9"); None while all run."""
-        for name, process in self.processes.items():
-            if process.poll() is not None:
-                return f"the {name} service exited with code {process.returncode}"
+        if ended := self.first_exited(self.processes):
+            return f"the {ended[0]} service exited with code {ended[1]}"
         if self.redis is not None and (code := self.redis.process.poll()) is not None:
             return f"its redis-server exited with code {code}"
         return None
 
     def check_running(self, names: tuple[str, ...]) -> None:
         """StackStartError naming the first of `names` whose process has exited, with its last output."""
-        for name in names:
-            process = self.processes[name]
-            if process.poll() is not None:
-                raise StackStartError(f"the {name} service exited with code {process.returncode} while starting"
-                                      + (f"; its last output:{tail}" if (tail := self.log_tail(name)) else ""))  # fmt: skip
+        if ended := self.first_exited(names):
+            name, code = ended
+            raise StackStartError(f"the {name} service exited with code {code} while starting"
+                                  + (f"; its last output:{tail}" if (tail := self.log_tail(name)) else ""))  # fmt: skip
 
     def stop(self) -> None:
         """Stop the coordinators first (they release sessions on the model services), then the

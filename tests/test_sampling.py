@@ -372,9 +372,10 @@ def test_identical_draft_accepts_every_token_and_adds_target_bonus():
         assert tv(bonus, target_probs[num_drafts]) < tv_bound(6, NUM_DRAWS)
 
 
-def test_the_target_as_its_own_draft_accepts_everything_and_gains_nothing():
-    """Seed bank: q = p accepts every draft, yet drafting K tokens with the target itself costs K
-    target passes per cycle: (K + 1) tokens for K + 1 passes, no speedup at all."""
+def test_at_alpha_one_a_draft_as_costly_as_the_target_makes_k_plus_one_tokens_for_k_plus_one_passes_no_gain():
+    """Seed bank: q = p accepts every draft (the sampler: the identical-draft tests above), yet
+    drafting K tokens with the target itself costs K target passes per cycle: by the speedup
+    model, (K + 1) tokens for K + 1 passes, no gain at all."""
     for k in range(1, 9):
         assert expected_tokens_per_cycle(1.0, k) == pytest.approx(k + 1)
         assert expected_speedup(1.0, k, cost_ratio=1.0) == pytest.approx(1.0)

@@ -1883,6 +1883,7 @@ def test_an_address_is_host_port_or_a_grpc_target_and_the_sdk_refuses_one_that_n
         ("127.0.0.1:7600/", "'127.0.0.1:7600/' is not HOST:PORT"),
         ("dns:///coordinator:x", "'coordinator:x' in 'dns:///coordinator:x' is not HOST:PORT"),
         ("ipv4:10.0.0.5:1,10.0.0.6:0", "'10.0.0.6:0' in 'ipv4:10.0.0.5:1,10.0.0.6:0' is not HOST:PORT"),
+        ("localhost:]", "'localhost:]' is not HOST:PORT"),  # ends as [::1] does, but is no bracketed host
     ]:
         assert says in (address_problem(bad) or ""), bad
         for client in (Client, AsyncClient):  # before a channel opens
@@ -1986,6 +1987,9 @@ def test_a_temperature_a_proto_float_would_carry_as_inf_is_refused_by_the_sdk_an
                    speculate=True, stop=None, session_id=None, ignore_eos=False)  # fmt: skip
     with pytest.raises(ValueError, match=r"temperature must be a number at least 0 and at most 3.40282e\+38 .*got 1e\+308"):
         build_request("hi", temperature=1e308, **options)
+    for past in (float("inf"), 10**400):  # inf too; an int past any float was an OverflowError
+        with pytest.raises(ValueError, match="temperature must be a number at least 0 and at most 3.40282e"):
+            build_request("hi", temperature=past, **options)
     assert build_request("hi", temperature=3e38, **options).sampling.temperature == pytest.approx(3e38)
     with pytest.raises(argparse.ArgumentTypeError, match="at most 3.40282e"):
         TEMPERATURE("1e308")
@@ -2244,3 +2248,21 @@ def test_a_context_past_the_models_limit_is_refused_before_any_new_token_is_look
                 pass
 
     asyncio.run(run())
+
+
+def test_a_refused_internal_credential_is_logged_once_per_call_not_again_where_only_its_status_is_asked(caplog):
+    """status_for(quiet=True) is asked for the status of an error the handler maps again (metrics,
+    the request's log line): the credential error logged at each ask, 2-3 times a call."""
+    import logging
+
+    from specdec.errors import status_for
+
+    refused = grpc.aio.AioRpcError(grpc.StatusCode.UNAUTHENTICATED, grpc.aio.Metadata(), grpc.aio.Metadata(),
+                                   "missing or unknown internal token")  # fmt: skip
+    with caplog.at_level(logging.ERROR, logger="specdec"):
+        assert status_for(refused, quiet=True)[0] == grpc.StatusCode.INTERNAL
+        assert not caplog.records
+        code, message = status_for(refused)
+    assert code == grpc.StatusCode.INTERNAL and "not the caller's" in message
+    assert [r.getMessage() for r in caplog.records] == [
+        "a downstream service refused this service's credential: missing or unknown internal token"]
