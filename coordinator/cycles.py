@@ -78,7 +78,7 @@ from opentelemetry import trace
 from coordinator.adaptive import AdaptiveK
 from coordinator.replicas import NoReplicaYet, Replica, Replicas
 from specdec import telemetry
-from specdec.errors import Unavailable
+from specdec.errors import Unavailable, is_store_fault
 from specdec.ngram import find_continuation
 from specdec.session import SessionStore, superseded
 from specdec.v1 import specdec_pb2 as pb
@@ -382,6 +382,7 @@ class CycleLoop:
         self.draft_failures = 0
         self.draft_paused_until = 0  # cycle index from which drafting resumes
         self.speculation: Speculation | None = None
+        self.undrafted: list[int] | None = None  # the prefix prefetch_draft chose K = 0 for (draft_call)
         # The latest cycle's Redis commit while it runs (commit overlap, module doc), and
         # the outcomes whose commits are in (or the error that ends the request), in order.
         self.committing: asyncio.Task | None = None
@@ -661,10 +662,13 @@ class CycleLoop:
         exactly what was committed, else a new one; no call when K is 0 or the draft is in
         back-off."""
         speculation, self.speculation = self.speculation, None
+        undrafted, self.undrafted = self.undrafted, None
         if speculation is not None:
             if speculation.assumed == self.committed and speculation.k <= limit:
                 return speculation.call, speculation.k, not speculation.prefetched
             speculation.call.cancel()
+        if undrafted == self.committed:  # prefetch_draft chose K = 0 for this very prefix
+            return None, 0, False
         call, k = self.new_draft_call(limit, self.cycle)
         return call, k, False
 
@@ -686,6 +690,10 @@ class CycleLoop:
         but when it starts."""
         limit = self.limit(len(self.committed))
         call, k = self.new_draft_call(limit, self.cycle + 1) if limit else (None, 0)
+        if call is None and k == 0:
+            # Kept, so that the next cycle does not choose again: each choice of K = 0 counts
+            # towards adaptive K's next probe, which came twice as often as it should.
+            self.undrafted = list(self.committed)
         return None if call is None else Speculation(call, list(self.committed), k, prefetched=True)
 
     def keep_probability(self, k: int, match_length: int | None = None) -> float:
@@ -728,8 +736,9 @@ class CycleLoop:
         return DraftCall(replica, request, draft_budget(self.draft_timeout_s, remaining), self.plan.eos_token_ids,
                          self.tracer)  # fmt: skip
 
-    async def replica_lost(self, call: DraftCall, code: grpc.StatusCode) -> bool:
-        """Whether a Propose that failed with `code` says its replica is lost (UNAVAILABLE) or
+    async def replica_lost(self, call: DraftCall, error: grpc.aio.AioRpcError) -> bool:
+        """Whether a Propose that failed with `error` says its replica is lost (UNAVAILABLE, but
+        for its session store's fault: errors.is_store_fault) or
         frozen: silent for its whole --draft-timeout, where other replicas can be asked (a frozen
         one used to cost each drafting cycle its budget). Not where it is busy: it began the call
         (`DraftCall.answered`) and streamed other calls' tokens meanwhile, as a replica does while
@@ -739,8 +748,9 @@ class CycleLoop:
         a --draft-timeout cut short by the request's own deadline (a quarter of the time left): a
         healthy replica was skipped for a request about to end. With --draft-timeout 0 the
         deadline's share is the budget."""
+        code = error.code()
         if code == grpc.StatusCode.UNAVAILABLE:
-            return True
+            return not is_store_fault(error)
         whole_budget = self.draft_timeout_s <= 0 or call.budget == self.draft_timeout_s
         if code != grpc.StatusCode.DEADLINE_EXCEEDED or call.tokens or self.drafts.single or not whole_budget:
             return False
@@ -763,7 +773,7 @@ class CycleLoop:
             # Whatever the draft's failure (down, slow, out of memory, a broken model, a bug),
             # it costs this cycle its drafts, never the request: the target alone gives the
             # same output. It used to end the request for any code but a few.
-            if isinstance(call, DraftCall) and await self.replica_lost(call, exc.code()):
+            if isinstance(call, DraftCall) and await self.replica_lost(call, exc):
                 call.replica.failed()
             call.cancel()
             self.pause_drafting(exc)
@@ -892,7 +902,7 @@ class CycleLoop:
                     span.set_attribute("specdec.accepted", reply.num_accepted)
                     return reply
             except grpc.aio.AioRpcError as exc:
-                if exc.code() == grpc.StatusCode.UNAVAILABLE:
+                if exc.code() == grpc.StatusCode.UNAVAILABLE and not is_store_fault(exc):
                     replica.failed()
                 if exc.code() == grpc.StatusCode.FAILED_PRECONDITION and await self.targets.recheck(replica):
                     attempt += 1  # it serves another model now: refused, the session goes to its next replica

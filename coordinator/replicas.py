@@ -383,10 +383,22 @@ class Replicas:
         if self.single:
             await self.follow_single(replica)
             return False
+        if await self.serves_reference(replica):  # the refusal was of the call (a stale run's), not the model
+            return False
         replica.checked = False
         self.start_check(replica)
         await self.decided([replica])
         return bool(replica.refused)
+
+    async def serves_reference(self, replica: Replica) -> bool:
+        """Whether `replica` answers ModelInfo with the coordinator's model, asked once; it stays
+        routed meanwhile. recheck un-routed it for the whole round trip, so every other session
+        on a healthy replica moved away and back (rebuilding twice) after one stale run's refusal."""
+        try:
+            info = await replica.stub.ModelInfo(pb.ModelInfoRequest(), timeout=CHECK_TIMEOUT_S)
+        except grpc.aio.AioRpcError:
+            return False
+        return loaded(info) and self.identity(info) == self.reference
 
     async def settle(self) -> None:
         """Wait until every replica has been checked or refused once (at most CHECK_TIMEOUT_S)."""

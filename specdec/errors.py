@@ -160,6 +160,18 @@ def is_out_of_memory(exc: BaseException) -> bool:
     )
 
 
+# How every refusal of a service for its session store begins (status_for, REDIS_REFUSALS).
+STORE_FAULT_WORDS = "session store (Redis"
+
+
+def is_store_fault(exc: grpc.aio.AioRpcError) -> bool:
+    """True for a model service's UNAVAILABLE that names its session store (Redis unreachable,
+    failing over, refusing writes or its credentials): the service is up, its Redis is not, so
+    the replica is no more lost than any other; the coordinator skipped it for 5 s and moved every
+    session on it as for a replica down."""
+    return exc.code() == grpc.StatusCode.UNAVAILABLE and STORE_FAULT_WORDS in (exc.details() or "")
+
+
 def status_for(exc: BaseException, quiet: bool = False) -> tuple[grpc.StatusCode, str]:
     """Map an exception raised while serving an RPC to (status code, message); an unforeseen
     one (INTERNAL) is logged with its traceback, unless `quiet` (it will be, where it is raised)."""

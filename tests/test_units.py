@@ -1063,6 +1063,31 @@ def test_rejected_probes_come_less_and_less_often_and_an_accepted_one_resets_the
     assert controller.probe_every == PROBE_EVERY
 
 
+def test_a_request_whose_draft_loses_probes_as_often_as_adaptive_k_says_not_twice_as_often(monkeypatch):
+    """The gaps above, through the cycle loop: the next cycle's K was chosen twice, when its
+    Propose was prefetched and again when the cycle began, and each choice of K = 0 counted
+    towards the next probe: probes came after 16, 32, 64, 64 cycles instead of 32, 64, 128."""
+    from types import SimpleNamespace
+
+    from coordinator.cycles import CycleLoop, Plan
+
+    monkeypatch.setattr(AdaptiveK, "best_k", lambda self, limit, match_length=None: 0)  # speculation loses
+    monkeypatch.setattr(AdaptiveK, "measured", lambda self: True)
+
+    async def run():
+        plan = Plan(session_id="s", prompt=[1, 2, 3], max_new_tokens=700, sampling=Sampling(0.0, 0, 1.0, 1), k=4,
+                    eos_token_ids=frozenset(), max_context=0, draft_model="", draft_fingerprint="",
+                    pipeline=False, adaptive=True)  # fmt: skip
+        store = SimpleNamespace(commit=lambda session_id, cycle, *rest, **options: asyncio.sleep(0, (cycle + 1, 0)),
+                                ping=lambda: asyncio.sleep(0))  # fmt: skip
+        return [o async for o in CycleLoop(OneReplica(RecordingDraftStub()), OneReplica(RejectingTargetStub()), store,
+                                           plan, None).run()]  # fmt: skip
+
+    probes = [o.info.index for o in asyncio.run(run()) if o.info.drafted]
+    gaps = [b - a for a, b in zip(probes, probes[1:])]
+    assert gaps[:3] == [2 * PROBE_EVERY, 4 * PROBE_EVERY, MAX_PROBE_EVERY] and set(gaps[3:]) == {MAX_PROBE_EVERY}, gaps
+
+
 def test_adaptive_k_drafts_long_for_a_good_cheap_draft():
     controller = AdaptiveK(max_k=8)
     feed(controller, 60, bernoulli(0.95), draft_ms_per_token=1.0, verify_ms=lambda k: 60 + 5 * k)
@@ -2266,3 +2291,98 @@ def test_a_refused_internal_credential_is_logged_once_per_call_not_again_where_o
     assert code == grpc.StatusCode.INTERNAL and "not the caller's" in message
     assert [r.getMessage() for r in caplog.records] == [
         "a downstream service refused this service's credential: missing or unknown internal token"]
+
+
+class TargetWhoseRedisFailsOnce:
+    """A target whose first Verify fails as a model service fails a call when its Redis does
+    not answer (UNAVAILABLE, "session store (Redis) unreachable"), or, `transport`, as a call to a
+    replica that is down fails; then it accepts."""
+
+    def __init__(self, transport: bool = False):
+        self.calls, self.transport = 0, transport
+
+    async def Verify(self, request, timeout=None, wait_for_ready=None):
+        import redis
+
+        from specdec.errors import status_for
+
+        self.calls += 1
+        if self.calls == 1:
+            code, details = (grpc.StatusCode.UNAVAILABLE, "failed to connect to all addresses") if self.transport else \
+                status_for(redis.exceptions.ConnectionError("Error 111 connecting to redis:6379. Connection refused."))
+            raise grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details)
+        return pb.VerifyResponse(num_accepted=0, next_token=7)
+
+
+def test_a_model_service_whose_redis_fails_is_not_taken_for_a_replica_lost():
+    """A model service's UNAVAILABLE naming its session store (Redis unreachable, failing over)
+    marked its replica failed: skipped for 5 s, every session on it moved to another replica and
+    rebuilt there, though the service was up. The call is retried on it; a replica that cannot be
+    reached is still skipped. A draft's Propose alike."""
+    import redis
+
+    from coordinator.cycles import CycleLoop, Plan
+    from specdec.errors import status_for
+
+    plan = Plan(session_id="s", prompt=[1, 2, 3], max_new_tokens=1, sampling=Sampling(0.0, 0, 1.0, 1), k=2,
+                eos_token_ids=frozenset(), max_context=0, draft_model="", draft_fingerprint="", pipeline=False)  # fmt: skip
+
+    async def run(targets):
+        store = CommitWatchingStore(RecordingDraftStub())
+        store.ping = lambda: asyncio.sleep(0)
+        return [o async for o in CycleLoop(NoDraftReplica(None), targets, store, plan, None).run()]
+
+    for transport in (False, True):
+        targets = OneReplica(TargetWhoseRedisFailsOnce(transport))
+        targets.single = False
+        assert [o.tokens for o in asyncio.run(run(targets))] == [[7]] and targets.replica.stub.calls == 2
+        assert (targets.replica.down_until > 0) is transport, transport
+    code, details = status_for(redis.exceptions.ConnectionError("Error 111"))
+    store_fault = grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details)
+    down = grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(), "Connection refused")
+    loop = CycleLoop(None, None, None, plan, None)
+    assert asyncio.run(loop.replica_lost(None, store_fault)) is False
+    assert asyncio.run(loop.replica_lost(None, down)) is True
+
+
+def test_a_replica_rechecked_after_a_refused_call_stays_routed_while_it_is_asked():
+    """A FAILED_PRECONDITION (a stale run's Verify after a Resume or a delete-and-recreate) has the
+    coordinator ask the replica what it serves; it was un-routed for that round trip, so every
+    other session on the healthy replica moved away and back, rebuilding twice."""
+    from coordinator.replicas import ReplicaAddress, Replicas, target_identity
+
+    info = pb.ModelInfoResponse(model="m", vocab_fingerprint="V", weights_fingerprint="W", vocab_size=40,
+                                max_context=64, eos_token_ids=[2])  # fmt: skip
+    other = pb.ModelInfoResponse(model="m2", vocab_fingerprint="V", weights_fingerprint="W2", vocab_size=40,
+                                 max_context=64, eos_token_ids=[2])  # fmt: skip
+    serving = {"127.0.0.1:1001": info, "127.0.0.1:1002": info}
+
+    class SlowInfoStub:
+        def __init__(self, channel):
+            self.endpoint = None
+
+        async def ModelInfo(self, request, timeout=None):
+            await asyncio.sleep(0.05)  # a busy target's round trip
+            return serving[self.endpoint]
+
+    async def run():
+        replicas = Replicas(ReplicaAddress(endpoints=tuple(serving)), SlowInfoStub, identity=target_identity)
+        await replicas.start()
+        for endpoint, replica in replicas.replicas.items():
+            replica.stub.endpoint = endpoint
+        replicas.adopt(replicas.replicas["127.0.0.1:1001"], info)
+        await replicas.settle()
+        sessions = [f"s{i}" for i in range(100)]
+        on_a = [s for s in sessions if replicas.pick(s).endpoint == "127.0.0.1:1001"]
+        recheck = asyncio.create_task(replicas.recheck(replicas.replicas["127.0.0.1:1001"]))
+        await asyncio.sleep(0.01)
+        during = [replicas.pick(s).endpoint for s in on_a]
+        refused = await recheck
+        serving["127.0.0.1:1001"] = other  # now it serves another model: refused
+        refused_now = await replicas.recheck(replicas.replicas["127.0.0.1:1001"])
+        await replicas.close()
+        return on_a, during, refused, refused_now
+
+    on_a, during, refused, refused_now = asyncio.run(run())
+    assert len(on_a) > 20 and set(during) == {"127.0.0.1:1001"} and refused is False
+    assert refused_now is True
