@@ -738,7 +738,7 @@ class CycleLoop:
 
     async def replica_lost(self, call: DraftCall, error: grpc.aio.AioRpcError) -> bool:
         """Whether a Propose that failed with `error` says its replica is lost (UNAVAILABLE, but
-        for its session store's fault: errors.is_store_fault) or
+        for one failure in its session store: errors.is_store_fault) or
         frozen: silent for its whole --draft-timeout, where other replicas can be asked (a frozen
         one used to cost each drafting cycle its budget). Not where it is busy: it began the call
         (`DraftCall.answered`) and streamed other calls' tokens meanwhile, as a replica does while
@@ -749,8 +749,8 @@ class CycleLoop:
         healthy replica was skipped for a request about to end. With --draft-timeout 0 the
         deadline's share is the budget."""
         code = error.code()
-        if code == grpc.StatusCode.UNAVAILABLE:
-            return not is_store_fault(error)
+        if code == grpc.StatusCode.UNAVAILABLE:  # a store fault once is Redis's; in a row, the replica's (verify)
+            return not is_store_fault(error) or self.draft_failures > 0
         whole_budget = self.draft_timeout_s <= 0 or call.budget == self.draft_timeout_s
         if code != grpc.StatusCode.DEADLINE_EXCEEDED or call.tokens or self.drafts.single or not whole_budget:
             return False
@@ -902,7 +902,10 @@ class CycleLoop:
                     span.set_attribute("specdec.accepted", reply.num_accepted)
                     return reply
             except grpc.aio.AioRpcError as exc:
-                if exc.code() == grpc.StatusCode.UNAVAILABLE and not is_store_fault(exc):
+                # A store fault once is Redis's (failing over, say): asked again here, as a session
+                # moved for it rebuilds elsewhere and again on its return; twice in a row, this
+                # replica's own way to Redis may be broken: skipped, as one lost.
+                if exc.code() == grpc.StatusCode.UNAVAILABLE and (not is_store_fault(exc) or attempt > 0):
                     replica.failed()
                 if exc.code() == grpc.StatusCode.FAILED_PRECONDITION and await self.targets.recheck(replica):
                     attempt += 1  # it serves another model now: refused, the session goes to its next replica

@@ -2294,12 +2294,12 @@ def test_a_refused_internal_credential_is_logged_once_per_call_not_again_where_o
 
 
 class TargetWhoseRedisFailsOnce:
-    """A target whose first Verify fails as a model service fails a call when its Redis does
-    not answer (UNAVAILABLE, "session store (Redis) unreachable"), or, `transport`, as a call to a
-    replica that is down fails; then it accepts."""
+    """A target whose first `failures` Verifies fail as a model service fails a call when its
+    Redis does not answer (UNAVAILABLE, "session store (Redis) unreachable"), or, `transport`, as
+    a call to a replica that is down fails; then it accepts."""
 
-    def __init__(self, transport: bool = False):
-        self.calls, self.transport = 0, transport
+    def __init__(self, transport: bool = False, failures: int = 1):
+        self.calls, self.transport, self.failures = 0, transport, failures
 
     async def Verify(self, request, timeout=None, wait_for_ready=None):
         import redis
@@ -2307,7 +2307,7 @@ class TargetWhoseRedisFailsOnce:
         from specdec.errors import status_for
 
         self.calls += 1
-        if self.calls == 1:
+        if self.calls <= self.failures:
             code, details = (grpc.StatusCode.UNAVAILABLE, "failed to connect to all addresses") if self.transport else \
                 status_for(redis.exceptions.ConnectionError("Error 111 connecting to redis:6379. Connection refused."))
             raise grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details)
@@ -2337,12 +2337,18 @@ def test_a_model_service_whose_redis_fails_is_not_taken_for_a_replica_lost():
         targets.single = False
         assert [o.tokens for o in asyncio.run(run(targets))] == [[7]] and targets.replica.stub.calls == 2
         assert (targets.replica.down_until > 0) is transport, transport
+    # Twice in a row: this replica's own way to Redis may be broken; skipped, its sessions move.
+    targets = OneReplica(TargetWhoseRedisFailsOnce(failures=2))
+    targets.single = False
+    assert [o.tokens for o in asyncio.run(run(targets))] == [[7]] and targets.replica.down_until > 0
     code, details = status_for(redis.exceptions.ConnectionError("Error 111"))
     store_fault = grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details)
     down = grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(), "Connection refused")
     loop = CycleLoop(None, None, None, plan, None)
     assert asyncio.run(loop.replica_lost(None, store_fault)) is False
     assert asyncio.run(loop.replica_lost(None, down)) is True
+    loop.draft_failures = 1  # the Propose before failed too
+    assert asyncio.run(loop.replica_lost(None, store_fault)) is True
 
 
 def test_a_replica_rechecked_after_a_refused_call_stays_routed_while_it_is_asked():
