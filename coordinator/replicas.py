@@ -184,6 +184,16 @@ def loaded(info: pb.ModelInfoResponse) -> bool:
     return bool(info.vocab_size) or info.kind == NGRAM_DRAFT
 
 
+async def loaded_info(replica: Replica) -> pb.ModelInfoResponse | None:
+    """`replica`'s ModelInfo, asked once; None where it does not answer within CHECK_TIMEOUT_S
+    or has not loaded its model yet (check, follow_single, serves_reference)."""
+    try:
+        info = await replica.stub.ModelInfo(pb.ModelInfoRequest(), timeout=CHECK_TIMEOUT_S)
+    except grpc.aio.AioRpcError:
+        return None
+    return info if loaded(info) else None
+
+
 async def resolve(host: str, port: int) -> list[str]:
     """The IP addresses `host` resolves to, sorted, without duplicates."""
     infos = await asyncio.get_running_loop().getaddrinfo(host, port, type=socket.SOCK_STREAM)
@@ -306,11 +316,7 @@ class Replicas:
         loading), then mark it checked, or refused; a refused one is asked again every
         refresh_s, and taken back once it serves the coordinator's model."""
         while replica.endpoint in self.replicas:
-            try:
-                info = await replica.stub.ModelInfo(pb.ModelInfoRequest(), timeout=CHECK_TIMEOUT_S)
-            except grpc.aio.AioRpcError:
-                info = None
-            if info is None or not loaded(info):  # not answering, or still loading its model
+            if (info := await loaded_info(replica)) is None:
                 await asyncio.sleep(CHECK_RETRY_S)
                 continue
             replica.info = info
@@ -367,11 +373,7 @@ class Replicas:
         it would be anyway; once every pod serves the new model, so does the coordinator."""
         if not self.follow_rollout:
             return
-        try:
-            info = await replica.stub.ModelInfo(pb.ModelInfoRequest(), timeout=CHECK_TIMEOUT_S)
-        except grpc.aio.AioRpcError:
-            return
-        if loaded(info) and self.is_rollout(info):
+        if (info := await loaded_info(replica)) is not None and self.is_rollout(info):
             self.take_rollout(info, f"the {self.name} at {self.address}")
 
     async def recheck(self, replica: Replica) -> bool:
@@ -394,11 +396,8 @@ class Replicas:
         """Whether `replica` answers ModelInfo with the coordinator's model, asked once; it stays
         routed meanwhile. recheck un-routed it for the whole round trip, so every other session
         on a healthy replica moved away and back (rebuilding twice) after one stale run's refusal."""
-        try:
-            info = await replica.stub.ModelInfo(pb.ModelInfoRequest(), timeout=CHECK_TIMEOUT_S)
-        except grpc.aio.AioRpcError:
-            return False
-        return loaded(info) and self.identity(info) == self.reference
+        info = await loaded_info(replica)
+        return info is not None and self.identity(info) == self.reference
 
     async def settle(self) -> None:
         """Wait until every replica has been checked or refused once (at most CHECK_TIMEOUT_S)."""

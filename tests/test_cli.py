@@ -751,14 +751,14 @@ def test_a_process_running_a_local_stack_stops_it_on_sigterm_or_sighup_as_on_ctr
 
 
 @contextlib.contextmanager
-def specdec_up_ready(tiny_models, stderr=subprocess.PIPE):
+def specdec_up_ready(tiny_models, stderr=subprocess.PIPE, **popen):
     """`specdec up` on a free port with the tiny models, once it printed `ready`: yields (its
     process, its port, its children); after, kills whatever is left of them (orphans, where the
-    stack was not stopped)."""
+    stack was not stopped). `popen`: Popen's other arguments."""
     port, children = free_port(), []
     up = subprocess.Popen([*SPECDEC, "up", "--port", str(port), "--metrics-port-base", "0", "--target",
                            tiny_models.target, "--draft", tiny_models.draft],
-                          stdout=subprocess.PIPE, stderr=stderr, text=True)  # fmt: skip
+                          stdout=subprocess.PIPE, stderr=stderr, text=True, **popen)  # fmt: skip
     try:
         assert up.stdout.readline().strip() == f"ready 127.0.0.1:{port}"
         children = descendants(up.pid)
@@ -827,13 +827,7 @@ def test_ctrl_c_at_a_terminal_stops_specdec_up_in_order_so_a_stream_in_flight_fi
     children too: each stopped at once, so a stream in flight ended UNAVAILABLE and the
     coordinator could not record how its session ended, Redis gone. Now the children have a
     session of their own, and `up` stops them in order: the coordinator drains its requests."""
-    port, children = free_port(), []
-    up = subprocess.Popen([*SPECDEC, "up", "--port", str(port), "--metrics-port-base", "0", "--target",
-                           tiny_models.target, "--draft", tiny_models.draft],
-                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)  # fmt: skip
-    try:
-        assert up.stdout.readline().strip() == f"ready 127.0.0.1:{port}"
-        children = descendants(up.pid)
+    with specdec_up_ready(tiny_models, start_new_session=True) as (up, port, _):  # its own group, as a terminal's job
         with specdec.Client(f"127.0.0.1:{port}", retries=0) as client:
             stream = client.generate_stream("hello world", max_new_tokens=200, ignore_eos=True, num_speculative_tokens=3)
             tokens = len(next(stream).token_ids)
@@ -843,11 +837,6 @@ def test_ctrl_c_at_a_terminal_stops_specdec_up_in_order_so_a_stream_in_flight_fi
         assert chunk.finish_reason == "length" and tokens == 200
         _, err = up.communicate(timeout=60)
         assert up.returncode == 0 and "stopping" in err, err
-    finally:
-        up.kill()
-        for child in children:
-            with contextlib.suppress(psutil.NoSuchProcess):
-                child.kill()
 
 
 def test_a_killed_specdec_up_takes_its_stack_with_it_and_its_port_is_free_again(tiny_models):
