@@ -727,6 +727,7 @@ class CycleLoop:
             k=k,
             sampling=sampling_to_pb(self.plan.sampling),
             cycle=cycle,
+            vocab_fingerprint=self.plan.target.vocab_fingerprint if self.plan.target else self.plan.draft_fingerprint,
         )
         remaining = None if self.deadline is None else self.deadline - time.monotonic()
         try:
@@ -775,6 +776,8 @@ class CycleLoop:
             # same output. It used to end the request for any code but a few.
             if isinstance(call, DraftCall) and await self.replica_lost(call, exc):
                 call.replica.failed()
+            if isinstance(call, DraftCall) and exc.code() == grpc.StatusCode.FAILED_PRECONDITION:
+                await self.drafts.recheck(call.replica)  # restarted on another vocabulary: refused, sessions move
             call.cancel()
             self.pause_drafting(exc)
             return []

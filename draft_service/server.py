@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from draft_service.drafters import ModelDrafter, NgramDrafter, Step
 from specdec import model_service, serving
 from specdec.batching import Batcher
-from specdec.errors import InvalidArgument, grpc_handler
+from specdec.errors import FailedPrecondition, InvalidArgument, grpc_handler
 from specdec.model_service import ModelService, ModelServiceConfig
 from specdec.catalog import draft_default_k
 from specdec.ngram import DEFAULT_MAX_NGRAM, DEFAULT_MIN_NGRAM, NGRAM_DRAFT, format_lookup_weights, resolve_lookup_weights
@@ -64,6 +64,7 @@ class DraftServicer(ModelService, pb_grpc.DraftServicer):
     async def Propose(self, request: pb.ProposeRequest, context):
         await context.send_initial_metadata(PROPOSE_STARTED)  # "alive", before a long prefill
         self.ready()
+        self.check_vocabulary(request)
         if not 1 <= request.k <= self.config.max_k:
             raise InvalidArgument(f"k must be between 1 and {self.config.max_k}, got {request.k}")
         sampling = self.internal_sampling(request.sampling)
@@ -81,6 +82,17 @@ class DraftServicer(ModelService, pb_grpc.DraftServicer):
                     self.metrics.forward_latency.observe(time.perf_counter() - started)
                 token, q, match_length = item
                 yield draft_token_to_pb(index, token, q, match_length)
+
+    def check_vocabulary(self, request: pb.ProposeRequest) -> None:
+        """Refuse a call that expects drafts in another vocabulary than this model's: this
+        replica was restarted on another model since the coordinator checked it (an n-gram
+        draft copies the context's own ids: any vocabulary will do; empty: not checked)."""
+        if not request.vocab_fingerprint or self.info.kind == NGRAM_DRAFT:
+            return
+        if request.vocab_fingerprint != self.info.vocab_fingerprint:
+            raise FailedPrecondition(f"this draft serves {self.info.model!r} of vocabulary "
+                                     f"{self.info.vocab_fingerprint[:12]}, not {request.vocab_fingerprint[:12]}, "
+                                     "the vocabulary the coordinator expects drafts in")  # fmt: skip
 
     def proposals(self, state, k: int, sampling, generator):
         """A coroutine function giving the session's next proposal (None: no more): a model

@@ -594,6 +594,19 @@ def forward_passes(port: int, service: str = "target") -> float:
     return by_service(port, "specdec:forward_latency_seconds_count", service)
 
 
+def wait_until_both_usable(metrics_port: int, service: str) -> None:
+    """Wait until the coordinator at `metrics_port` calls both replicas of `service` again, one
+    of them killed and restarted (DOWN_S after the kill)."""
+    deadline = time.monotonic() + 30
+    while by_service(metrics_port, "specdec:replicas_usable", service) < 2 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    # The gauge reads no channel state, but a session goes to a replica only while the channel to
+    # it is not failing (Replica.usable): the one to the killed replica is back once it retries,
+    # within its reconnect backoff (at most 1 s, +20% jitter). Sent sooner, a session went to the
+    # other replica and nothing was refused (a CI run, once).
+    time.sleep(2 * dict(CLIENT_OPTIONS)["grpc.max_reconnect_backoff_ms"] / 1000)
+
+
 def owner(session_id: str, endpoints) -> str:
     """The replica among `endpoints` that rendezvous hashing gives `session_id`."""
     return max(endpoints, key=lambda endpoint: score(session_id, endpoint))
@@ -790,6 +803,42 @@ def test_a_draft_replica_killed_mid_stream_costs_a_cycle_of_drafts_then_the_sess
     assert drafted_after > 0
 
 
+def test_a_draft_replica_restarted_on_another_vocabulary_refuses_the_propose_and_the_sessions_draft_on_the_other(
+    two_of_each, tiny_models, tmp_path
+):
+    """The draft replica killed above comes back at the same address on a model of another
+    vocabulary (four more characters): the coordinator had checked it before, so a session it
+    owns asks it for drafts; the draft refuses that Propose (FAILED_PRECONDITION: the request
+    names the vocabulary the coordinator expects), the coordinator checks the replica again and
+    refuses it, and the session drafts on the other replica: the tokens are the one-draft
+    stack's, the sessions draft, and no forward pass runs on the restarted replica (which used
+    to draft every session it owned in ids the target does not share)."""
+    from conftest import make_tiny_model_dir
+    from specdec.models import TINY_SYMBOLS, build_tiny_tokenizer
+
+    stack, drafts = two_of_each.stack, two_of_each.drafts
+    assert stack.processes["second-draft"].poll() is not None, "the test before kills this replica"
+    wider = build_tiny_tokenizer([*TINY_SYMBOLS, "0", "1", "2", "3"])
+    stack.restart("second-draft", "--model", make_tiny_model_dir(wider, tmp_path / "wider", hidden_size=32,
+                                                                  num_layers=1, seed=5))  # fmt: skip
+    stack.wait_ready(("second-draft",))
+    wait_until_both_usable(two_of_each.metrics, "draft")
+    second = f"127.0.0.1:{stack.ports['second-draft']}"
+    options = dict(prompt_token_ids=tiny_models.tokenizer.encode(PROMPT), max_new_tokens=24, **OPTIONS)
+    with specdec.Client(stack.address) as client:
+        expected = client.generate(**options).token_ids
+    drafted = 0
+    with specdec.Client(two_of_each.address, retries=0) as client:
+        for i in range(3):
+            result = client.generate(session_id=picker(drafts, second, f"other-vocabulary-{i}"), **options)
+            assert result.token_ids == expected
+            drafted += result.stats.draft_tokens
+    assert drafted > 0, "the sessions should draft on the other replica"
+    assert by_service(two_of_each.metrics, "specdec:replicas_refused", "draft") == 1
+    assert by_service(two_of_each.metrics, "specdec:replicas_usable", "draft") == 1
+    assert forward_passes(drafts[second], "draft") == 0
+
+
 def test_a_target_replica_killed_mid_stream_hands_its_sessions_to_the_other_without_losing_a_token(
     two_of_each, tiny_models
 ):
@@ -849,14 +898,7 @@ def test_a_target_replica_restarted_with_other_weights_at_its_model_path_refuses
     stack.restart("second-target")
     stack.wait_ready(("second-target",))
     second = f"127.0.0.1:{stack.ports['second-target']}"
-    deadline = time.monotonic() + 30  # until the coordinator calls it again (DOWN_S after the kill)
-    while by_service(two_of_each.metrics, "specdec:replicas_usable", "target") < 2 and time.monotonic() < deadline:
-        time.sleep(0.2)
-    # The gauge reads no channel state, but a session goes to a replica only while the channel to
-    # it is not failing (Replica.usable): the one to the killed replica is back once it retries,
-    # within its reconnect backoff (at most 1 s, +20% jitter). Sent sooner, a session went to the
-    # other replica and nothing was refused (a CI run, once).
-    time.sleep(2 * dict(CLIENT_OPTIONS)["grpc.max_reconnect_backoff_ms"] / 1000)
+    wait_until_both_usable(two_of_each.metrics, "target")
     options = dict(prompt_token_ids=tiny_models.tokenizer.encode(PROMPT), max_new_tokens=24, **OPTIONS)
     with specdec.Client(stack.address) as client:
         expected = client.generate(**options).token_ids
