@@ -719,9 +719,11 @@ def run_bench(args) -> int:
     requests = args.repeats * len(prompts_ids)
     prompt_tokens = args.repeats * sum(len(ids) for ids in prompts_ids)
     prefill = {"target": costs.prefill * prompt_tokens, "draft": costs.draft_prefill * prompt_tokens}
-    prefill_extra = prefill["target"] - requests * c_p
+    # Never below 0: a short prompt's prefill timed at the median rate can come out under one
+    # step, which would credit the analytic model with time no run saves.
+    prefill_extra = max(0.0, prefill["target"] - requests * c_p)
     if draft is not None:
-        prefill_extra += prefill["draft"] - requests * c_q
+        prefill_extra += max(0.0, prefill["draft"] - requests * c_q)
     plain_tokens = totals["plain_tokens"]
     sequential, _ = analytic_rates(model_alpha, cycles_by_k, plain_tokens, c_q, verify, c_p, looked_up, prefill_extra)
     _, pipelined = analytic_rates(model_alpha, cycles_by_k, plain_tokens, c_q, costs.c_verify_shared, c_p, looked_up,
