@@ -372,6 +372,7 @@ class CycleLoop:
         self.draft_timeout_s = draft_timeout_s  # see draft_budget
         self.committed = list(plan.prompt)
         self.draft_seen = 0
+        self.draft_replica = None  # the draft replica draft_seen counts on: the last whose call reached the session
         self.target_seen = 0
         self.cycle = 0
         self.stats = Stats()
@@ -397,8 +398,9 @@ class CycleLoop:
 
     def resume_at(self, committed: list[int], cycle: int, stats: "Stats") -> None:
         """Go on with a session another run began (Resume): its committed tokens, the number of
-        its next cycle and its statistics so far, as Redis holds them. The model services are
-        told they hold all but the last token: one that lacks some fetches them from Redis."""
+        its next cycle and its statistics so far, as Redis holds them. The target is told it
+        holds all but the last token (one that lacks some fetches them from Redis); the draft,
+        whose state this run cannot know, gets the whole context (start_propose)."""
         self.committed = list(committed)
         self.cycle = cycle
         self.stats = stats
@@ -603,7 +605,7 @@ class CycleLoop:
         # it held before (rejected drafts included), and draft_seen stays.
         if isinstance(call, DraftCall) and call.tokens:
             fed = len(call.tokens) - 1
-            self.draft_seen = before + min(n, fed)
+            self.draft_seen, self.draft_replica = before + min(n, fed), call.replica
         if self.speculation is not None and self.speculation.assumed != self.committed:
             self.drop_speculation()  # e.g. an end token cut the cycle short
         self.stats.add(len(drafts), n, len(new))
@@ -645,6 +647,11 @@ class CycleLoop:
         self.cycle += 1
         return outcome
 
+    def commit_in_flight(self) -> bool:
+        """Whether the last cycle's Redis commit may not have landed yet (it overlaps the next
+        calls: a model service told `awaits_commit` waits for it)."""
+        return self.committing is not None and not self.committing.done()
+
     def solo_steps(self) -> int:
         """Tokens a cycle without drafts asks the target for: 1 on the request's first cycle,
         else up to SOLO_STEPS, never past max_new_tokens or the context."""
@@ -681,7 +688,7 @@ class CycleLoop:
             return None, k
         # With pipelining, one token more than K: the guess of the bonus token.
         want = k + 1 if self.pipelines(k, self.draft_class(match)) else k
-        return self.start_propose(self.committed, self.draft_seen, want, cycle, match), k
+        return self.start_propose(self.committed, self.draft_seen, self.draft_replica, want, cycle, match), k
 
     def prefetch_draft(self) -> Speculation | None:
         """Start the next cycle's Propose now that its prefix is known (self.committed, the
@@ -713,13 +720,22 @@ class CycleLoop:
         min_keep = self.plan.pipeline_min_keep
         return min_keep <= 0 or self.keep_probability(k, match_length) >= min_keep
 
-    def start_propose(self, context: Sequence[int], position: int, k: int, cycle: int,
+    def start_propose(self, context: Sequence[int], position: int, held_by: Replica | None, k: int, cycle: int,
                       match: tuple[list[int], int] | None) -> DraftCall | NgramLookup | NoDrafts:  # fmt: skip
-        """Ask for k drafts after `context`, of which the draft service holds the first
-        `position` tokens (the rest travel as new_tokens); an n-gram draft's are taken from
-        `match` (look_up) here when the plan says so."""
+        """Ask for k drafts after `context`, of which draft replica `held_by` holds the first
+        `position` tokens (the rest travel as new_tokens; another replica is sent them all); an
+        n-gram draft's are taken from `match` (look_up) here when the plan says so."""
         if self.looks_up_here(match):
             return NgramLookup(match, k, self.plan.eos_token_ids)
+        try:
+            replica = self.drafts.pick(self.plan.route)
+        except Unavailable:  # no draft replica to ask (none checked yet, or every one refused: logged then)
+            return NoDrafts(k)
+        if replica is not held_by:
+            # Another replica than the one `position` counts on (failover, a Resume): it may hold an
+            # older state of the session, ending in drafts since rejected, that it would take as
+            # valid. Sent the whole context, it keeps only the cache of what that repeats.
+            position = 0
         request = pb.ProposeRequest(
             session_id=self.plan.session_id,
             position=position,
@@ -728,12 +744,10 @@ class CycleLoop:
             sampling=sampling_to_pb(self.plan.sampling),
             cycle=cycle,
             vocab_fingerprint=self.plan.target.vocab_fingerprint if self.plan.target else self.plan.draft_fingerprint,
+            # a call for the next cycle (prefetch_draft, speculate) runs before this cycle's commit
+            awaits_commit=cycle > self.cycle or self.commit_in_flight(),
         )
         remaining = None if self.deadline is None else self.deadline - time.monotonic()
-        try:
-            replica = self.drafts.pick(self.plan.route)
-        except Unavailable:  # no draft replica to ask (none checked yet, or every one refused: logged then)
-            return NoDrafts(k)
         return DraftCall(replica, request, draft_budget(self.draft_timeout_s, remaining), self.plan.eos_token_ids,
                          self.tracer)  # fmt: skip
 
@@ -814,10 +828,11 @@ class CycleLoop:
         if not k:
             return None
         # A draft model fed every draft before the guess; after a lookup it holds what it held.
-        position = len(self.committed) + len(drafts) if isinstance(call, DraftCall) else self.draft_seen
+        position, held_by = ((len(self.committed) + len(drafts), call.replica) if isinstance(call, DraftCall)
+                             else (self.draft_seen, self.draft_replica))  # fmt: skip
         # and a guess for the cycle after, if that pipelines too
         want = k + 1 if self.pipelines(k, self.draft_class(match)) else k
-        return Speculation(self.start_propose(assumed, position, want, self.cycle + 1, match), assumed, k)
+        return Speculation(self.start_propose(assumed, position, held_by, want, self.cycle + 1, match), assumed, k)
 
     async def settle_speculation(self, guess: asyncio.Task, verdict: pb.VerifyResponse, k: int) -> None:
         """Keep the speculative call if the verdict took every draft and the guess; else cancel."""
@@ -875,7 +890,7 @@ class CycleLoop:
             steps=steps,
             draft_busy=draft_busy,
             stop_at_ngram=stop_at_ngram,
-            awaits_commit=self.committing is not None and not self.committing.done(),
+            awaits_commit=self.commit_in_flight(),
         )
         if (target := self.plan.target) is not None:  # a target serving another model refuses the call
             request.target_model, request.target_fingerprint, request.target_weights = target_key(target)

@@ -72,7 +72,7 @@ class ModelDrafter:
     With `lookup_weights` (match length n -> λ_n, see specdec.ngram), each token is drawn from
     q' = (1 − λ_n)·q + λ_n·δ_c, c the token the prompt lookup proposes after the context so
     far (drafts included), and q' is what travels; greedy, the token is the argmax of q' with
-    q the model's softmax.
+    q the model's softmax over the ids its head scores (below).
 
     A draft whose head scores only part of the vocabulary (a SubsetHead: its output ids
     [M]) is warped, rounded and sampled over those M ids alone: every other id has logit
@@ -136,8 +136,10 @@ class ModelDrafter:
             token = greedy_token(logits) if ids is None else int(ids[greedy_token(logits[ids])])
             draft_probs = None
             if weight > 0 and token != looked_up:
-                q = torch.softmax(logits.float(), -1)  # [V]
-                if weight + (1 - weight) * float(q[looked_up]) >= (1 - weight) * float(q[token]):
+                q = torch.softmax(self.head_logits(logits).float(), -1)  # [M], as draw_q's
+                at = self.head_index(looked_up)
+                q_looked_up = 0.0 if at is None else float(q[at])
+                if weight + (1 - weight) * q_looked_up >= (1 - weight) * float(q[self.head_index(token)]):
                     token = looked_up
         else:
             draft_probs = self.draw_q(logits, sampling, looked_up, weight)
@@ -149,17 +151,26 @@ class ModelDrafter:
         """The q a token is drawn from, as it travels: logits [V] warped over the head's ids,
         mixed with the lookup's token `looked_up` at `weight` (0: not mixed)."""
         ids = self.output_ids
-        q = sampling.warp(logits if ids is None else logits[ids])  # [M]
+        q = sampling.warp(self.head_logits(logits))  # [M]
         if weight > 0:
-            at = looked_up  # looked_up's index in q
-            if ids is not None:
-                found = (ids == looked_up).nonzero()  # [0 or 1, 1]
-                if len(found):
-                    at = int(found[0, 0])
-                else:  # a token the head cannot score: q [M + 1] over ids [M + 1], 0 there before mixing
-                    at, ids, q = len(ids), torch.cat([ids, ids.new_tensor([looked_up])]), torch.cat([q, q.new_zeros(1)])
+            at = self.head_index(looked_up)  # looked_up's index in q
+            if at is None:  # a token the head cannot score: q [M + 1] over ids [M + 1], 0 there before mixing
+                at, ids, q = len(ids), torch.cat([ids, ids.new_tensor([looked_up])]), torch.cat([q, q.new_zeros(1)])
             q = mix_lookup(q, at, weight)
         return wire_q(q, ids, logits.shape[-1])
+
+    def head_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """logits [V] at the ids the head scores [M] (output_ids; all V where it scores every
+        id): q lives on these, never on padded rows past the tokenizer's ids."""
+        return logits if self.output_ids is None else logits[self.output_ids]
+
+    def head_index(self, token: int) -> int | None:
+        """`token`'s index among the head's ids (q's rows: output_ids, else every id); None
+        where the head cannot score it."""
+        if self.output_ids is None:
+            return token
+        found = (self.output_ids == token).nonzero()  # [0 or 1, 1]
+        return int(found[0, 0]) if len(found) else None
 
 
 class NgramDrafter:

@@ -42,13 +42,12 @@ class DraftServicer(ModelService, pb_grpc.DraftServicer):
         self.drafter = None
         self.batcher: Batcher | None = None  # a model draft's steps
 
-    def load(self) -> None:
-        """Load the drafter (blocking; run off the event loop)."""
+    def setup(self) -> None:
+        """Load the drafter (ModelService.load)."""
         if self.config.model == NGRAM_DRAFT:
             self.drafter = NgramDrafter(self.config.max_ngram, self.config.min_ngram)
             self.info.kind = NGRAM_DRAFT
             self.info.min_ngram, self.info.max_ngram = self.config.min_ngram, self.config.max_ngram
-            self.pool = self.make_pool(lambda: None)
             return
         loaded = self.load_model()
         weights = resolve_lookup_weights(self.config.lookup, loaded.path)  # a bad file: ValueError, one line
@@ -68,7 +67,7 @@ class DraftServicer(ModelService, pb_grpc.DraftServicer):
         if not 1 <= request.k <= self.config.max_k:
             raise InvalidArgument(f"k must be between 1 and {self.config.max_k}, got {request.k}")
         sampling = self.internal_sampling(request.sampling)
-        async with self.session(request) as state:
+        async with self.session(request, context) as state:
             await self.prefill(state)
             generator = cycle_generator(sampling.seed, request.cycle, DRAFT)
             k = drafts_that_fit(request.k, state.committed_length, self.info.max_context)

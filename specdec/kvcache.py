@@ -4,12 +4,14 @@ Terms:
     held tokens   the token ids a service has fed to its model for a session, in
                   order; the KV cache covers exactly these.
     position      (from the request) how many committed tokens the caller believes
-                  the service holds; the service keeps held[:position].
+                  the service holds; the service keeps held[:position] (the draft also
+                  the held tokens new_tokens repeat).
     new tokens    (from the request) committed tokens after `position`.
 
-Both services follow one rule (`SessionState.sync`): keep held[:position], fetch
-from Redis any committed tokens the service lacks below `position` (restart,
-eviction, another replica), append `new_tokens`. What remains to be fed to the
+Both services follow one rule (`SessionState.sync`): keep held[:position], read
+from Redis the committed tokens below `position` when the service holds fewer
+(restart, eviction, another replica; held is then kept only as far as it agrees
+with them), append `new_tokens`. What remains to be fed to the
 model is `pending`; the cache never covers the last committed token, so there is
 always at least one pending token whose logits the next step needs.
 
@@ -110,7 +112,7 @@ class SessionState:
         if committed_only:
             context, valid = await self.committed_context(position, list(new_tokens), fetch, wait_s)
         else:
-            context, valid = await self.claimed_context(position, list(new_tokens), fetch)
+            context, valid = await self.claimed_context(position, list(new_tokens), fetch, wait_s)
         self.adopt(context, valid)
         self.confirmed = len(context) if committed_only else 0
 
@@ -189,19 +191,22 @@ class SessionState:
             raise
 
     async def claimed_context(
-        self, position: int, new_tokens: list[int], fetch: FetchCommitted
+        self, position: int, new_tokens: list[int], fetch: FetchCommitted, wait_s: float = 0.0
     ) -> tuple[list[int], int]:
-        """(context, how many held tokens are valid) as the caller says: held[:position],
-        completed from Redis when we hold fewer, then new_tokens."""
-        if position <= len(self.held):
-            return self.held[:position] + new_tokens, position
-        # Tokens the caller thinks we hold but we do not: read them from Redis.
-        missing = await fetch(self.session_id, len(self.held), position)
-        if len(missing) != position - len(self.held):
-            raise OutOfRange(
-                f"position {position} is past the session's {len(self.held) + len(missing)} committed tokens"
-            )
-        return self.held + missing + new_tokens, len(self.held)
+        """(context, how many held tokens are valid) as the caller says: held[:position], then
+        new_tokens (a caller unsure of what we hold sends them all, at position 0: the held
+        tokens they repeat keep their cache). Where we hold fewer than `position` tokens, the caller took us for
+        another state of the session (a replica it comes back to, a run resumed elsewhere, a
+        cache evicted): committed[:position] is read from Redis (with wait_s, see
+        read_committed) and held kept only as far as it agrees. The tokens past what the
+        caller ever named are our own drafts, some rejected: they used to be kept as committed
+        text for the rest of the session."""
+        if position <= len(self.held):  # the cache of held tokens that new_tokens repeat stays valid too
+            return self.held[:position] + new_tokens, position + common_prefix(self.held[position:], new_tokens)
+        stored = await self.read_committed(fetch, 0, position, wait_s)
+        if len(stored) != position:
+            raise OutOfRange(f"position {position} is past the session's {len(stored)} committed tokens")
+        return stored + new_tokens, common_prefix(self.held, stored)
 
     async def committed_context(
         self, position: int, new_tokens: list[int], fetch: FetchCommitted, wait_s: float = 0.0
@@ -606,6 +611,7 @@ def forward(model, cache: DynamicCache | None, tokens: Sequence[int], keep: int 
     projection costs about a fifth of a SmolLM2-135M step per token, so a 200-token prompt
     whose every row was projected would cost a second more to prefill. A model that
     load_model marked (specdec.plain_forward) takes the plain path, with the same logits."""
+    reset_dynamic_rope(model)
     if cache is not None and getattr(model, plain_forward.ENABLED, False):
         return plain_forward.plain_forward(model, cache, tokens, keep)
     return transformers_forward(model, cache, tokens, keep)
@@ -616,10 +622,39 @@ def forward_batch(model, caches: Sequence[DynamicCache], token_lists: Sequence[S
                   keeps: Sequence[int]) -> list[torch.Tensor]:  # fmt: skip
     """forward for several sessions: token_lists[i] after caches[i], the logits of its last
     keeps[i] tokens each. On the plain path in one pass over all their rows
-    (plain_forward.plain_forward_batch); otherwise one forward per session."""
-    if len(caches) > 1 and getattr(model, plain_forward.ENABLED, False):
+    (plain_forward.plain_forward_batch), unless the model's rotary frequencies follow the
+    pass's longest position (length_dependent_rope); otherwise one forward per session."""
+    if len(caches) > 1 and getattr(model, plain_forward.ENABLED, False) and not length_dependent_rope(model):
         return plain_forward.plain_forward_batch(model, caches, token_lists, keeps)
     return [forward(model, cache, tokens, keep) for cache, tokens, keep in zip(caches, token_lists, keeps)]
+
+
+def rope_types(model) -> list[str]:
+    """The rope_type of `model`'s rotary embedding (one per layer type where it has several;
+    none where it has no rotary embedding, GPT-2's say)."""
+    rotary = getattr(getattr(model, "model", None), "rotary_emb", None)
+    kind = getattr(rotary, "rope_type", None)
+    return list(kind.values()) if isinstance(kind, dict) else [kind] if isinstance(kind, str) else []
+
+
+def length_dependent_rope(model) -> bool:
+    """Whether `model`'s rotary frequencies follow the longest position of each pass
+    (transformers' "dynamic" NTK scaling, and "longrope", Phi-3's): sessions sharing a pass
+    changed each other's logits (a short session scaled as the long one beside it), so each
+    gets a pass of its own (forward_batch)."""
+    return any("dynamic" in kind or kind == "longrope" for kind in rope_types(model))
+
+
+def reset_dynamic_rope(model) -> None:
+    """Put a "dynamic" rotary embedding back to its original frequencies before a pass:
+    transformers keeps those of the longest pass the model has run, so a session's logits
+    depended on which sessions ran before it. Each pass now scales for its own positions."""
+    rotary = getattr(getattr(model, "model", None), "rotary_emb", None)
+    kind = getattr(rotary, "rope_type", None)
+    if not (isinstance(kind, str) and "dynamic" in kind) or rotary.max_seq_len_cached == rotary.original_max_seq_len:
+        return
+    rotary.register_buffer("inv_freq", rotary.original_inv_freq.to(rotary.inv_freq.device), persistent=False)
+    rotary.max_seq_len_cached = rotary.original_max_seq_len
 
 
 @torch.inference_mode()

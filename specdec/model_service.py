@@ -18,6 +18,11 @@ from specdec.session import SessionStore, check_session_id, session_gone
 from specdec.v1 import specdec_pb2 as pb
 from specdec.wire import Sampling, model_info_to_pb, sampling_from_pb
 
+# How long a call that says `awaits_commit` waits for the committed tokens it names: the
+# coordinator's commit (one Redis round trip) is far quicker; a commit that never lands
+# (its coordinator died or was fenced) ends the wait with the refusal it would have had.
+COMMIT_WAIT_S = 2.0
+
 
 @dataclass
 class ModelServiceConfig:
@@ -64,18 +69,31 @@ class ModelService:
         self.config = config
         self.store = store
         self.info = info
+        self.loading_info = pb.ModelInfoResponse()  # what ModelInfo answers until load() is done
+        self.loading_info.CopyFrom(info)
         self.worker = serving.ModelWorker(f"{self.role}-model")
         self.metrics = ModelServiceMetrics(self.role)
         self.pool: SessionPool | None = None  # set once the model is loaded
         self.model = None  # the loaded model (None for an n-gram draft)
 
     def load(self) -> None:
-        """Load the model and make the pool (blocking; run off the event loop)."""
+        """Load the model and what the service's calls need (setup; blocking: run off the event
+        loop), then make the pool of sessions last: calls are let in (ready) and ModelInfo says
+        the model is loaded only once everything is in place. The pool came first, and a call
+        in between failed INTERNAL (no drafter or batcher yet), a ModelInfo named a vocabulary
+        without the draft's kind (a replica the coordinator then refused)."""
+        from specdec.kvcache import new_cache
+
+        self.setup()
+        model = self.model
+        self.pool = self.make_pool((lambda: new_cache(model.config)) if model is not None else (lambda: None))
+
+    def setup(self) -> None:
+        """Load the model (load_model) and what calls need beside it; self.info describes it."""
         raise NotImplementedError
 
     def load_model(self):
-        """Load config.model, describe it in ModelInfo, and make a pool of KV caches for it."""
-        from specdec.kvcache import new_cache
+        """Load config.model and describe it in ModelInfo."""
         from specdec.models import load_model
         from specdec.packed import kernel_choice
 
@@ -84,7 +102,6 @@ class ModelService:
             how = "as timed before on this machine" if kernel_choice(loaded.model).remembered else "timed here"
             logging.getLogger("specdec").info("the %s model's linear kernels, %s: %s", self.role, how, loaded.kernels)
         self.info.MergeFrom(model_info_to_pb(loaded))
-        self.pool = self.make_pool(lambda: new_cache(loaded.model.config))
         self.model = loaded.model
         return loaded
 
@@ -106,11 +123,13 @@ class ModelService:
         return sampling
 
     @contextlib.asynccontextmanager
-    async def session(self, request, wait_s: float = 0.0):
+    async def session(self, request, context=None):
         """The session a Propose/Verify request names, held for the call and brought to
         committed[:position] + new_tokens (rebuilt from Redis when this process lacks it).
-        With committed_only, its tokens are checked against Redis (SessionState.brought);
-        wait_s: how long committed tokens that fall short are waited for (a commit on its way)."""
+        With committed_only, its tokens are checked against Redis (SessionState.brought).
+        A request that says `awaits_commit` has committed tokens that fall short waited for
+        (commit_wait_s)."""
+        wait_s = commit_wait_s(context) if request.awaits_commit else 0.0
         pool = self.ready()
         session_id = check_session_id(request.session_id)
         async with pool.use(session_id, self.store.exists) as state:
@@ -177,12 +196,21 @@ class ModelService:
     @grpc_handler
     async def ModelInfo(self, request, context):
         info = pb.ModelInfoResponse()
-        info.CopyFrom(self.info)
+        info.CopyFrom(self.info if self.pool is not None else self.loading_info)
         if self.pool is not None:
             info.sessions_held = len(self.pool)
             info.cache_bytes = self.pool.bytes_held
             info.cache_evictions = self.pool.evictions
         return info
+
+
+def commit_wait_s(context) -> float:
+    """How long a call that says `awaits_commit` waits for a commit on its way: COMMIT_WAIT_S,
+    and at most half the time its deadline leaves, so that a call that waited in vain is
+    refused within its budget (a draft's is its --draft-timeout, 2 s by default: a wait that
+    spent it all looked like a wedged replica, and moved every session on it)."""
+    remaining = context.time_remaining() if context is not None else None
+    return COMMIT_WAIT_S if remaining is None else max(0.0, min(COMMIT_WAIT_S, remaining / 2))
 
 
 async def prefill(worker: serving.ModelWorker, model, state: SessionState,

@@ -22,10 +22,6 @@ from target_service.verifier import Job, Verifier
 
 # Longest n-gram a Verify may ask the target to look up after each plain step.
 MAX_STOP_NGRAM = 64
-# How long a Verify that says `awaits_commit` waits for the committed tokens it names: the
-# coordinator's commit (one Redis round trip) is far quicker; a commit that never lands
-# (its coordinator died or was fenced) ends the wait with the refusal it would have had.
-COMMIT_WAIT_S = 2.0
 
 
 @dataclass
@@ -50,8 +46,8 @@ class TargetServicer(ModelService, pb_grpc.TargetServicer):
         self.verifier: Verifier | None = None
         self.batcher: Batcher | None = None
 
-    def load(self) -> None:
-        """Load the target model (blocking; run off the event loop)."""
+    def setup(self) -> None:
+        """Load the target model and its verifier (ModelService.load)."""
         self.verifier = Verifier(self.load_model(), self.config.threads, self.config.solo_threads)
         self.batcher = Batcher(self.worker, self.verifier.verify_batch, self.config.max_batch,
                                self.metrics.observe_pass)  # fmt: skip
@@ -68,7 +64,7 @@ class TargetServicer(ModelService, pb_grpc.TargetServicer):
         sampling = self.internal_sampling(request.sampling)
         stop_at_ngram = ngram_stop_from_pb(request)
         drafts = [draft_from_pb(d, self.info.vocab_size) for d in request.drafts]
-        async with self.session(request, COMMIT_WAIT_S if request.awaits_commit else 0.0) as state:
+        async with self.session(request, context) as state:
             await self.prefill(state)
             generator = cycle_generator(sampling.seed, request.cycle, TARGET)
             job = Job(state, drafts, sampling, generator, request.steps, request.draft_busy, stop_at_ngram)

@@ -318,6 +318,85 @@ def test_a_model_draft_with_lookup_weights_draws_from_q_mixed_with_the_lookups_t
     assert [t for t, _ in copied] == [2, 5, 3, 9] and all(float(q.probs()[t]) == 1.0 for t, q in copied)
 
 
+@pytest.mark.parametrize("rope", [
+    {"rope_type": "dynamic", "factor": 4.0},
+    {"rope_type": "longrope", "short_factor": [1.0] * 8, "long_factor": [4.0] * 8, "original_max_position_embeddings": 16,
+     "factor": 2.0},
+])  # fmt: skip
+def test_a_session_of_a_model_whose_rope_follows_the_pass_length_gets_the_logits_it_gets_alone(rope):
+    """transformers' "dynamic" and "longrope" rotary embeddings scale their frequencies by the
+    longest position of the pass, and "dynamic" keeps those of the longest pass it has run.
+    A short session batched with one past the model's original length, or run after it, used
+    to get the long one's scaling (logits off by up to 1.5); it now gets its logits alone on
+    a fresh model, bit for bit: no shared pass for such a model, and "dynamic" reset per pass."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from specdec.kvcache import forward_batch, length_dependent_rope
+    from specdec.plain_forward import enable_plain_forward
+
+    def build():
+        torch.manual_seed(0)
+        config = LlamaConfig(vocab_size=50, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                             num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=32,
+                             initializer_range=0.2, rope_parameters={"rope_theta": 10000.0, **rope})  # fmt: skip
+        llama = LlamaForCausalLM(config).eval()
+        assert enable_plain_forward(llama) and length_dependent_rope(llama)
+        return llama
+
+    generator = torch.Generator().manual_seed(1)
+    short = torch.randint(0, 50, (8,), generator=generator).tolist()
+    middle = torch.randint(0, 50, (40,), generator=generator).tolist()  # past the original 32 (longrope: 16)
+    long = torch.randint(0, 50, (60,), generator=generator).tolist()
+    with torch.inference_mode():
+        fresh = build()
+        alone = forward(fresh, new_cache(fresh.config), short, keep=3)  # [3, V]
+        batched = forward_batch(fresh, [new_cache(fresh.config), new_cache(fresh.config)], [short, long], [3, 1])[0]
+        fresh = build()
+        middle_alone = forward(fresh, new_cache(fresh.config), middle, keep=3)
+        forward(fresh, new_cache(fresh.config), long)
+        middle_after_long = forward(fresh, new_cache(fresh.config), middle, keep=3)
+    assert torch.equal(batched, alone) and torch.equal(middle_after_long, middle_alone)
+
+
+def test_greedy_with_lookup_weights_picks_the_argmax_of_q_mixed_over_the_tokenizers_ids_not_padded_rows():
+    """A draft whose embedding has rows past its tokenizer's ids (padding) samples over the ids
+    alone; greedy with lookup weights must choose over the same q: the argmax of
+    q' = (1 − λ)·q + λ·δ(c), q the softmax over the ids. Padded rows that score high (here as
+    high as id 0, times 4) used to count in q, shrinking it, so the lookup's token won where
+    the argmax of q' is another token (29 of 40 contexts)."""
+    from draft_service.drafters import ModelDrafter, Step
+    from specdec.kvcache import SessionState
+    from specdec.models import LoadedModel
+    from specdec.ngram import lookup_token
+    from specdec.wire import Sampling
+
+    tokenizer = build_tiny_tokenizer()
+    ids = len(tokenizer)
+    padded = build_tiny_model(tokenizer, hidden_size=32, num_layers=1, seed=0, vocab_size=ids + 128)
+    with torch.no_grad():
+        head = padded.get_output_embeddings().weight  # [V + 128, H]
+        head[ids:] = head[:1]
+        head.mul_(4)
+    weights = {1: 0.1, 2: 0.1, 3: 0.1}
+    drafter = ModelDrafter(LoadedModel(model=padded, tokenizer=tokenizer, name="padded", path="", vocab_fingerprint="",
+                                       vocab_size=ids + 128, max_context=0), weights)  # fmt: skip
+    looked_up_wins = 0
+    for seed in range(40):
+        generator = torch.Generator().manual_seed(seed)
+        context = torch.randint(0, ids, (12,), generator=generator).tolist()
+        context += context[:3]  # a 3-gram seen before: the lookup proposes what followed it
+        state = SessionState("s", pending=list(context), cache=new_cache(padded.config))
+        with torch.inference_mode():
+            logits = forward(padded, new_cache(padded.config), context)[-1]  # [V + 128]
+            [(token, q, _)] = drafter.draft_batch([Step(state, Sampling(0.0, 0, 1.0, seed=1), generator)])
+        looked_up, weight = lookup_token(context, weights)
+        mixed = (1 - weight) * torch.softmax(logits[:ids].float(), -1)  # [V]: q' over the ids
+        mixed[looked_up] += weight
+        assert q is None and float(mixed[token]) >= float(mixed.max()) - 1e-6, f"context {seed}"
+        looked_up_wins += token == looked_up
+    assert 0 < looked_up_wins < 40, "the test needs contexts where the lookup's token wins and where it loses"
+
+
 def test_a_draft_whose_head_scores_part_of_the_vocabulary_sends_the_q_of_its_full_logits(model):
     """A SubsetHead draft warps, rounds and samples over its output ids only; that must be the
     q its full [V] logits (-inf off the subset) give, at every warp, and a lookup token the

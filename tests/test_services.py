@@ -537,6 +537,84 @@ def test_internal_calls_for_unknown_sessions_are_not_found(tiny_stack):
     assert info.value.code() == grpc.StatusCode.NOT_FOUND
 
 
+@pytest.mark.parametrize("role", ["draft", "target"])
+def test_a_model_service_lets_calls_in_and_says_it_is_loaded_only_once_everything_a_call_needs_is_in_place(
+    tiny_models, monkeypatch, role
+):
+    """The last step of loading (the draft's lookup weights and drafter, the target's verifier
+    and batcher) held back: meanwhile a call is UNAVAILABLE ("still loading") and ModelInfo
+    names no vocabulary (the coordinator takes a service as loaded by it). The pool of sessions
+    used to come first: a call in that window failed INTERNAL (AttributeError on the missing
+    drafter or batcher), and a draft's ModelInfo had a vocabulary but no kind, so the
+    coordinator refused the replica for 10 s."""
+    import threading
+
+    import draft_service.server as draft_server
+    import target_service.server as target_server
+    from specdec.errors import Unavailable
+
+    release, reached = threading.Event(), threading.Event()
+
+    def held_back(real):
+        def step(*args, **kwargs):
+            reached.set()
+            release.wait(30)
+            return real(*args, **kwargs)
+
+        return step
+
+    if role == "draft":
+        monkeypatch.setattr(draft_server, "resolve_lookup_weights", held_back(draft_server.resolve_lookup_weights))
+        servicer = draft_server.DraftServicer(draft_server.DraftConfig(model=tiny_models.draft), store=None)
+    else:
+        monkeypatch.setattr(target_server, "Verifier", held_back(target_server.Verifier))
+        servicer = target_server.TargetServicer(target_server.TargetConfig(model=tiny_models.target), store=None)
+    loading = threading.Thread(target=servicer.load)
+    loading.start()
+    try:
+        assert reached.wait(60), "loading never reached its last step"
+        with pytest.raises(Unavailable, match="still loading"):
+            servicer.ready()
+        info = asyncio.run(servicer.ModelInfo(pb.ModelInfoRequest(), None))
+        assert info.vocab_size == 0 and info.model == servicer.config.model
+    finally:
+        release.set()
+        loading.join()
+        servicer.worker.shutdown()
+    servicer.ready()
+    info = asyncio.run(servicer.ModelInfo(pb.ModelInfoRequest(), None))
+    assert info.vocab_size == len(tiny_models.tokenizer) and info.kind == "model"
+
+
+def test_a_propose_sent_before_its_commit_landed_waits_for_it_when_it_says_so(tiny_stack, client, redis_url):
+    """The coordinator's prefetched Propose names tokens whose commit is on its way; a draft
+    that must read them from Redis (it lost the session: evicted, restarted, another replica)
+    waits for them when the call says `awaits_commit` (as a Verify does) and drafts, where it
+    used to refuse OUT_OF_RANGE at once: the cycle lost its drafts and the draft went into
+    back-off. Without the flag, a position past the session is refused at once, as before."""
+    import threading
+
+    from specdec.session import tokens_key
+
+    client.generate(PROMPT, max_new_tokens=2, session_id="commit-on-its-way")
+    store = redis.Redis.from_url(redis_url)
+    committed = [int(t) for t in store.lrange(tokens_key("commit-on-its-way"), 0, -1)]
+    sampling = pb.SamplingParams(temperature=0.0, seed=1)
+    ahead = pb.ProposeRequest(session_id="commit-on-its-way", position=len(committed) + 2,
+                              new_tokens=committed[-1:], k=2, sampling=sampling)  # fmt: skip
+    with pytest.raises(grpc.RpcError) as refused:
+        list(internal_stub(tiny_stack, "draft").Propose(ahead, timeout=10))
+    assert refused.value.code() == grpc.StatusCode.OUT_OF_RANGE
+    ahead.awaits_commit = True
+    landing = threading.Timer(0.3, lambda: store.rpush(tokens_key("commit-on-its-way"), *committed[-3:-1]))
+    landing.start()
+    try:
+        drafts = list(internal_stub(tiny_stack, "draft").Propose(ahead, timeout=10))
+    finally:
+        landing.join()
+    assert len(drafts) == 2
+
+
 def test_a_session_gone_from_redis_while_a_service_holds_it_is_not_found_there_and_dropped(
     tiny_stack, client, tiny_models, redis_url
 ):

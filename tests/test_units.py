@@ -641,7 +641,7 @@ def test_a_draft_whose_embedding_has_rows_past_its_tokenizers_ids_never_puts_mas
 def test_float32_dense_and_sparse_q_are_still_accepted_on_the_wire():
     q = torch.softmax(torch.randn(50, generator=torch.Generator().manual_seed(1)), -1)
     msg = pb.DraftToken(token_id=3, dense=pb.DenseProbs(probs=q.tolist()))
-    assert torch.equal(draft_from_pb(msg, 50).q, q)
+    assert torch.equal(draft_from_pb(msg, 50).q, q / q.sum())  # renormalised (the test below)
     sparse = pb.DraftToken(token_id=3, sparse=pb.SparseProbs(ids=[3, 9], probs=[0.75, 0.25]))
     assert draft_from_pb(sparse, 50).q[[3, 9]].tolist() == [0.75, 0.25]
 
@@ -710,6 +710,22 @@ def test_a_q_that_is_not_a_distribution_is_an_invalid_argument(msg, message):
         draft_from_pb(msg, 10)
 
 
+@pytest.mark.parametrize("form", ["sparse", "dense"])
+def test_a_float32_q_that_sums_to_1_within_the_tolerance_is_judged_renormalised_as_the_draft_drew_from_it(form):
+    """A sparse or float32 dense q may sum to 1 ± 1e-3 (check_distribution's tolerance): the
+    draft drew in proportion to those values, so the target judges with q / Σq, as it does a
+    float16 q. It used q as sent, and the output moved by up to the tolerance."""
+    values = [0.5009, 0.3, 0.2]  # sums to 1.0009
+    if form == "sparse":
+        msg = pb.DraftToken(token_id=1, sparse=pb.SparseProbs(ids=[1, 4, 7], probs=values))
+    else:
+        msg = pb.DraftToken(token_id=1, dense=pb.DenseProbs(probs=[0.0, values[0], 0.0, 0.0, values[1], 0.0, 0.0, values[2]]))
+    q = draft_from_pb(msg, 10).q  # [V]
+    assert abs(float(q.sum()) - 1.0) < 1e-6
+    expected = torch.tensor(values, dtype=torch.float64) / sum(values)
+    assert torch.allclose(q[[1, 4, 7]].double(), expected, atol=1e-6)
+
+
 # ---------------------------------------------------------------- random streams
 
 
@@ -757,6 +773,56 @@ def test_sync_fetches_what_a_restarted_service_lacks_from_the_store():
         state = SessionState("s")
         await state.sync(4, [5, 6], committed_fetcher([1, 2, 3, 4, 5, 6]), 100)
         assert state.tokens() == [1, 2, 3, 4, 5, 6]
+
+    asyncio.run(go())
+
+
+def test_a_draft_told_it_holds_more_than_it_does_keeps_its_own_tokens_only_as_far_as_they_are_committed():
+    """The draft's sync (no committed_only) takes held[:position] on the caller's word, but a
+    position past what it holds means the caller took it for another state of the session (a
+    Resume, a replica it comes back to): its held tokens end in its own drafts, some rejected.
+    committed[:position] is read from Redis and held kept only as far as it agrees; the
+    rejected drafts used to stay as committed text for the rest of the session."""
+    async def go():
+        committed = [1, 2, 3, 4, 1, 2]
+        fetch = committed_fetcher(committed)
+        state = SessionState("s")
+        await state.sync(0, list(committed), fetch, 100)
+        state.feed(state.pending + [3, 4, 1])  # drafted 3, 4, 1, 6: fed all but the last
+        state.pending = [6]
+        committed += [9, 8, 7, 6, 5]  # none accepted, 9 resampled; then cycles without drafts
+        await state.sync(len(committed) - 1, committed[-1:], fetch, 100)
+        assert state.tokens() == committed
+        assert state.held == [1, 2, 3, 4, 1, 2] and state.pending == [9, 8, 7, 6, 5]  # the cache of the agreeing part kept
+        # A caller unsure of what the draft holds sends it all at position 0: the cache of
+        # what that repeats is kept, not rebuilt.
+        state.feed(state.pending[:-1])
+        state.pending = state.pending[-1:]
+        await state.sync(0, committed + [4], fetch, 100)
+        assert state.held == committed[:-1] and state.pending == [5, 4]
+
+    asyncio.run(go())
+
+
+def test_a_draft_that_must_read_a_commit_on_its_way_waits_for_it_when_told_to():
+    """A Propose sent before its cycle's commit landed (prefetch_draft) to a draft that no
+    longer holds the session: with wait_s (ProposeRequest.awaits_commit) the read is repeated
+    until the commit lands; without, refused OUT_OF_RANGE at once, as before."""
+    async def go():
+        committed = [1, 2, 3, 4, 5, 6]
+        fetch = committed_fetcher(committed)
+        with pytest.raises(OutOfRange, match="past the session's 6 committed tokens"):
+            await SessionState("s").sync(8, [9], fetch, 100)
+
+        async def land_later():
+            await asyncio.sleep(0.05)
+            committed.extend([7, 8, 9])
+
+        landing = asyncio.ensure_future(land_later())
+        state = SessionState("s")
+        await state.sync(8, [9], fetch, 100, wait_s=2.0)
+        await landing
+        assert state.tokens() == [1, 2, 3, 4, 5, 6, 7, 8, 9]
 
     asyncio.run(go())
 
@@ -859,6 +925,19 @@ def test_a_claimed_call_works_while_its_tokens_are_checked_and_is_undone_when_th
         assert state.cache.get_seq_length() == 7
 
     asyncio.run(go())
+
+
+def test_a_call_waits_for_a_commit_on_its_way_at_most_half_the_time_its_deadline_leaves():
+    """A Propose's deadline is the draft's budget (--draft-timeout, 2 s): a wait of the full
+    COMMIT_WAIT_S spent all of it, and the coordinator took the silent replica for a wedged one."""
+    from types import SimpleNamespace
+
+    from specdec.model_service import COMMIT_WAIT_S, commit_wait_s
+
+    deadline = lambda s: SimpleNamespace(time_remaining=lambda: s)
+    assert commit_wait_s(None) == commit_wait_s(deadline(None)) == COMMIT_WAIT_S == 2.0
+    assert commit_wait_s(deadline(2.0)) == 1.0 and commit_wait_s(deadline(60.0)) == 2.0
+    assert commit_wait_s(deadline(-1.0)) == 0.0
 
 
 def test_a_commit_on_its_way_is_waited_for_and_a_missing_one_refused_once_the_wait_is_over():
@@ -1435,7 +1514,7 @@ def test_ngram_first_looks_up_a_long_enough_match_and_leaves_every_other_cycle_t
     assert cycles.ngram_stop() == pb.NgramStop(min_ngram=2, max_ngram=3)
     cycles.draft_paused_until = 5  # the draft service in back-off: lookups go on
     assert cycles.ngram_stop() == pb.NgramStop(min_ngram=2, max_ngram=3)
-    lookup = cycles.start_propose([5, 6, 7, 8, 9, 5, 6], 0, 3, 0, match)
+    lookup = cycles.start_propose([5, 6, 7, 8, 9, 5, 6], 0, None, 3, 0, match)
     assert [t.token_id for t in lookup.tokens] == [7, 8, 9]
 
     adaptive = AdaptiveK(4, free_classes=frozenset({2, 3}))
@@ -1520,7 +1599,7 @@ def test_the_next_cycle_drafts_while_this_cycle_commits_and_nothing_else_changes
     """Once a verdict is in, the next cycle's Propose starts before the Redis commit (the
     draft drafts while Redis writes and the client reads), asks exactly what the next cycle
     would ask (its position, tokens, K and cycle number), and the cycle that takes it is not
-    counted as pipelined. The last cycle starts nothing."""
+    counted as pipelined, and says `awaits_commit`. The last cycle starts nothing."""
     from coordinator.cycles import CycleLoop, Plan
 
     async def run():
@@ -1542,21 +1621,20 @@ def test_the_next_cycle_drafts_while_this_cycle_commits_and_nothing_else_changes
         (4, [7, 7], 2),  # the draft fed its drafts but the last: it lacks that one and the next token
         (7, [7, 7], 2),
     ]
+    # the prefetched calls say their tokens' commit is on its way (a draft reading Redis waits for it)
+    assert [r.awaits_commit for r in requests] == [False, True, True]
     assert not any(o.info.pipelined for o in outcomes)
 
 
-class FailingOnceDraftStub:
-    """A draft service's own sync rule (SessionState.sync) behind Propose; its second call fails
-    DEADLINE_EXCEEDED before it reaches the session (its deadline ran out in a queue). Each
-    call that does reach it records the context it drafts after (and the committed tokens then)."""
+class SyncingDraftStub:
+    """A draft service's own sync rule (SessionState.sync) behind Propose, drafting 50, 51, ...
+    Each call records the context it drafts after (and the committed tokens then)."""
 
     def __init__(self, committed: list[int]):
         self.state, self.committed, self.calls, self.contexts = SessionState("s"), committed, 0, []
 
     def Propose(self, request, timeout=None):
         self.calls += 1
-        if self.calls == 2:
-            return FailingDraftStream()
 
         async def stream():
             async def fetch(session_id, start, end):
@@ -1570,6 +1648,17 @@ class FailingOnceDraftStub:
                 yield pb.DraftToken(index=i, token_id=50 + i)
 
         return GeneratedStream(stream())
+
+
+class FailingOnceDraftStub(SyncingDraftStub):
+    """SyncingDraftStub whose second call fails DEADLINE_EXCEEDED before it reaches the session
+    (its deadline ran out in a queue)."""
+
+    def Propose(self, request, timeout=None):
+        if self.calls == 1:
+            self.calls += 1
+            return FailingDraftStream()
+        return super().Propose(request, timeout)
 
 
 class GeneratedStream:
@@ -1602,6 +1691,17 @@ def FailingDraftStream(initial_metadata=()):
     return GeneratedStream(failing(), initial_metadata)
 
 
+class ListStore:
+    """A session store whose commits extend `committed`, a list of the session's tokens."""
+
+    def __init__(self, committed: list[int]):
+        self.committed = committed
+
+    async def commit(self, session_id, cycle, tokens, increments, owner=""):
+        self.committed.extend(tokens)
+        return cycle + 1, len(self.committed)
+
+
 class RejectingTargetStub:
     async def Verify(self, request, timeout=None, wait_for_ready=None):
         return pb.VerifyResponse(num_accepted=0, next_token=7, bonus=False)
@@ -1616,22 +1716,83 @@ def test_a_draft_call_that_failed_before_reaching_the_session_leaves_the_drafts_
 
     committed = [1, 2, 3]
 
-    class Store:
-        async def commit(self, session_id, cycle, tokens, increments, owner=""):
-            committed.extend(tokens)
-            return cycle + 1, len(committed)
-
     async def run():
         draft = FailingOnceDraftStub(committed)
         plan = Plan(session_id="s", prompt=[1, 2, 3], max_new_tokens=5, sampling=Sampling(0.0, 0, 1.0, 1), k=2,
                     eos_token_ids=frozenset(), max_context=0, draft_model="", draft_fingerprint="",
                     pipeline=False)  # fmt: skip
-        outcomes = [o async for o in CycleLoop(OneReplica(draft), OneReplica(RejectingTargetStub()), Store(), plan, None).run()]
+        outcomes = [o async for o in CycleLoop(OneReplica(draft), OneReplica(RejectingTargetStub()), ListStore(committed), plan, None).run()]
         return draft, outcomes
 
     draft, outcomes = asyncio.run(run())
     assert sum(len(o.tokens) for o in outcomes) == 5 and draft.calls >= 3 and committed == [1, 2, 3] + [7] * 5
     assert all(context == committed[: len(context)] for context, _ in draft.contexts), draft.contexts
+
+
+class AlternatingReplicas(OneReplica):
+    """Replicas of the draft service whose pick alternates between two, A B A B ...: a session
+    that fails over and back. Each stub keeps its own state of the session."""
+
+    single = False
+
+    def __init__(self, stubs):
+        from coordinator.replicas import Replica
+
+        self.replicas = [Replica(f"r{i}", None, stub) for i, stub in enumerate(stubs)]
+        self.picks = 0
+
+    def pick(self, session_id):
+        self.picks += 1
+        return self.replicas[self.picks % 2]
+
+
+def test_a_session_that_drafts_on_another_replica_and_comes_back_drafts_after_the_committed_text():
+    """Drafts on replica A, then B, then A again, every draft rejected: A still holds its own
+    rejected drafts where the text has the target's tokens since. The coordinator told A it
+    held the committed prefix up to where B left off, and A took its stale tokens for that
+    text for the rest of the session (acceptance, not the output); a call to another replica
+    than the last one now sends the whole context, and A keeps only the cache of what it repeats."""
+    from coordinator.cycles import CycleLoop, Plan
+
+    committed = [1, 2, 3]
+
+    async def run():
+        drafts = [SyncingDraftStub(committed), SyncingDraftStub(committed)]
+        plan = Plan(session_id="s", prompt=[1, 2, 3], max_new_tokens=8, sampling=Sampling(0.0, 0, 1.0, 1), k=2,
+                    eos_token_ids=frozenset(), max_context=0, draft_model="", draft_fingerprint="",
+                    pipeline=False)  # fmt: skip
+        outcomes = [o async for o in CycleLoop(AlternatingReplicas(drafts), OneReplica(RejectingTargetStub()),
+                                               ListStore(committed), plan, None).run()]  # fmt: skip
+        return drafts, outcomes
+
+    drafts, outcomes = asyncio.run(run())
+    assert sum(len(o.tokens) for o in outcomes) == 8 and committed == [1, 2, 3] + [7] * 8
+    contexts = [context for draft in drafts for context, _ in draft.contexts]
+    assert len(contexts) >= 6
+    assert all(context == committed[: len(context)] for context in contexts), contexts
+
+
+def test_a_pipelined_call_to_the_replica_that_drafted_sends_only_what_it_lacks():
+    """The speculative Propose for cycle n + 1 goes to the replica that drafted cycle n, which
+    holds the context and those drafts: it is sent the guess alone. Compared with the replica
+    of the cycle before (none on the first cycle), it went at position 0 with the whole
+    context, prompt and all, once per request and after each failover."""
+    from coordinator.cycles import CycleLoop, Plan
+
+    class Store:
+        async def commit(self, session_id, cycle, tokens, increments, owner=""):
+            return cycle + 1, 0
+
+    async def run():
+        draft = RecordingDraftStub()
+        plan = Plan(session_id="s", prompt=list(range(1, 41)), max_new_tokens=9, sampling=Sampling(0.0, 0, 1.0, 1), k=2,
+                    eos_token_ids=frozenset(), max_context=0, draft_model="", draft_fingerprint="")  # fmt: skip
+        outcomes = [o async for o in CycleLoop(OneReplica(draft), OneReplica(AcceptingTargetStub()), Store(), plan, None).run()]
+        return draft.requests, outcomes
+
+    requests, outcomes = asyncio.run(run())
+    assert any(o.info.pipelined for o in outcomes), "the test needs a pipelined cycle"
+    assert [(r.position, len(r.new_tokens)) for r in requests[:2]] == [(0, 40), (42, 1)]
 
 
 class NoDraftReplica(OneReplica):

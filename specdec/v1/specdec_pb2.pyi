@@ -261,7 +261,7 @@ class InfoResponse(_message.Message):
     def __init__(self, target: _Optional[_Union[ModelInfoResponse, _Mapping]] = ..., draft: _Optional[_Union[ModelInfoResponse, _Mapping]] = ..., default_num_speculative_tokens: _Optional[int] = ..., max_new_tokens_limit: _Optional[int] = ...) -> None: ...
 
 class ProposeRequest(_message.Message):
-    __slots__ = ("session_id", "position", "new_tokens", "k", "sampling", "cycle", "vocab_fingerprint")
+    __slots__ = ("session_id", "position", "new_tokens", "k", "sampling", "cycle", "vocab_fingerprint", "awaits_commit")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     POSITION_FIELD_NUMBER: _ClassVar[int]
     NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -269,6 +269,7 @@ class ProposeRequest(_message.Message):
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     CYCLE_FIELD_NUMBER: _ClassVar[int]
     VOCAB_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    AWAITS_COMMIT_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     position: int
     new_tokens: _containers.RepeatedScalarFieldContainer[int]
@@ -276,7 +277,8 @@ class ProposeRequest(_message.Message):
     sampling: SamplingParams
     cycle: int
     vocab_fingerprint: str
-    def __init__(self, session_id: _Optional[str] = ..., position: _Optional[int] = ..., new_tokens: _Optional[_Iterable[int]] = ..., k: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., cycle: _Optional[int] = ..., vocab_fingerprint: _Optional[str] = ...) -> None: ...
+    awaits_commit: bool
+    def __init__(self, session_id: _Optional[str] = ..., position: _Optional[int] = ..., new_tokens: _Optional[_Iterable[int]] = ..., k: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., cycle: _Optional[int] = ..., vocab_fingerprint: _Optional[str] = ..., awaits_commit: _Optional[bool] = ...) -> None: ...
 
 class DraftToken(_message.Message):
     __slots__ = ("token_id", "sparse", "dense", "one_hot", "fixed", "fixed_deflated", "index", "match_length")
