@@ -91,8 +91,9 @@ class StackConfig:
     ready_timeout_s: float = 900.0
     # /metrics ports: coordinator at base, draft at base + 1, target at base + 2; 0 = off.
     metrics_port_base: int = 0
-    # Extra environment for the service processes (OTEL_* settings are inherited anyway).
-    env: dict[str, str] = field(default_factory=dict)
+    # Extra environment for the service processes (OTEL_* settings are inherited anyway). It may
+    # hold tokens (SPECDEC_AUTH_TOKEN): never in a repr.
+    env: dict[str, str] = field(default_factory=dict, repr=False)
     # TLS on every hop, mutual TLS on the internal ones; None = plaintext on loopback.
     tls: StackTLS | None = None
     # API tokens file for the coordinator (clients must send one); "" = no token check.

@@ -24,6 +24,7 @@ internal token it sends (TokenSource.refresh).
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import hmac
 import logging
@@ -41,8 +42,9 @@ from specdec.ranges import token_problem, undecodable
 
 AUTH_METADATA = "authorization"
 BEARER = "Bearer "
-# Health checks stay open: kubelet probes and load balancers send no token.
-OPEN_SERVICES = frozenset({"grpc.health.v1.Health"})
+# Health checks stay open: kubelet probes and load balancers send no token. Only Check: Watch
+# streams for as long as its caller likes, and left open it let anyone hold streams without limit.
+OPEN_METHODS = frozenset({"/grpc.health.v1.Health/Check"})
 
 # Environment variables that carry secrets (read directly, never through a flag).
 AUTH_TOKEN_ENV = "SPECDEC_AUTH_TOKEN"
@@ -352,7 +354,7 @@ REFUSALS_LOGGED_EVERY_S = 10.0  # TokenCheck's log line of refused calls, at mos
 
 
 class TokenCheck(grpc.aio.ServerInterceptor):
-    """Refuse calls without an accepted bearer token with UNAUTHENTICATED (health is open).
+    """Refuse calls without an accepted bearer token with UNAUTHENTICATED (health checks are open).
     Each refusal is counted (`specdec:unauthenticated_calls_total`, in `registry` if given)
     and logged, one line every REFUSALS_LOGGED_EVERY_S at most with how many since the last:
     such calls used to leave no trace, so a client with a wrong token, or one guessing tokens,
@@ -362,27 +364,37 @@ class TokenCheck(grpc.aio.ServerInterceptor):
         self.security = security  # its tokens as they are now (refresh_tokens)
         self.message = f"this server requires {credential}: send the metadata `authorization: Bearer <token>`"
         self.refused = None if registry is None else unauthenticated_calls(registry)
-        self.unlogged, self.logged_at = 0, -REFUSALS_LOGGED_EVERY_S
+        self.unlogged, self.logged_at, self.latest = 0, -REFUSALS_LOGGED_EVERY_S, ""
 
     async def intercept_service(self, continuation, details: grpc.HandlerCallDetails):
-        service = details.method.rsplit("/", 2)[-2] if details.method.count("/") >= 2 else ""
         handler = await continuation(details)
         self.security.refresh_tokens()
-        if handler is None or service in OPEN_SERVICES or token_matches(details.invocation_metadata, self.security.tokens):
+        if handler is None or details.method in OPEN_METHODS or token_matches(details.invocation_metadata, self.security.tokens):
             return handler
         self.note_refusal(details.method)
         return refusing_handler(handler, self.message)
 
     def note_refusal(self, method: str) -> None:
+        """Count a refused call; log it now, or, within REFUSALS_LOGGED_EVERY_S of the last line,
+        once that time is up (refusals that came in a burst then stopped went unlogged until the
+        next one, if ever)."""
         if self.refused is not None:
             self.refused.inc()
-        self.unlogged += 1
+        self.unlogged, self.latest = self.unlogged + 1, method
         now = time.monotonic()
         if now - self.logged_at >= REFUSALS_LOGGED_EVERY_S:
-            logging.getLogger("specdec").warning(
-                "refused %d call(s) UNAUTHENTICATED since the last such line (no accepted token came with "
-                "them), the latest to %s", self.unlogged, method)  # fmt: skip
-            self.unlogged, self.logged_at = 0, now
+            self.log_refusals()
+        elif self.unlogged == 1:  # the first since the last line
+            asyncio.get_running_loop().call_later(self.logged_at + REFUSALS_LOGGED_EVERY_S - now, self.log_refusals)
+
+    def log_refusals(self) -> None:
+        """One line for the refusals not logged yet, if any."""
+        if not self.unlogged:
+            return
+        logging.getLogger("specdec").warning(
+            "refused %d call(s) UNAUTHENTICATED since the last such line (no accepted token came with "
+            "them), the latest to %s", self.unlogged, self.latest)  # fmt: skip
+        self.unlogged, self.logged_at = 0, time.monotonic()
 
 
 def refusing_handler(handler: grpc.RpcMethodHandler, message: str) -> grpc.RpcMethodHandler:
@@ -450,13 +462,15 @@ class WithMetadata:
 def redact_url(url: str) -> str:
     """A URL with its passwords replaced by ***, for messages and logs: the one before its host
     (redis://user:PASSWORD@host) and any query parameter named like one (redis-py also reads
-    ?password=..., which used to be logged as it was). The host keeps its brackets ([::1])."""
+    ?password=..., which used to be logged as it was). The host keeps its brackets ([::1]).
+    The password ends at the last "@", not where a URL parser ends the host: one holding an
+    unencoded / ? or # (as base64 passwords do) was logged whole, the parser seeing no "@"."""
     import re
-    from urllib.parse import urlsplit, urlunsplit
 
-    parts = urlsplit(url)
-    userinfo, at, host = parts.netloc.rpartition("@")
+    scheme, sep, rest = url.partition("://")
+    userinfo, at, after = rest.rpartition("@")
     if at and ":" in userinfo:
-        parts = parts._replace(netloc=f"{userinfo.split(':', 1)[0]}:***@{host}")
-    query = re.sub(r"((?:^|&)[^=&]*password[^=&]*=)[^&]*", r"\1***", parts.query, flags=re.IGNORECASE)
-    return urlunsplit(parts._replace(query=query))
+        rest = f"{userinfo.split(':', 1)[0]}:***@{after}"
+    head, mark, query = rest.partition("?")
+    query = re.sub(r"((?:^|&)[^=&]*password[^=&]*=)[^&#]*", r"\1***", query, flags=re.IGNORECASE)
+    return f"{scheme}{sep}{head}{mark}{query}"

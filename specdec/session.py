@@ -257,11 +257,23 @@ def connect(url: str, socket_timeout_s: float, connect_timeout_s: float) -> aior
 def redis_url_problem(url: str) -> str | None:
     """None when `url` names a Redis connect() can reach, else what is wrong with its scheme.
     Never quotes the URL, which may hold a password."""
+    from urllib.parse import urlsplit
+
     scheme = url.partition("://")[0] if "://" in url else ""
-    if scheme in REDIS_SCHEMES:
-        return None
-    known = ", ".join(f"{name}://" for name in REDIS_SCHEMES)
-    return f"expected a Redis URL beginning {known}; got {f'scheme {scheme!r}' if scheme else 'no scheme'}"
+    if scheme not in REDIS_SCHEMES:
+        known = ", ".join(f"{name}://" for name in REDIS_SCHEMES)
+        return f"expected a Redis URL beginning {known}; got {f'scheme {scheme!r}' if scheme else 'no scheme'}"
+    try:
+        parts = urlsplit(url)
+        parts.port  # noqa: B018 - a ValueError where the port is no number
+    except ValueError:
+        parts = None
+    if parts is None or ("@" in url.partition("://")[2] and "@" not in parts.netloc):
+        # A password holding / ? # ends the host part early: redis-py then fails in a traceback
+        # that shows part of the password ("Port could not be cast to integer value as '...'").
+        return ("the Redis URL does not parse: percent-encode / ? # @ in its password (%2F %3F %23 %40), "
+                "or give a port that is a number")
+    return None
 
 
 def redis_url_from_env() -> str | None:

@@ -743,9 +743,42 @@ def test_a_redis_url_is_logged_without_its_passwords_wherever_they_stand(caplog)
         "redis://:***@h:6379/0?ssl_ca_certs=/ca.pem&ssl_password=***&db=1"
     )
     assert redact_url("rediss://user@h/0") == "rediss://user@h/0"
+    # base64 passwords hold / and +: a URL parser ends the host at the /, sees no "@", and the
+    # whole URL was logged ("sessions in Redis at redis://default:Zm9v/YmFy+c2VjcmV0@...")
+    for password in ("Zm9v/YmFy+c2VjcmV0", "pa#ss", "pa?ss", "1234/x"):
+        assert redact_url(f"redis://default:{password}@127.0.0.1:6379/0") == "redis://default:***@127.0.0.1:6379/0"
     with caplog.at_level("INFO", logger="specdec"):
         SessionStore("redis://localhost:1/0?password=s3cret-pw")
     assert "redis://localhost:1/0?password=***" in caplog.text and "s3cret" not in caplog.text
+
+
+def test_refusals_within_ten_seconds_of_a_logged_one_are_logged_when_the_ten_seconds_are_up(caplog, monkeypatch):
+    """A burst of refused calls, then none: the first was logged, the rest used to wait for a
+    refusal after the window, if one ever came (999 guesses, one line saying "1 call(s)")."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from specdec import security as security_module
+    from specdec.security import ServerSecurity, TokenSource
+
+    monkeypatch.setattr(security_module, "REFUSALS_LOGGED_EVERY_S", 0.2)
+    check = ServerSecurity(source=TokenSource({"good-token": "alice"})).interceptors("an API token")[0]
+    handler = grpc.unary_unary_rpc_method_handler(lambda request, context: None)
+
+    async def continuation(details):
+        return handler
+
+    async def burst():
+        for n in range(20):
+            details = SimpleNamespace(method=f"/specdec.v1.Coordinator/Generate{n}", invocation_metadata=())
+            assert await check.intercept_service(continuation, details) is not handler
+        await asyncio.sleep(0.5)  # no call after the burst
+
+    with caplog.at_level("WARNING", logger="specdec"):
+        asyncio.run(burst())
+    lines = [r.getMessage() for r in caplog.records if "UNAUTHENTICATED" in r.getMessage()]
+    assert [line.split(" UNAUTHENTICATED")[0] for line in lines] == ["refused 1 call(s)", "refused 19 call(s)"]
+    assert lines[1].endswith("the latest to /specdec.v1.Coordinator/Generate19")
 
 
 def test_no_secret_appears_in_the_repr_of_a_services_config_or_security(tmp_path):
@@ -767,7 +800,7 @@ def test_no_secret_appears_in_the_repr_of_a_services_config_or_security(tmp_path
     assert server.tokens == ("api-s3cret-1", "int-s3cret-2") and channel.source is not None
     configs = [CoordinatorConfig(redis_url=url, security=server, internal=channel),
                DraftConfig(redis_url=url, security=server), TargetConfig(redis_url=url, security=server),
-               StackConfig(redis_url=url), server, channel]  # fmt: skip
+               StackConfig(redis_url=url, env={"SPECDEC_AUTH_TOKEN": "api-s3cret-4"}), server, channel]  # fmt: skip
     for config in configs:
         text = repr(config)
         assert "s3cret" not in text, text
@@ -802,16 +835,18 @@ def test_calls_refused_for_want_of_a_token_are_counted_and_logged_at_most_every_
     monkeypatch.setattr(security_module.time, "monotonic", lambda: clock[0])
     with caplog.at_level("WARNING", logger="specdec"):
         assert call("/specdec.v1.Coordinator/Generate", "good-token") is handler
-        assert call("/grpc.health.v1.Health/Check", None) is handler  # health stays open, uncounted
+        assert call("/grpc.health.v1.Health/Check", None) is handler  # health checks stay open, uncounted
+        assert call("/grpc.health.v1.Health/Watch", "good-token") is handler
         for token in ("guess-1", None, "guess-2"):
             assert call("/specdec.v1.Coordinator/Generate", token) is not handler
         clock[0] += 10
+        assert call("/grpc.health.v1.Health/Watch", None) is not handler  # a stream anyone could hold open
         assert call("/specdec.v1.Coordinator/Delete", "guess-3") is not handler
-    assert registry.get_sample_value("specdec:unauthenticated_calls_total") == 4
+    assert registry.get_sample_value("specdec:unauthenticated_calls_total") == 5
     lines = [r.getMessage() for r in caplog.records if "UNAUTHENTICATED" in r.getMessage()]
     assert lines == [
         "refused 1 call(s) UNAUTHENTICATED since the last such line (no accepted token came with them), "
         "the latest to /specdec.v1.Coordinator/Generate",
         "refused 3 call(s) UNAUTHENTICATED since the last such line (no accepted token came with them), "
-        "the latest to /specdec.v1.Coordinator/Delete",
+        "the latest to /grpc.health.v1.Health/Watch",  # Delete's waits for the window's end (the test below)
     ]
