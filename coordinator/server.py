@@ -431,7 +431,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
                                  f"{len(text.ids)} output tokens and {len(text.text)} characters so far")  # fmt: skip
             if meta.get("status") != "finished":
                 plan.owner = secrets.token_hex(8)
-                meta, committed = await self.store.take_over(session_id, plan.owner)
+                meta, committed = await self.store.take_over(session_id, plan.owner, meta.get("created_at", ""))
                 replay_tokens(text, committed[len(plan.prompt) + len(output):])
             text.emitted = request.received_chars
             await context.send_initial_metadata((session_header(session_id),))
@@ -457,11 +457,11 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             await self.store.confirm_gone(session_id)
             return pb.DeleteResponse(deleted=False)
         self.check_caller(session_id, meta, context, "delete")
-        try:
-            await self.store.delete(session_id)
+        try:  # only the session checked: not another created under its id meanwhile
+            deleted = await self.store.delete(session_id, meta.get("created_at", ""))
         finally:  # gone from its Redis node even when its replicas did not acknowledge it in time
             self.spawn(self.release(session_id, stored_route(session_id, meta)))
-        return pb.DeleteResponse(deleted=True)
+        return pb.DeleteResponse(deleted=deleted)
 
     def check_caller(self, session_id: str, meta: dict, context, verb: str) -> None:
         """PermissionDenied unless the call comes from the session's caller (is_caller). A

@@ -108,16 +108,17 @@ CLUSTER_IN_FLUX = (
 
 # Calls Redis refuses for its own state or settings, not for ours, found by the words of its
 # error (redis-py's OutOfMemoryError or ReadOnlyError, or the same error inside a script's
-# ResponseError: "... -OOM command not allowed ..."), and what the caller is told. Redis refuses
-# a script at its first write, so nothing of a refused one is written: a session stays as its
-# last commit left it.
+# ResponseError: "... -OOM command not allowed ..."; Redis 7's reach redis-py as the error class
+# without the code, "command not allowed when used memory > 'maxmemory'", hence words the
+# versions share), and what the caller is told. Redis refuses a script at its first write, so
+# nothing of a refused one is written: a session stays as its last commit left it.
 REDIS_REFUSALS = (
     # The URL's /DB is not below the server's `databases`: every call fails.
     ("DB index is out of range", grpc.StatusCode.UNAVAILABLE,
      "the session store (Redis) has no database of the number its URL ends in: the number after the last / "
      "of the URL (--redis-url, SPECDEC_REDIS_URL) must be below Redis's `databases` setting (16 by default)"),
     # maxmemory reached with policy noeviction, as the k8s manifests run it.
-    ("OOM command not allowed", grpc.StatusCode.RESOURCE_EXHAUSTED,
+    ("command not allowed when used memory", grpc.StatusCode.RESOURCE_EXHAUSTED,
      "the session store (Redis) is full: past its maxmemory it refuses new sessions and new tokens until "
      "sessions expire (an hour after they end) or are deleted, or its maxmemory is raised; the tokens a "
      "session committed stand, so resume it then"),
@@ -126,6 +127,10 @@ REDIS_REFUSALS = (
      "the session store (Redis) refuses writes because it could not save its snapshot to disk (MISCONF: "
      "see its log; a full or unwritable disk, say) until a save succeeds; the tokens a session committed "
      "stand, so resume it then"),
+    # min-replicas-to-write set, and fewer replicas in reach (Redis's own --redis-wait-replicas).
+    ("NOREPLICAS", grpc.StatusCode.UNAVAILABLE,
+     "the session store (Redis) refuses writes while fewer of its replicas are in reach than its "
+     "min-replicas-to-write asks for; the tokens a session committed stand, so resume it then"),
     # A master demoted while a failover runs, or a --redis-url naming a replica.
     ("You can't write against a read only replica", grpc.StatusCode.UNAVAILABLE,
      "the session store (Redis) answering is a read-only replica: a failover is under way (retry shortly), "

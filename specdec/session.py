@@ -86,14 +86,22 @@ local function push_tokens(key, first, length)
 end
 """
 
-# KEYS: meta, tokens. ARGV: ttl, now, n_fields, field, value, ..., token, token, ...
+# KEYS: meta, tokens. ARGV: ttl, now, n_fields, field, value, ..., token, token, ... Returns 1
+# when it created the session, or finds it created by this very call (its `owner` field, a run's
+# own id: a Redis Cluster client sends a script again when its reply was lost), else 0.
 _CREATE = _PUSH_TOKENS + """
-if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end
 local n = tonumber(ARGV[3])
+if redis.call('EXISTS', KEYS[1]) == 1 then
+  for i = 0, n - 1 do
+    if ARGV[4 + 2 * i] == 'owner' and redis.call('HGET', KEYS[1], 'owner') == ARGV[5 + 2 * i] then return 1 end
+  end
+  return 0
+end
 for i = 0, n - 1 do
   redis.call('HSET', KEYS[1], ARGV[4 + 2 * i], ARGV[5 + 2 * i])
 end
 local first_token = 4 + 2 * n
+redis.call('DEL', KEYS[2])  -- tokens outliving their meta (an evicting maxmemory-policy) are no one's
 push_tokens(KEYS[2], first_token, 0)
 redis.call('HSET', KEYS[1], 'cycle', 0, 'length', #ARGV - first_token + 1,
            'created_at', ARGV[2], 'updated_at', ARGV[2])
@@ -105,12 +113,21 @@ return 1
 # KEYS: meta, tokens. ARGV: expected cycle, ttl, now, owner ('' = any), n_incr, field, incr, ...,
 # token, ... Returns {1, new_cycle, new_length} on success, {0, current_cycle, length} when
 # fenced by the cycle, {-2, current_cycle, length} when another run owns the session (Resume).
+# A run's commit found applied already (the session one cycle on, and still that run's: only it
+# commits, each cycle once) is its own, sent again by a Redis Cluster client whose reply was
+# lost: a success, where the fence used to end a healthy stream ABORTED.
 _COMMIT = _PUSH_TOKENS + """
 local cycle = redis.call('HGET', KEYS[1], 'cycle')
 if not cycle then return {-1, 0, 0} end
 local length = tonumber(redis.call('HGET', KEYS[1], 'length'))
+-- its tokens evicted (a maxmemory-policy other than noeviction): the session is lost, not rebuilt
+-- without its prompt
+if redis.call('LLEN', KEYS[2]) ~= length then return {-1, 0, 0} end
 if ARGV[4] ~= '' and redis.call('HGET', KEYS[1], 'owner') ~= ARGV[4] then
   return {-2, tonumber(cycle), length}
+end
+if ARGV[4] ~= '' and tonumber(cycle) == tonumber(ARGV[1]) + 1 then
+  return {1, tonumber(cycle), length}
 end
 if tonumber(cycle) ~= tonumber(ARGV[1]) then
   return {0, tonumber(cycle), length}
@@ -127,11 +144,13 @@ redis.call('EXPIRE', KEYS[2], ARGV[2])
 return {1, new_cycle, length}
 """
 
-# KEYS: meta, tokens. ARGV: owner, ttl. Makes ARGV[1] the session's owner (its commits go
-# through, any other run's are refused) and returns the meta hash and the tokens as they are
-# then, so no commit of an earlier run can land after them. {} when the session does not exist.
+# KEYS: meta, tokens. ARGV: owner, ttl, created_at ('' = any). Makes ARGV[1] the session's
+# owner (its commits go through, any other run's are refused) and returns the meta hash and the
+# tokens as they are then, so no commit of an earlier run can land after them. {} when the
+# session does not exist, or is another of the same id than the one created at ARGV[3].
 _TAKE_OVER = """
 if redis.call('EXISTS', KEYS[1]) == 0 then return {} end
+if ARGV[3] ~= '' and redis.call('HGET', KEYS[1], 'created_at') ~= ARGV[3] then return {} end
 redis.call('HSET', KEYS[1], 'owner', ARGV[1], 'status', 'running')
 redis.call('EXPIRE', KEYS[1], ARGV[2])
 redis.call('EXPIRE', KEYS[2], ARGV[2])
@@ -147,15 +166,17 @@ return 1
 """
 
 
-# KEYS: meta, tokens, scratch. ARGV: 1 to delete the session, 0 to leave it. Returns how many of
-# its keys it deleted. It always writes (the scratch key, set and removed): a WAIT after it then
+# KEYS: meta, tokens, scratch. ARGV: 1 to delete the session, 0 to leave it; created_at ('' =
+# any: another session of the same id is left alone). Returns how many of its keys it deleted. It always writes (the scratch key, set and removed): a WAIT after it then
 # counts the replicas that hold every earlier write of the node, since replication keeps their
 # order, so also a deletion by an earlier call (a retried Delete) or by another coordinator.
 # (Redis 7's WAIT waits for the calling connection's own last write: after a script that wrote
 # nothing it would answer at once. Redis 6.2 waits for the node's offset after any command.)
 _DELETE = """
 local deleted = 0
-if ARGV[1] == '1' then deleted = redis.call('DEL', KEYS[1], KEYS[2]) end
+if ARGV[1] == '1' and (ARGV[2] == '' or redis.call('HGET', KEYS[1], 'created_at') == ARGV[2]) then
+  deleted = redis.call('DEL', KEYS[1], KEYS[2])
+end
 redis.call('SET', KEYS[3], '1')
 redis.call('DEL', KEYS[3])
 return deleted
@@ -375,13 +396,15 @@ class SessionStore:
         self._check_replicas(replicas, f"cycle {expected_cycle} of session {session_id!r}")
         return int(cycle), int(length)
 
-    async def take_over(self, session_id: str, owner: str) -> tuple[dict[str, str], list[int]]:
+    async def take_over(self, session_id: str, owner: str, created_at: str = "") -> tuple[dict[str, str], list[int]]:
         """Make `owner` the run that goes on with a session (Resume): from now on only its
         commits land. Returns the session's meta and committed tokens as of that moment.
-        Raises NotFound when it does not exist."""
+        Raises NotFound when it does not exist, or, given `created_at` (the meta the caller
+        checked), when the id now names another session: deleted and created again meanwhile,
+        which a Resume used to seize, its caller unchecked, going on with the old one's prompt."""
         check_session_id(session_id)
         found, replicas = await self._write(self._take_over, [meta_key(session_id), tokens_key(session_id)],
-                                            [owner, self.ttl_s])  # fmt: skip
+                                            [owner, self.ttl_s, created_at])  # fmt: skip
         if not found:
             raise session_gone(session_id)
         self._check_replicas(replicas, f"the resumption of session {session_id!r}")
@@ -472,10 +495,12 @@ class SessionStore:
             pipe.expire(tokens_key(session_id), self.ttl_s)
             await pipe.execute()
 
-    async def delete(self, session_id: str) -> None:
-        """Delete a session's keys. With wait_replicas, return once that many replicas of its
-        node hold the deletion, else raise NotReplicated (it is gone from the node)."""
-        await self._deletion(session_id, delete=True)
+    async def delete(self, session_id: str, created_at: str = "") -> bool:
+        """Delete a session's keys; given `created_at` (the meta the caller checked), only that
+        session's, not another created under the id meanwhile. True when it deleted them. With
+        wait_replicas, return once that many replicas of its node hold the deletion, else raise
+        NotReplicated (it is gone from the node)."""
+        return await self._deletion(session_id, delete=True, created_at=created_at)
 
     async def confirm_gone(self, session_id: str) -> None:
         """For a session its node does not hold: with wait_replicas, return once that many
@@ -485,12 +510,13 @@ class SessionStore:
         if self.wait_replicas:
             await self._deletion(session_id, delete=False)
 
-    async def _deletion(self, session_id: str, delete: bool) -> None:
+    async def _deletion(self, session_id: str, delete: bool, created_at: str = "") -> bool:
         keys = [meta_key(session_id), tokens_key(session_id), scratch_key(session_id)]
-        _, replicas = await self._write(self._delete, keys, [int(delete)])
+        deleted, replicas = await self._write(self._delete, keys, [int(delete), created_at])
         self._check_replicas(replicas, f"the deletion of session {session_id!r}", (
             "it is gone from its Redis node, but a failover to a replica that missed it could bring it back; "
             "delete it again once the node's replicas are back (deleted=false then confirms it is gone)"))  # fmt: skip
+        return bool(deleted)
 
     async def admit(self, caller: str, request_id: str, limit: int, lease_s: float = CALLER_LEASE_S) -> int | None:
         """Give `request_id` one of `caller`'s `limit` places, counted over every coordinator

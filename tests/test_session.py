@@ -177,6 +177,83 @@ def test_a_session_taken_over_refuses_its_first_owners_commits_and_bookkeeping(r
     run(go())
 
 
+def test_a_runs_own_create_and_commit_sent_again_succeed_and_write_once(redis_url):
+    """A Redis Cluster client sends a script again when its reply was lost (a timeout, a master
+    failing over after it replicated the write): the run's own create then met its session and
+    ended ALREADY_EXISTS, its own commit met the cycle fence and ended the stream ABORTED for good.
+    Sent again by the run that owns the session, each is the success it was, written once;
+    another run's stay refused."""
+
+    async def go():
+        store = SessionStore(redis_url)
+        await store.create("s-resent", [1, 2], {"owner": "run-a", "status": "running"})
+        await store.create("s-resent", [1, 2], {"owner": "run-a", "status": "running"})  # the same call again
+        with pytest.raises(AlreadyExists):
+            await store.create("s-resent", [9], {"owner": "run-b", "status": "running"})
+        assert await store.commit("s-resent", 0, [3, 4], {"cycles": 1}, owner="run-a") == (1, 4)
+        assert await store.commit("s-resent", 0, [3, 4], {"cycles": 1}, owner="run-a") == (1, 4)  # again
+        with pytest.raises(Aborted):
+            await store.commit("s-resent", 0, [3, 4], {"cycles": 1})  # a replay that names no run
+        meta = await store.meta("s-resent")
+        assert (await store.tokens("s-resent"), meta["cycle"], meta["cycles"], meta["length"]) == ([1, 2, 3, 4], "1", "1", "4")
+        await store.close()
+
+    run(go())
+
+
+def test_a_resume_or_delete_checked_against_one_session_never_acts_on_another_created_under_its_id(redis_url):
+    """Resume and Delete read a session (its caller, its plan), then act: an id deleted and
+    created again in between (a "regenerate this turn" while the SDK resumes the old stream)
+    used to be taken over, the new run fenced out and the resumer going on with the old prompt
+    over the new tokens, or deleted unchecked. Given the created_at they checked, they act only
+    on that session."""
+
+    async def go():
+        store = SessionStore(redis_url)
+        await store.create("s-again", [1, 2], {"owner": "first", "status": "running"})
+        checked = (await store.meta("s-again"))["created_at"]
+        await store.delete("s-again")
+        await asyncio.sleep(0.01)  # created_at is the time of creation
+        await store.create("s-again", [7, 7], {"owner": "second", "status": "running"})
+        with pytest.raises(NotFound):
+            await store.take_over("s-again", "resumer", checked)
+        assert not await store.delete("s-again", checked)
+        meta = await store.meta("s-again")
+        assert (meta["owner"], await store.tokens("s-again")) == ("second", [7, 7])
+        meta, tokens = await store.take_over("s-again", "resumer", meta["created_at"])  # the session checked
+        assert (meta["owner"], tokens) == ("resumer", [7, 7])
+        assert await store.delete("s-again", meta["created_at"]) and not await store.exists("s-again")
+        await store.close()
+
+    run(go())
+
+
+def test_a_session_whose_keys_redis_evicted_apart_is_never_stitched_together(redis_url):
+    """An evicting maxmemory-policy drops a session's meta and token list independently: a
+    commit to a session whose tokens were evicted rebuilt the list without its prompt, and a
+    session created under an id whose tokens outlived its meta was pushed onto them."""
+    import redis as redis_module
+
+    from specdec.session import meta_key, tokens_key
+
+    raw = redis_module.Redis.from_url(redis_url)
+
+    async def go():
+        store = SessionStore(redis_url)
+        await store.create("s-evicted", [1, 2, 3], {})
+        raw.delete(tokens_key("s-evicted"))  # as Redis evicts it
+        with pytest.raises(NotFound):
+            await store.commit("s-evicted", 0, [4])
+        assert raw.llen(tokens_key("s-evicted")) == 0
+        await store.create("s-orphan", [1, 2, 3], {})
+        raw.delete(meta_key("s-orphan"))
+        await store.create("s-orphan", [7], {})
+        assert await store.tokens("s-orphan") == [7]
+        await store.close()
+
+    run(go())
+
+
 def test_commit_to_a_missing_session_is_not_found(redis_url):
     async def go():
         store = SessionStore(redis_url)

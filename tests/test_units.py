@@ -10,6 +10,7 @@ import zlib
 import grpc
 import numpy as np
 import pytest
+import redis
 import torch
 
 from coordinator.text import TextStream, first_stop, partial_stop_length
@@ -2473,6 +2474,23 @@ class TargetWhoseRedisFailsOnce:
                 status_for(redis.exceptions.ConnectionError("Error 111 connecting to redis:6379. Connection refused."))
             raise grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details)
         return pb.VerifyResponse(num_accepted=0, next_token=7)
+
+
+@pytest.mark.parametrize("error, code", [
+    # Redis 6.2 inside a script, and Redis 7 (redis-py's OutOfMemoryError, the code stripped): the
+    # second came out INTERNAL with a traceback, on the Redis the k8s manifests run
+    (redis.exceptions.ResponseError("Error running script (call to f_1): @user_script:4: @user_script: 4: -OOM "
+                                    "command not allowed when used memory > 'maxmemory'."), "RESOURCE_EXHAUSTED"),
+    (redis.exceptions.OutOfMemoryError("command not allowed when used memory > 'maxmemory'. script: 1b2c, on "
+                                       "@user_script:4."), "RESOURCE_EXHAUSTED"),
+    (redis.exceptions.ResponseError("NOREPLICAS Not enough good replicas to write."), "UNAVAILABLE"),
+    (redis.exceptions.ReadOnlyError("You can't write against a read only replica."), "UNAVAILABLE"),
+])  # fmt: skip
+def test_redis_refusing_writes_for_its_own_state_is_told_with_the_status_that_says_so_on_redis_6_and_7(error, code):
+    from specdec.errors import status_for
+
+    status, message = status_for(error)
+    assert status.name == code and message.startswith("the session store (Redis)"), message
 
 
 def test_a_model_service_whose_redis_fails_is_not_taken_for_a_replica_lost():
