@@ -38,7 +38,7 @@ from specdec.ranges import (
     DEFAULT_DRAIN_S, DEFAULT_MAX_K, DEFAULT_MAX_NEW_TOKENS_LIMIT, DEFAULT_STALL_TIMEOUT_S, DEFAULT_WAIT_MS,
 )
 from specdec.security import ChannelSecurity, ServerSecurity, caller_id, is_caller, redact_url
-from specdec.session import CALLER_LEASE_S, NotReplicated, SessionStore, check_session_id, new_session_id
+from specdec.session import CALLER_LEASE_S, NotReplicated, SessionStore, check_session_id, new_session_id, session_gone
 from specdec.vocab import chat_ids, describe_model, has_chat_template, text_ids
 from specdec.v1 import specdec_pb2 as pb
 from specdec.v1 import specdec_pb2_grpc as pb_grpc
@@ -418,7 +418,9 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             session_id = check_session_id(request.session_id)
             meta = await self.store.meta(session_id)
             self.check_caller(session_id, meta, context, "resume")
-            committed = await self.store.tokens(session_id)
+            committed, born = await self.store.tokens_and_birth(session_id, 0, 2**62)
+            if born != meta.get("created_at"):  # deleted, and maybe created again, since `meta`: not its tokens
+                raise session_gone(session_id)
             plan = self.resumed_plan(session_id, meta, committed)  # refused before the session is touched
             output = committed[len(plan.prompt):]
             # ~30 µs a token with SmolLM2's tokenizer: off the event loop every session shares.
@@ -457,10 +459,14 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             await self.store.confirm_gone(session_id)
             return pb.DeleteResponse(deleted=False)
         self.check_caller(session_id, meta, context, "delete")
-        try:  # only the session checked: not another created under its id meanwhile
+        release = lambda: self.spawn(self.release(session_id, stored_route(session_id, meta)))  # noqa: E731
+        try:  # only the session checked: not another created under its id meanwhile (its caches stay)
             deleted = await self.store.delete(session_id, meta.get("created_at", ""))
-        finally:  # gone from its Redis node even when its replicas did not acknowledge it in time
-            self.spawn(self.release(session_id, stored_route(session_id, meta)))
+        except NotReplicated:  # gone from its Redis node even when its replicas did not acknowledge it in time
+            release()
+            raise
+        if deleted:
+            release()
         return pb.DeleteResponse(deleted=deleted)
 
     def check_caller(self, session_id: str, meta: dict, context, verb: str) -> None:

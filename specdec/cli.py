@@ -854,7 +854,8 @@ def run_delete(args) -> int:
         print(client_error(exc, args), file=sys.stderr)
         return 1
     print(f"deleted session {args.session_id}" if deleted else
-          f"no session {args.session_id} (expired, deleted already, or never created)",
+          f"no session {args.session_id} deleted (expired, deleted already, never created, or created "
+          "again while this call checked it)",
           file=sys.stdout if deleted else sys.stderr)  # fmt: skip
     return 0 if deleted else 1
 

@@ -837,7 +837,8 @@ class Client(_Stub):
         """Delete the session `session_id` now instead of when it expires (an hour after its
         last use): its record, prompt and tokens leave Redis and the model services drop its
         caches; a stream of it still running ends NOT_FOUND. True if it existed; False if not
-        (expired, deleted already, or never created). PERMISSION_DENIED where the session was
+        (expired, deleted already, or never created), or if another session was created under
+        its id while the call checked it (that one is left alone). PERMISSION_DENIED where the session was
         created with another API token, as for resume. Behind a coordinator run with
         --redis-wait-replicas it answers once Redis's replicas hold the deletion too, and
         raises UNAVAILABLE when they do not in time (it is gone from the Redis master then:

@@ -463,14 +463,18 @@ def redact_url(url: str) -> str:
     """A URL with its passwords replaced by ***, for messages and logs: the one before its host
     (redis://user:PASSWORD@host) and any query parameter named like one (redis-py also reads
     ?password=..., which used to be logged as it was). The host keeps its brackets ([::1]).
-    The password ends at the last "@", not where a URL parser ends the host: one holding an
-    unencoded / ? or # (as base64 passwords do) was logged whole, the parser seeing no "@"."""
+    A URL with an "@" that a URL parser does not see before its host (a password holding an
+    unencoded / ? or #, as base64 passwords do, which was logged whole) shows nothing after
+    its scheme: where its password ends cannot be told."""
     import re
+    from urllib.parse import urlsplit, urlunsplit
 
     scheme, sep, rest = url.partition("://")
-    userinfo, at, after = rest.rpartition("@")
+    parts = urlsplit(url)
+    userinfo, at, host = parts.netloc.rpartition("@")
+    if "@" in rest and not at:
+        return f"{scheme}{sep}***"
     if at and ":" in userinfo:
-        rest = f"{userinfo.split(':', 1)[0]}:***@{after}"
-    head, mark, query = rest.partition("?")
-    query = re.sub(r"((?:^|&)[^=&]*password[^=&]*=)[^&#]*", r"\1***", query, flags=re.IGNORECASE)
-    return f"{scheme}{sep}{head}{mark}{query}"
+        parts = parts._replace(netloc=f"{userinfo.split(':', 1)[0]}:***@{host}")
+    query = re.sub(r"((?:^|&)[^=&]*password[^=&]*=)[^&#]*", r"\1***", parts.query, flags=re.IGNORECASE)
+    return urlunsplit(parts._replace(query=query))

@@ -93,18 +93,26 @@ _CREATE = _PUSH_TOKENS + """
 local n = tonumber(ARGV[3])
 if redis.call('EXISTS', KEYS[1]) == 1 then
   for i = 0, n - 1 do
-    if ARGV[4 + 2 * i] == 'owner' and redis.call('HGET', KEYS[1], 'owner') == ARGV[5 + 2 * i] then return 1 end
+    if ARGV[4 + 2 * i] == 'owner' and redis.call('HGET', KEYS[1], 'owner') == ARGV[5 + 2 * i] then
+      -- a write, so that a WAIT after it counts the replicas that hold the creation (Redis 7's
+      -- WAIT counts the connection's own writes, and the resent script comes on a new one)
+      redis.call('EXPIRE', KEYS[1], ARGV[1])
+      redis.call('EXPIRE', KEYS[2], ARGV[1])
+      return 1
+    end
   end
   return 0
 end
+local first_token = 4 + 2 * n
+-- The first write is one a full Redis refuses (HSET): then nothing is written. (After a write it
+-- allows, DEL, a full Redis lets a script go on.)
+redis.call('HSET', KEYS[1], 'cycle', 0, 'length', #ARGV - first_token + 1,
+           'created_at', ARGV[2], 'updated_at', ARGV[2])
 for i = 0, n - 1 do
   redis.call('HSET', KEYS[1], ARGV[4 + 2 * i], ARGV[5 + 2 * i])
 end
-local first_token = 4 + 2 * n
 redis.call('DEL', KEYS[2])  -- tokens outliving their meta (an evicting maxmemory-policy) are no one's
 push_tokens(KEYS[2], first_token, 0)
-redis.call('HSET', KEYS[1], 'cycle', 0, 'length', #ARGV - first_token + 1,
-           'created_at', ARGV[2], 'updated_at', ARGV[2])
 redis.call('EXPIRE', KEYS[1], ARGV[1])
 redis.call('EXPIRE', KEYS[2], ARGV[1])
 return 1
@@ -113,10 +121,20 @@ return 1
 # KEYS: meta, tokens. ARGV: expected cycle, ttl, now, owner ('' = any), n_incr, field, incr, ...,
 # token, ... Returns {1, new_cycle, new_length} on success, {0, current_cycle, length} when
 # fenced by the cycle, {-2, current_cycle, length} when another run owns the session (Resume).
-# A run's commit found applied already (the session one cycle on, and still that run's: only it
-# commits, each cycle once) is its own, sent again by a Redis Cluster client whose reply was
-# lost: a success, where the fence used to end a healthy stream ABORTED.
+# A run's commit found applied already (the session one cycle on, still that run's, and ending in
+# the very tokens sent: only the run commits, each cycle once) is its own, sent again by a Redis
+# Cluster client whose reply was lost: a success (its EXPIREs the write a WAIT after it counts),
+# where the fence used to end a healthy stream ABORTED.
 _COMMIT = _PUSH_TOKENS + """
+local function ends_in(key, first)
+  local count = #ARGV - first + 1
+  if count == 0 then return true end
+  local tail = redis.call('LRANGE', key, -count, -1)
+  for i = 1, count do
+    if tail[i] ~= ARGV[first + i - 1] then return false end
+  end
+  return #tail == count
+end
 local cycle = redis.call('HGET', KEYS[1], 'cycle')
 if not cycle then return {-1, 0, 0} end
 local length = tonumber(redis.call('HGET', KEYS[1], 'length'))
@@ -126,7 +144,9 @@ if redis.call('LLEN', KEYS[2]) ~= length then return {-1, 0, 0} end
 if ARGV[4] ~= '' and redis.call('HGET', KEYS[1], 'owner') ~= ARGV[4] then
   return {-2, tonumber(cycle), length}
 end
-if ARGV[4] ~= '' and tonumber(cycle) == tonumber(ARGV[1]) + 1 then
+if ARGV[4] ~= '' and tonumber(cycle) == tonumber(ARGV[1]) + 1 and ends_in(KEYS[2], 6 + 2 * tonumber(ARGV[5])) then
+  redis.call('EXPIRE', KEYS[1], ARGV[2])
+  redis.call('EXPIRE', KEYS[2], ARGV[2])
   return {1, tonumber(cycle), length}
 end
 if tonumber(cycle) ~= tonumber(ARGV[1]) then
@@ -167,12 +187,14 @@ return 1
 
 
 # KEYS: meta, tokens, scratch. ARGV: 1 to delete the session, 0 to leave it; created_at ('' =
-# any: another session of the same id is left alone). Returns how many of its keys it deleted. It always writes (the scratch key, set and removed): a WAIT after it then
+# any: another session of the same id is left alone). Returns how many of its keys it deleted.
+# It always writes (the scratch key, set and removed): a WAIT after it then
 # counts the replicas that hold every earlier write of the node, since replication keeps their
 # order, so also a deletion by an earlier call (a retried Delete) or by another coordinator.
 # (Redis 7's WAIT waits for the calling connection's own last write: after a script that wrote
 # nothing it would answer at once. Redis 6.2 waits for the node's offset after any command.)
 _DELETE = """
+redis.call('DEL', KEYS[3])  -- a first write a full Redis allows: the SET below is then allowed too
 local deleted = 0
 if ARGV[1] == '1' and (ARGV[2] == '' or redis.call('HGET', KEYS[1], 'created_at') == ARGV[2]) then
   deleted = redis.call('DEL', KEYS[1], KEYS[2])
@@ -264,8 +286,8 @@ def connect(url: str, socket_timeout_s: float, connect_timeout_s: float) -> aior
     Cluster reached through the node the URL names; a session's keys share a hash tag, so
     each script runs on the one node holding its slot; a command redirected by a failover or a
     moving slot follows the redirect, and one that cannot reach its node is resent at most
-    CLUSTER_RETRIES times (a commit resent after a lost reply is refused by its cycle fence,
-    never applied twice)."""
+    CLUSTER_RETRIES times (a commit or creation resent after a lost reply is found done and
+    answered as such, never applied twice: _COMMIT, _CREATE)."""
     options = dict(socket_timeout=socket_timeout_s, socket_connect_timeout=connect_timeout_s, decode_responses=True,
                    **NO_MAINT_NOTIFICATIONS)  # fmt: skip
     scheme, _, rest = url.partition("://")
@@ -289,7 +311,7 @@ def redis_url_problem(url: str) -> str | None:
         parts.port  # noqa: B018 - a ValueError where the port is no number
     except ValueError:
         parts = None
-    if parts is None or ("@" in url.partition("://")[2] and "@" not in parts.netloc):
+    if parts is None or ("@" in url.partition("://")[2].partition("?")[0] and "@" not in parts.netloc):
         # A password holding / ? # ends the host part early: redis-py then fails in a traceback
         # that shows part of the password ("Port could not be cast to integer value as '...'").
         return ("the Redis URL does not parse: percent-encode / ? # @ in its password (%2F %3F %23 %40), "

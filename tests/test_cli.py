@@ -215,7 +215,7 @@ def test_a_redis_url_of_another_scheme_is_refused_with_the_schemes_and_never_pri
         err = capsys.readouterr().err
         assert "percent-encode / ? # @ in its password" in err and "hunter2" not in err and "Zm9v" not in err, err
     for url in ("redis://:pw@cache:6379/0", "rediss://cache:6380", "unix:///tmp/redis.sock", "redis+cluster://node:7000",
-                "redis://:p%2Fw@[::1]:6379/0"):
+                "redis://:p%2Fw@[::1]:6379/0", "rediss://cache:6380/0?ssl_ca_certs=/etc/a@b/ca.pem"):
         monkeypatch.setenv("SPECDEC_REDIS_URL", url)
         assert build_parser(["up"]).parse_args(["up"]).redis_url == url
 

@@ -366,7 +366,7 @@ def test_specdec_delete_deletes_a_session_and_says_when_there_is_none(stack, cap
     assert main(["delete", "for-cli-delete", "--address", stack.address]) == 0
     assert capsys.readouterr().out == "deleted session for-cli-delete\n"
     assert main(["delete", "for-cli-delete", "--address", stack.address]) == 1
-    assert "no session for-cli-delete (expired, deleted already, or never created)" in capsys.readouterr().err
+    assert "no session for-cli-delete deleted (expired, deleted already, never created" in capsys.readouterr().err
 
 
 def test_the_async_client_deletes_a_session_too(stack, redis_url):

@@ -746,7 +746,9 @@ def test_a_redis_url_is_logged_without_its_passwords_wherever_they_stand(caplog)
     # base64 passwords hold / and +: a URL parser ends the host at the /, sees no "@", and the
     # whole URL was logged ("sessions in Redis at redis://default:Zm9v/YmFy+c2VjcmV0@...")
     for password in ("Zm9v/YmFy+c2VjcmV0", "pa#ss", "pa?ss", "1234/x"):
-        assert redact_url(f"redis://default:{password}@127.0.0.1:6379/0") == "redis://default:***@127.0.0.1:6379/0"
+        assert redact_url(f"redis://default:{password}@127.0.0.1:6379/0") == "redis://***"
+    assert redact_url("redis://host:6379/0?password=p@ss") == "redis://***"  # an "@" the parser puts in the query
+    assert redact_url("redis://:p@ss@h:6379/0") == "redis://:***@h:6379/0"
     with caplog.at_level("INFO", logger="specdec"):
         SessionStore("redis://localhost:1/0?password=s3cret-pw")
     assert "redis://localhost:1/0?password=***" in caplog.text and "s3cret" not in caplog.text

@@ -194,6 +194,8 @@ def test_a_runs_own_create_and_commit_sent_again_succeed_and_write_once(redis_ur
         assert await store.commit("s-resent", 0, [3, 4], {"cycles": 1}, owner="run-a") == (1, 4)  # again
         with pytest.raises(Aborted):
             await store.commit("s-resent", 0, [3, 4], {"cycles": 1})  # a replay that names no run
+        with pytest.raises(Aborted):
+            await store.commit("s-resent", 0, [9], {"cycles": 1}, owner="run-a")  # not the commit it made
         meta = await store.meta("s-resent")
         assert (await store.tokens("s-resent"), meta["cycle"], meta["cycles"], meta["length"]) == ([1, 2, 3, 4], "1", "1", "4")
         await store.close()
@@ -252,6 +254,33 @@ def test_a_session_whose_keys_redis_evicted_apart_is_never_stitched_together(red
         await store.close()
 
     run(go())
+
+
+def test_on_a_full_redis_a_delete_deletes_and_one_that_finds_another_session_answers_false(tmp_path):
+    """A full Redis (noeviction) refuses a script at its first write unless it wrote already: a
+    Delete that found another session under the id (or none) skipped its DEL, and its scratch
+    write was refused, RESOURCE_EXHAUSTED instead of deleted=False."""
+    import redis as redis_module
+
+    from specdec.redis_server import EmbeddedRedis
+
+    async def go(url):
+        store = SessionStore(url)
+        for session_id in ("full-a", "full-b"):
+            await store.create(session_id, list(range(50)), {"owner": session_id})
+        checked = (await store.meta("full-a"))["created_at"]
+        db = redis_module.Redis.from_url(url)
+        db.config_set("maxmemory-policy", "noeviction")
+        db.config_set("maxmemory", db.info("memory")["used_memory"] // 2)
+        with pytest.raises(redis_module.exceptions.ResponseError, match="command not allowed when used memory"):
+            await store.create("full-c", [1], {})  # full indeed
+        assert not await store.delete("full-b", "another-session")
+        assert not await store.delete("never-made", "")
+        assert await store.delete("full-a", checked) and not await store.exists("full-a")
+        await store.close()
+
+    with EmbeddedRedis() as server:
+        run(go(server.url))
 
 
 def test_commit_to_a_missing_session_is_not_found(redis_url):
