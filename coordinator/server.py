@@ -459,14 +459,15 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             await self.store.confirm_gone(session_id)
             return pb.DeleteResponse(deleted=False)
         self.check_caller(session_id, meta, context, "delete")
-        release = lambda: self.spawn(self.release(session_id, stored_route(session_id, meta)))  # noqa: E731
+        deleted = False
         try:  # only the session checked: not another created under its id meanwhile (its caches stay)
             deleted = await self.store.delete(session_id, meta.get("created_at", ""))
         except NotReplicated:  # gone from its Redis node even when its replicas did not acknowledge it in time
-            release()
+            deleted = True
             raise
-        if deleted:
-            release()
+        finally:
+            if deleted:
+                self.spawn(self.release(session_id, stored_route(session_id, meta)))
         return pb.DeleteResponse(deleted=deleted)
 
     def check_caller(self, session_id: str, meta: dict, context, verb: str) -> None:

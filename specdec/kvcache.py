@@ -4,8 +4,8 @@ Terms:
     held tokens   the token ids a service has fed to its model for a session, in
                   order; the KV cache covers exactly these.
     position      (from the request) how many committed tokens the caller believes
-                  the service holds; the service keeps held[:position] (the draft also
-                  the held tokens new_tokens repeat).
+                  the service holds; the service keeps held[:position] (and, the
+                  draft, the held tokens after it that new_tokens repeat).
     new tokens    (from the request) committed tokens after `position`.
 
 Both services follow one rule (`SessionState.sync`): keep held[:position], read
@@ -195,12 +195,12 @@ class SessionState:
     ) -> tuple[list[int], int]:
         """(context, how many held tokens are valid) as the caller says: held[:position], then
         new_tokens (a caller unsure of what we hold sends them all, at position 0: the held
-        tokens they repeat keep their cache). Where we hold fewer than `position` tokens, the caller took us for
-        another state of the session (a replica it comes back to, a run resumed elsewhere, a
-        cache evicted): committed[:position] is read from Redis (with wait_s, see
-        read_committed) and held kept only as far as it agrees. The tokens past what the
-        caller ever named are our own drafts, some rejected: they used to be kept as committed
-        text for the rest of the session."""
+        tokens they repeat keep their cache). Where we hold fewer than `position` tokens, the
+        caller took us for another state of the session (a cache evicted, a run resumed
+        elsewhere): committed[:position] is read from Redis (with wait_s, see read_committed)
+        and held kept only as far as it agrees. The tokens past what the caller ever named are
+        our own drafts, some rejected: they used to be kept as committed text for the rest of
+        the session."""
         if position <= len(self.held):  # the cache of held tokens that new_tokens repeat stays valid too
             return self.held[:position] + new_tokens, position + common_prefix(self.held[position:], new_tokens)
         stored = await self.read_committed(fetch, 0, position, wait_s)

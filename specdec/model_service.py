@@ -209,7 +209,7 @@ def commit_wait_s(context) -> float:
     and at most half the time its deadline leaves, so that a call that waited in vain is
     refused within its budget (a draft's is its --draft-timeout, 2 s by default: a wait that
     spent it all looked like a wedged replica, and moved every session on it)."""
-    remaining = context.time_remaining() if context is not None else None
+    remaining = context.time_remaining() if hasattr(context, "time_remaining") else None
     return COMMIT_WAIT_S if remaining is None else max(0.0, min(COMMIT_WAIT_S, remaining / 2))
 
 
