@@ -418,7 +418,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             session_id = check_session_id(request.session_id)
             meta = await self.store.meta(session_id)
             self.check_caller(session_id, meta, context, "resume")
-            committed, born = await self.store.tokens_and_birth(session_id, 0, 2**62)
+            committed, born = await self.store.tokens_and_birth(session_id)
             if born != meta.get("created_at"):  # deleted, and maybe created again, since `meta`: not its tokens
                 raise session_gone(session_id)
             plan = self.resumed_plan(session_id, meta, committed)  # refused before the session is touched

@@ -132,14 +132,15 @@ class ModelDrafter:
         if sampling.greedy:
             # Temperature 0: q is the one-hot of the argmax, which is the token; sent as
             # one-hot, it needs no [V] tensor here, on the wire or at the target.
-            ids = self.output_ids  # the argmax over the head's ids alone, as draw_q samples
-            token = greedy_token(logits) if ids is None else int(ids[greedy_token(logits[ids])])
+            scored = self.head_logits(logits)  # [M]: the argmax over the head's ids alone, as draw_q samples
+            best = greedy_token(scored)
+            token = best if self.output_ids is None else int(self.output_ids[best])
             draft_probs = None
             if weight > 0 and token != looked_up:
-                q = torch.softmax(self.head_logits(logits).float(), -1)  # [M], as draw_q's
+                q = torch.softmax(scored.float(), -1)  # [M], as draw_q's
                 at = self.head_index(looked_up)
                 q_looked_up = 0.0 if at is None else float(q[at])
-                if weight + (1 - weight) * q_looked_up >= (1 - weight) * float(q[self.head_index(token)]):
+                if weight + (1 - weight) * q_looked_up >= (1 - weight) * float(q[best]):
                     token = looked_up
         else:
             draft_probs = self.draw_q(logits, sampling, looked_up, weight)

@@ -179,14 +179,13 @@ def draft_from_pb(msg: pb.DraftToken, vocab_size: int) -> Draft:
             q = fixed_from_pb(inflate_fixed(msg.fixed_deflated, vocab_size), vocab_size)
         else:
             q = dense_from_pb(msg.dense, vocab_size)
-        if form == "sparse" or (form == "dense" and not msg.dense.fp16):  # float32 values
+        if form not in ("fixed", "fixed_deflated"):
             sampling_math.check_distribution(q, name=f"q of draft {msg.index}", vocab_size=vocab_size)
-            # A sum within the tolerance of 1 is a draft that drew in proportion to these very
-            # values: judged by q unnormalised, the output moved by up to the tolerance (the
-            # float16 form is renormalised as it is decoded, dense_from_pb; fixed point sums exactly).
-            q = q / q.sum()
-        elif form == "dense":
-            sampling_math.check_distribution(q, name=f"q of draft {msg.index}", vocab_size=vocab_size)
+            if form == "sparse" or not msg.dense.fp16:  # float32 values
+                # A sum within the tolerance of 1 is a draft that drew in proportion to these very
+                # values: judged by q unnormalised, the output moved by up to the tolerance (the
+                # float16 form is renormalised as it is decoded, dense_from_pb).
+                q = q / q.sum()
         if q[token] <= 0:
             raise ValueError(f"draft token {token} has q = 0: the draft cannot have sampled it")
     except ValueError as exc:

@@ -498,15 +498,17 @@ class SessionStore:
         values = await self.redis.lrange(tokens_key(session_id), start, stop)
         return [int(v) for v in values]
 
-    async def tokens_and_birth(self, session_id: str, start: int, end: int) -> tuple[list[int], str | None]:
-        """(committed tokens [start, end), the session's created_at), in one round trip: created_at
-        tells this lifetime of the session from an earlier one of the same id (None: no session).
-        Not a MULTI transaction: a Redis at its maxmemory refuses those, reads included."""
+    async def tokens_and_birth(self, session_id: str, start: int = 0,
+                               end: int | None = None) -> tuple[list[int], str | None]:  # fmt: skip
+        """(committed tokens [start, end) (end None means all), the session's created_at), in one
+        round trip: created_at tells this lifetime of the session from an earlier one of the same
+        id (None: no session). Not a MULTI transaction: a Redis at its maxmemory refuses those,
+        reads included."""
         async with self.redis.pipeline(transaction=False) as pipe:
-            pipe.lrange(tokens_key(session_id), start, end - 1)
+            pipe.lrange(tokens_key(session_id), start, -1 if end is None else end - 1)
             pipe.hget(meta_key(session_id), "created_at")
             values, born = await pipe.execute()
-        return ([int(v) for v in values] if end > start else []), born
+        return ([int(v) for v in values] if end is None or end > start else []), born
 
     async def length(self, session_id: str) -> int:
         return int(await self.redis.llen(tokens_key(session_id)))
