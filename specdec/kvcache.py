@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 
 import torch
 from transformers import DynamicCache
-from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
+from transformers.cache_utils import DummyLayer, DynamicLayer, DynamicSlidingWindowLayer
 
 from specdec import plain_forward
 from specdec.errors import FailedPrecondition, InvalidArgument, NotFound, OutOfRange, ResourceExhausted
@@ -368,6 +368,17 @@ def new_cache(config) -> DynamicCache:
     return cache
 
 
+def uncroppable_layers(config) -> list[str]:
+    """The kinds of cache layer (class names) a model of `config` keeps that are neither
+    attention keys and values (GrowingLayer) nor empty (DummyLayer: a layer without attention,
+    or one sharing another's keys). Such a layer (Mamba's and Jamba's SSM state, LFM2's
+    convolution, Qwen3-Next's linear attention) keeps a running state that cannot be cropped
+    back to a cycle's accepted drafts: those models' logits were wrong after a prefill fed in
+    chunks, and their first rejected draft failed the pass, its batch's other sessions too."""
+    return sorted({type(layer).__name__ for layer in new_cache(config).layers
+                   if not isinstance(layer, (GrowingLayer, DummyLayer))})  # fmt: skip
+
+
 def cache_bytes(cache: DynamicCache | None) -> int:
     """Memory held by a KV cache's keys and values (a GrowingLayer's spare room included)."""
     if cache is None:
@@ -391,6 +402,8 @@ def crop_cache(cache: DynamicCache | None, length: int) -> None:
     if cache is None:
         return
     for layer in cache.layers:
+        if isinstance(layer, DummyLayer):  # holds nothing (Gemma 3n's layers that share another's keys)
+            continue
         excess = layer.get_seq_length() - length
         if excess > 0:
             layer.crop(-excess)  # negative: remove that many positions from the end
@@ -643,6 +656,26 @@ def length_dependent_rope(model) -> bool:
     changed each other's logits (a short session scaled as the long one beside it), so each
     gets a pass of its own (forward_batch)."""
     return any("dynamic" in kind or kind == "longrope" for kind in rope_types(model))
+
+
+def context_limit(model) -> int:
+    """The positions a session of `model` may reach (0: its config does not say):
+    max_position_embeddings, or, for a "longrope" model (Phi-3 128k) whose
+    original_max_position_embeddings is smaller, that. Past it such a model's rotary
+    frequencies switch to their long factors for every row of a pass, and the keys cached
+    before were rotated with the short ones: transformers' own generate recomputes the whole
+    cache at the switch, specdec's sessions kept their keys, and their logits past the switch
+    were wrong (argmax wrong at 7 of 10 passes of a tiny Phi-3), so a session stops there."""
+    config = model.config
+    limit = int(getattr(config, "max_position_embeddings", 0) or 0)
+    if "longrope" not in rope_types(model):
+        return limit
+    parameters = getattr(config, "rope_parameters", None) or {}
+    each = list(parameters.values()) if all(isinstance(v, dict) for v in parameters.values()) and parameters else [parameters]
+    originals = [p.get("original_max_position_embeddings") for p in each] + [
+        getattr(config, "original_max_position_embeddings", None)]
+    originals = [int(o) for o in originals if o]
+    return min([limit, *originals] if limit else originals, default=limit)
 
 
 def reset_dynamic_rope(model) -> None:

@@ -52,6 +52,7 @@ from specdec.catalog import (  # the catalog itself (names, cache folder, checks
     CACHE_ENV, CACHE_MARKER, CATALOG, CatalogEntry, CatalogFetchError, ModelNotFoundError, catalog_model_dir, check_weights,
     draft_catalog, is_cached, list_catalog, resolve_model, sha256,
 )  # fmt: skip
+from specdec.kvcache import context_limit, uncroppable_layers
 from specdec.packed import pack_model
 from specdec.plain_forward import enable_plain_forward
 from specdec.vocab import load_tokenizer, vocab_fingerprint
@@ -434,6 +435,7 @@ def load_model(name_or_path: str, *, dtype: str = "float32", device: str = "cpu"
         model, tokenizer = _load_gguf(gguf_file, torch_dtype)
     if gguf_file is None and (path / OUTPUT_VOCAB_FILE).exists():
         restrict_output_vocab(model, read_output_vocab(path / OUTPUT_VOCAB_FILE, _embedding_rows(model)))
+    refuse_uncroppable(model, name_or_path)
     model.to(device)
     model.eval()
     kernels = pack_model(model) if pack else {}  # verify K + 1 rows from prepacked weights, where faster here
@@ -447,12 +449,23 @@ def load_model(name_or_path: str, *, dtype: str = "float32", device: str = "cpu"
         path=str(path),
         vocab_fingerprint=vocab_fingerprint(tokenizer),
         vocab_size=_embedding_rows(model),
-        max_context=int(getattr(model.config, "max_position_embeddings", 0) or 0),
+        max_context=context_limit(model),
         eos_token_ids=eos_token_ids(model, tokenizer),
         device=str(parameter.device),
         dtype=str(parameter.dtype).removeprefix("torch."),
         kernels=kernels,
     )
+
+
+def refuse_uncroppable(model, name: str) -> None:
+    """ValueError (a user's load error: one line) for a model whose cache specdec cannot crop
+    (kvcache.uncroppable_layers): speculative decoding takes back a cycle's rejected drafts."""
+    if kinds := uncroppable_layers(model.config):
+        raise ValueError(
+            f"{name} ({model.config.model_type}) keeps a running state in its cache ({', '.join(kinds)}), which cannot be "
+            "cut back to the drafts a cycle accepted; specdec serves models whose every layer is attention (full or "
+            "sliding-window)"
+        )
 
 
 class SubsetHead(torch.nn.Module):

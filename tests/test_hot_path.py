@@ -502,6 +502,31 @@ def test_a_sliding_window_model_crops_and_copies_its_cache_past_the_window_with_
         torch.testing.assert_close(copied, whole, rtol=0, atol=1e-5)
 
 
+def test_a_model_whose_layers_share_other_layers_keys_crops_its_cache_with_the_logits_of_one_pass():
+    """Gemma 3n's last layers reuse earlier layers' keys and values: their cache layers hold
+    nothing (transformers' DummyLayer), and cropping one failed with an AttributeError at the
+    session's first rejected draft. They are skipped; the logits are those of one pass."""
+    import transformers
+
+    config = transformers.Gemma3nTextConfig(
+        vocab_size=40, vocab_size_per_layer_input=40, hidden_size=64, hidden_size_per_layer_input=8, intermediate_size=128,
+        num_hidden_layers=4, num_kv_shared_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        sliding_window=8, laurel_rank=4, altup_num_inputs=2, activation_sparsity_pattern=[0.0] * 4,
+        layer_types=["sliding_attention", "full_attention"] * 2, max_position_embeddings=256, initializer_range=0.2,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.Gemma3nForCausalLM(config).eval()
+    tokens = torch.randint(4, 40, (40,), generator=torch.Generator().manual_seed(5)).tolist()
+    cache = new_cache(model.config)
+    with torch.inference_mode():
+        forward(model, cache, tokens[:12])
+        forward(model, cache, tokens[12:20])
+        crop_cache(cache, 15)
+        got = forward(model, cache, tokens[15:30], keep=15)  # [15, V]
+        whole = model(input_ids=torch.tensor([tokens[:30]])).logits[0, 15:30].float()  # [15, V]
+    torch.testing.assert_close(got, whole, rtol=0, atol=1e-5)
+
+
 def test_a_new_session_copies_the_beginning_an_idle_session_holds_and_its_logits_are_those_of_feeding_it(model):
     """A prompt whose first 110 tokens another session's cache covers takes them from it
     (find_prefix, take_prefix): the cache and the logits after are those of feeding the whole

@@ -284,6 +284,43 @@ def test_load_model_dtypes_and_devices(tiny_dir):
             load_model(str(directory), device="cuda:0")
 
 
+@pytest.mark.parametrize("family", ["mamba", "lfm2"])
+def test_a_model_whose_cache_keeps_a_running_state_is_refused_at_load_naming_why(family, tiny_tokenizer, tmp_path):
+    """Mamba's SSM state and LFM2's convolution cannot be cut back to a cycle's accepted drafts:
+    such a model loaded, gave wrong logits after a prefill fed in chunks and failed its first
+    rejected draft with transformers' own message. It is refused at load, as a user's error
+    (ValueError: one line from `specdec serve`)."""
+    import transformers
+
+    ids = dict(vocab_size=len(tiny_tokenizer), pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    config = {
+        "mamba": lambda: transformers.MambaConfig(hidden_size=32, state_size=4, num_hidden_layers=2, **ids),
+        "lfm2": lambda: transformers.Lfm2Config(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                                num_attention_heads=4, num_key_value_heads=2,
+                                                layer_types=["conv", "full_attention"], **ids),  # fmt: skip
+    }[family]()
+    save_model(transformers.AutoModelForCausalLM.from_config(config), tiny_tokenizer, tmp_path / family)
+    with pytest.raises(ValueError, match=f"{family}.*running state in its cache.*cannot be cut back"):
+        load_model(str(tmp_path / family))
+
+
+def test_a_longrope_models_sessions_end_where_its_rotary_frequencies_would_switch(tiny_tokenizer, tmp_path):
+    """Phi-3 128k's longrope switches every row of a pass to its long factors past
+    original_max_position_embeddings, while the keys cached before keep the short ones: its
+    logits past that point were wrong (transformers' generate recomputes the cache there).
+    Its context limit is now that point; a model without longrope keeps max_position_embeddings."""
+    import transformers
+
+    rope = {"rope_type": "longrope", "short_factor": [1.0] * 4, "long_factor": [4.0] * 4, "rope_theta": 10000.0,
+            "original_max_position_embeddings": 32}  # fmt: skip
+    common = dict(vocab_size=len(tiny_tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                  num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=128, pad_token_id=0)  # fmt: skip
+    for name, parameters, limit in (("longrope", rope, 32), ("plain", {"rope_type": "default", "rope_theta": 10000.0}, 128)):
+        config = transformers.Phi3Config(rope_parameters=parameters, original_max_position_embeddings=32, **common)
+        save_model(transformers.Phi3ForCausalLM(config), tiny_tokenizer, tmp_path / name)
+        assert load_model(str(tmp_path / name)).max_context == limit
+
+
 def block_network(monkeypatch) -> None:
     """Make any attempt to open a network connection fail the test."""
 
