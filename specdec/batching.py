@@ -23,7 +23,7 @@ from typing import Any
 
 from specdec.kvcache import crop_cache
 from specdec.ranges import DEFAULT_MAX_BATCH
-from specdec.serving import ModelWorker
+from specdec.serving import ModelWorker, wait_out
 
 Waiting = tuple[Any, asyncio.Future]  # (job, its result to come)
 
@@ -56,8 +56,8 @@ class Batcher:
         except asyncio.CancelledError:
             if waiting in self.queue:
                 self.queue.remove(waiting)
-            elif not waiting[1].done():
-                await asyncio.wait([waiting[1]])
+            else:
+                await wait_out(waiting[1])
             raise
 
     async def drain(self) -> None:

@@ -506,6 +506,13 @@ class SessionPool:
         self.on_change(self)
         return state is not None
 
+    def drop(self, state: SessionState) -> None:
+        """Drop `state` if the pool still serves it under its id: a call that finds its state
+        untrustworthy (recreated, gone) drops that one, never a newer state another call
+        made under the same id meanwhile (which a drop by id took from under it)."""
+        if self.sessions.get(state.session_id) is state:
+            self.release(state.session_id)
+
     def _over_memory(self) -> bool:
         return bool(self.max_cache_bytes) and self.bytes_held > self.max_cache_bytes
 

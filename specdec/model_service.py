@@ -140,13 +140,13 @@ class ModelService:
                 ):  # fmt: skip
                     yield state
             except SessionRecreated:
-                pool.release(session_id)  # the earlier session's cache: never to be trusted again
+                pool.drop(state)  # the earlier session's cache: never to be trusted again
                 raise
             except (FailedPrecondition, OutOfRange):
                 # Tokens missing from Redis may mean the session itself is gone (deleted, expired)
                 # while we held it: say so, rather than call the request stale.
                 if not await self.store.exists(session_id):
-                    pool.release(session_id)
+                    pool.drop(state)
                     raise session_gone(session_id) from None
                 raise
 

@@ -54,11 +54,23 @@ class ModelWorker:
         except asyncio.CancelledError:
             # A forward cannot be interrupted: let it finish before the caller releases the
             # session it mutates (the session lock), then pass the cancellation on.
-            await asyncio.wait([future])
+            await wait_out(future)
             raise
 
     def shutdown(self) -> None:
         self.executor.shutdown(wait=False, cancel_futures=True)
+
+
+async def wait_out(future: asyncio.Future) -> None:
+    """Wait until `future` is done, however often the waiting task is cancelled meanwhile: a
+    second cancellation used to end the wait at once, and the caller then released (and
+    rolled back) a session whose forward was still writing to it, so the next call on it
+    verified after the wrong context."""
+    while not future.done():
+        try:
+            await asyncio.wait([future])
+        except asyncio.CancelledError:
+            continue
 
 
 # gRPC sets SO_REUSEPORT on Linux by default, so a second server on a port already served

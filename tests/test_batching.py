@@ -111,6 +111,40 @@ def test_a_call_cancelled_while_queued_leaves_the_queue_and_one_cancelled_in_its
     assert passes.batches == [["running"], ["kept"]]
 
 
+def test_a_call_cancelled_twice_during_its_pass_still_returns_only_once_the_pass_is_over():
+    """A second cancellation while a call waited for its running pass ended the wait at once:
+    the caller then released (and rolled back) the session the pass was still writing, and a
+    retry of the call verified after the wrong context (a verdict (0, 25) where the clean one
+    is (3, 20), in the audit's script). The Batcher's calls and the worker's both wait it out."""
+    passes = Passes()
+
+    async def cancel_twice(task):
+        await asyncio.sleep(0.05)  # its pass has started, and waits on the gate
+        task.cancel()
+        await asyncio.sleep(0.02)
+        task.cancel()
+        await asyncio.sleep(0.05)
+        return task.done()
+
+    async def run():
+        worker = ModelWorker("test-target")
+        batched = asyncio.create_task(Batcher(worker, passes, max_batch=8).run(job("running")))
+        batched_done_early = await cancel_twice(batched)
+        passes.gate.release()
+        results = await asyncio.gather(batched, return_exceptions=True)
+        gate = threading.Event()
+        alone = asyncio.create_task(worker.run(gate.wait, 5))
+        alone_done_early = await cancel_twice(alone)
+        gate.set()
+        results += await asyncio.gather(alone, return_exceptions=True)
+        worker.shutdown()
+        return batched_done_early, alone_done_early, results
+
+    batched_done_early, alone_done_early, results = asyncio.run(run())
+    assert not batched_done_early and not alone_done_early, "a call in a running pass waits for the pass"
+    assert all(isinstance(result, asyncio.CancelledError) for result in results) and passes.batches == [["running"]]
+
+
 # ---------------------------------------------------------------- real verification
 
 

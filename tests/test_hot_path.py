@@ -649,6 +649,46 @@ def test_a_model_service_copies_a_shared_beginning_unless_prefix_reuse_is_off(mo
     assert build_parser().parse_args(["serve", "target"]).no_prefix_reuse is True
 
 
+def test_a_call_that_finds_its_state_untrustworthy_drops_that_state_not_a_newer_one_of_the_same_id(monkeypatch):
+    """Two calls waited on a stale state of a session recreated under its id: the first found it
+    so (SessionRecreated), dropped it, and its retry made a new state; the second then dropped
+    *by id*, taking the retry's new state from under it (a second prefill, a cache the limits
+    no longer counted). A call drops only the state it holds."""
+    import asyncio
+    import contextlib
+
+    from specdec.errors import SessionRecreated
+    from specdec.model_service import ModelService, ModelServiceConfig
+    from specdec.v1 import specdec_pb2 as pb
+
+    class Redis:
+        async def exists(self, session_id: str) -> bool:
+            return True
+
+    service = ModelService(ModelServiceConfig(), store=Redis(), info=pb.ModelInfoResponse())
+    service.pool = SessionPool(8, lambda: None)
+    stale = service.pool.sessions["s"] = SessionState("s")
+    newer = SessionState("s")
+
+    @contextlib.asynccontextmanager
+    async def brought(state, *args, **kwargs):
+        if state is stale:
+            service.pool.sessions["s"] = newer  # meanwhile, another call's retry made a new state
+            raise SessionRecreated("session 's' was created again since this target held it")
+        yield
+
+    monkeypatch.setattr(SessionState, "brought", brought)
+
+    async def call():
+        async with service.session(pb.VerifyRequest(session_id="s", position=0)):
+            pass
+
+    with pytest.raises(SessionRecreated):
+        asyncio.run(call())
+    service.worker.shutdown()
+    assert service.pool.sessions.get("s") is newer
+
+
 def test_a_pass_that_fails_partway_through_its_layers_is_cropped_back_and_the_next_pass_is_exact(model):
     """Out of memory in the second layer: the first layer's cache holds the failed pass's
     positions, the second's does not. Cropping back to the held tokens must leave every layer
