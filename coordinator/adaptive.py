@@ -32,8 +32,9 @@ own class makes worth verifying (a guard for when the class was not known before
 
 Estimates decay (DECAY per cycle) so K follows the text as it changes. c_verify(k ≥ 1)
 is a line fitted to the passes seen so far, with a prior slope until two sizes have
-been seen; a plain step's cost is measured on its own. When k = 0 wins, a one-token
-probe keeps α̂ current: after PROBE_EVERY cycles, and after twice as many each time a
+been seen; a plain step's cost is measured on its own. An observed cost counts as at most
+OUTLIER_FACTOR times its estimate, so one slow cycle cannot skew the line. When k = 0 wins,
+a one-token probe keeps α̂ current: after PROBE_EVERY cycles, and after twice as many each time a
 probe is rejected (up to MAX_PROBE_EVERY), so a useless draft costs less and less; a
 probe that is accepted resets the interval.
 
@@ -57,6 +58,12 @@ PRIOR_WEIGHT = 2.0  # ... and α̂_i leans on α̂_{i-1} with this many pseudo-c
 # Verifying k more tokens costs this fraction of a plain step per token until measured
 # (design.md §5: 5 tokens ≈ 1.6 plain steps on a CPU).
 PRIOR_VERIFY_SLOPE = 0.15
+# An observed cost above this many times the estimate for its size counts as that much: one
+# slow cycle (a pause, a prefill, a retry's back-off) weighed in the fitted line as much as
+# every other size's mean, and a K no longer chosen is never measured again, so one cycle 30 s
+# long kept speculation off, coordinator-wide, for ~14,500 cycles (until its count underflowed).
+# A real slowdown is still learnt: each observation can raise the estimate up to that factor.
+OUTLIER_FACTOR = 3.0
 PROBE_EVERY = 16
 MAX_PROBE_EVERY = 128
 
@@ -217,11 +224,12 @@ class AdaptiveK:
         if self.shared is not None:
             self.shared.observe(drafted, accepted, draft_ms, verify_ms, match_length, proposed)
         proposed = drafted if proposed is None else proposed
-        if self.probing and drafted:
+        if self.probing:  # the probe's cycle: one that drafted nothing (its call failed, drafting paused) ends it too
             self.probing = False
-            self.probe_every = PROBE_EVERY if accepted else min(2 * self.probe_every, MAX_PROBE_EVERY)
+            if drafted:
+                self.probe_every = PROBE_EVERY if accepted else min(2 * self.probe_every, MAX_PROBE_EVERY)
         if verify_ms is not None:
-            add_decayed(self.verify, drafted, verify_ms)
+            add_decayed(self.verify, drafted, bounded(verify_ms, self.c_verify(drafted)))
         if drafted:
             positions = self.classes.setdefault(match_length, [])
             for counts in positions:
@@ -233,7 +241,12 @@ class AdaptiveK:
                 positions[i][0] += i < accepted
                 positions[i][1] += 1
         if proposed and draft_ms is not None:
-            add_decayed(self.draft, proposed, draft_ms)
+            add_decayed(self.draft, proposed, bounded(draft_ms, self.c_draft(proposed) if self.draft else None))
+
+
+def bounded(ms: float, estimate: float | None) -> float:
+    """An observed cost, at most OUTLIER_FACTOR times the current estimate (None: none yet)."""
+    return ms if not estimate else min(ms, OUTLIER_FACTOR * estimate)
 
 
 def add_decayed(costs: dict[int, list[float]], size: int, ms: float) -> None:

@@ -375,6 +375,8 @@ class CycleLoop:
         self.draft_replica = None  # the draft replica draft_seen counts on: the last whose call reached the session
         self.target_seen = 0
         self.cycle = 0
+        self.cycles_run = 0  # cycles this run has run (a Resume's run begins at its session's cycle)
+        self.verify_retried = False  # whether the latest Verify took more than one attempt
         self.stats = Stats()
         # Drafts the target judged (accepted ones, and the one rejection that ends a cycle)
         # and accepted: α̂ for pipelining when adaptive K keeps no estimate of its own.
@@ -549,40 +551,46 @@ class CycleLoop:
     async def run_traced_cycle(self, limit: int) -> Outcome:
         start = time.perf_counter()
         call, k, pipelined = self.draft_call(limit)
-        drafts = await self.take_drafts(call, k) if call is not None else []
-        proposed = len(drafts)
-        if drafts and self.adaptive is not None:  # verify only what these drafts' class is worth
-            drafts = drafts[: self.adaptive.trim(drafts[0].match_length, len(drafts))]
-        drafted_at = time.perf_counter()
-
-        guess = None
-        if call is not None and call.k > k and len(drafts) == k:
-            # Runs while the target verifies: wait for the guess, start the next cycle's drafting.
-            guess = asyncio.get_running_loop().create_task(self.speculate(call, drafts))
-        # No draft was asked for (K = 0, speculation off, draft back-off): several plain steps.
-        # A draft that was asked but proposed nothing (an n-gram miss, or drafts trimmed
-        # away) may match after one token.
-        steps = self.solo_steps() if call is None else 1
         try:
-            verdict = await self.verify(drafts, steps, draft_busy=guess is not None,
-                                        stop_at_ngram=self.ngram_stop() if steps > 1 else None)  # fmt: skip
-        except BaseException as exc:
+            drafts = await self.take_drafts(call, k) if call is not None else []
+            proposed = len(drafts)
+            if drafts and self.adaptive is not None:  # verify only what these drafts' class is worth
+                drafts = drafts[: self.adaptive.trim(drafts[0].match_length, len(drafts))]
+            drafted_at = time.perf_counter()
+
+            guess = None
+            if call is not None and call.k > k and len(drafts) == k:
+                # Runs while the target verifies: wait for the guess, start the next cycle's drafting.
+                guess = asyncio.get_running_loop().create_task(self.speculate(call, drafts))
+            # No draft was asked for (K = 0, speculation off, draft back-off): several plain steps.
+            # A draft that was asked but proposed nothing (an n-gram miss, or drafts trimmed
+            # away) may match after one token.
+            steps = self.solo_steps() if call is None else 1
+            # Costs adaptive K may learn from: not a run's first cycle, whose calls also prefill the
+            # context (a Resume's too), nor a cycle verified twice or retried (its pauses are no pass).
+            timed = self.cycles_run > 0
+            try:
+                verdict = await self.verify(drafts, steps, draft_busy=guess is not None,
+                                            stop_at_ngram=self.ngram_stop() if steps > 1 else None)  # fmt: skip
+            except BaseException as exc:
+                if guess is not None:
+                    discard(guess)
+                refused = isinstance(exc, grpc.aio.AioRpcError) and exc.code() == grpc.StatusCode.INVALID_ARGUMENT
+                if not (drafts and refused):
+                    raise
+                # The target refused the drafts themselves (a q that is no distribution: a draft's
+                # bug, or a draft of a newer version sending what this target does not read). The
+                # cycle goes on without them, as after a failed draft call; the request used to end.
+                guess, drafts, timed = None, [], False
+                self.pause_drafting(f"failed or too slow ({exc.code().name}: {exc.details()})")
+                verdict = await self.verify(drafts, steps)
             if guess is not None:
-                discard(guess)
-            refused = isinstance(exc, grpc.aio.AioRpcError) and exc.code() == grpc.StatusCode.INVALID_ARGUMENT
-            if not (drafts and refused):
-                raise
-            # The target refused the drafts themselves (a q that is no distribution: a draft's
-            # bug, or a draft of a newer version sending what this target does not read). The
-            # cycle goes on without them, as after a failed draft call; the request used to end.
-            guess, drafts = None, []
-            self.pause_drafting(exc)
-            verdict = await self.verify(drafts, steps)
-        if guess is not None:
-            await self.settle_speculation(guess, verdict, len(drafts))
-        if call is not None:
-            call.cancel()  # a guess nobody needs any more must not hold the draft's session
+                await self.settle_speculation(guess, verdict, len(drafts))
+        finally:
+            if call is not None:  # a guess nobody needs, or a request that ended meanwhile: the draft stops
+                call.cancel()
         verified_at = time.perf_counter()
+        timed = timed and not self.verify_retried
 
         n = verdict.num_accepted
         more = list(verdict.more_tokens)[: steps - 1]  # decoded after next_token (steps > 1)
@@ -613,9 +621,8 @@ class CycleLoop:
         self.judged += n + (1 if n < len(drafts) else 0)
         if self.adaptive is not None:
             # c_verify(0) is the cost of one plain step: a call of several steps counts per token.
-            # The first cycle's calls also prefill the prompt: its costs would mislead.
-            verify_ms = (verified_at - drafted_at) * 1000 / (1 + len(more)) if self.cycle else None
-            draft_ms = (drafted_at - start) * 1000 if self.cycle else None
+            verify_ms = (verified_at - drafted_at) * 1000 / (1 + len(more)) if timed else None
+            draft_ms = (drafted_at - start) * 1000 if self.cycles_run else None
             if self.plan.ngram_first is not None and isinstance(call, NgramLookup):
                 draft_ms = None  # c_draft is the model's: a lookup's ~0 ms would understate it
             match_length = drafts[0].match_length if drafts else 0
@@ -645,6 +652,7 @@ class CycleLoop:
             self.commit(self.committing, outcome, increments, verified_at)
         )
         self.cycle += 1
+        self.cycles_run += 1
         return outcome
 
     def commit_in_flight(self) -> bool:
@@ -793,7 +801,13 @@ class CycleLoop:
             if isinstance(call, DraftCall) and exc.code() == grpc.StatusCode.FAILED_PRECONDITION:
                 await self.drafts.recheck(call.replica)  # restarted on another vocabulary: refused, sessions move
             call.cancel()
-            self.pause_drafting(exc)
+            self.pause_drafting(f"failed or too slow ({exc.code().name}: {exc.details()})")
+            return []
+        if not drafts and isinstance(call, DraftCall):
+            # A draft that answers with nothing and no error (none of specdec's: past its context
+            # a draft model refuses OUT_OF_RANGE) would answer so again: it is backed off as a
+            # failed one, where every cycle asked it again and made one token.
+            self.pause_drafting("proposed no drafts")
             return []
         self.draft_failures = 0
         # Nothing after an end token can be kept.
@@ -802,14 +816,13 @@ class CycleLoop:
                 return drafts[: i + 1]
         return drafts
 
-    def pause_drafting(self, error: grpc.aio.AioRpcError) -> None:
+    def pause_drafting(self, reason: str) -> None:
         """Run the next cycles target-only: 1, 2, 4, ... 32 of them after consecutive draft
-        faults; a draft call that succeeds resets the count."""
+        faults (`reason` says which, for the log); a draft call that drafts resets the count."""
         backoff = DRAFT_BACKOFF_CYCLES[min(self.draft_failures, len(DRAFT_BACKOFF_CYCLES) - 1)]
         self.draft_failures += 1
         self.draft_paused_until = self.cycle + backoff
-        log.warning("draft failed or too slow (%s: %s); target-only for %d cycle(s)", error.code().name,
-                    error.details(), backoff)  # fmt: skip
+        log.warning("draft %s; target-only for %d cycle(s)", reason, backoff)
 
     async def speculate(self, call: DraftCall, drafts: list[pb.DraftToken]) -> Speculation | None:
         """Wait for the guess, then start drafting the next cycle as if all drafts and the
@@ -918,6 +931,7 @@ class CycleLoop:
                     span.set_attribute("specdec.forward_ms", reply.forward_ms)
                     span.set_attribute("specdec.accept_ms", reply.accept_ms)
                     span.set_attribute("specdec.accepted", reply.num_accepted)
+                    self.verify_retried = attempt > 0
                     return reply
             except grpc.aio.AioRpcError as exc:
                 # A store fault once is Redis's (failing over, say): asked again here, as a session

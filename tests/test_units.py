@@ -1168,6 +1168,48 @@ def test_a_request_whose_draft_loses_probes_as_often_as_adaptive_k_says_not_twic
     assert gaps[:3] == [2 * PROBE_EVERY, 4 * PROBE_EVERY, MAX_PROBE_EVERY] and set(gaps[3:]) == {MAX_PROBE_EVERY}, gaps
 
 
+def test_one_slow_cycle_does_not_keep_its_k_or_speculation_off_for_thousands_of_cycles():
+    """One cycle slowed by 30 s (a pause, a prefill, a retry's back-off) weighed in the fitted
+    cost line as much as every other size's mean, and a K no longer chosen is never measured
+    again: speculation stayed off in the coordinator-wide estimate for the next ~200 requests
+    of 64 tokens (until the count underflowed, ~14,500 observations). An observed cost counts
+    as at most OUTLIER_FACTOR times its estimate: the requests after it draft as before."""
+    import random
+
+    rng = random.Random(1)
+
+    def request(shared, slow_ms=0.0):  # 64 tokens, α 0.8, c_q 3 ms, a call 2 ms, verify 60 + 8k ms
+        controller, made, ks = shared.session(8), 0, []
+        while made < 64:
+            k = controller.choose(min(8, 63 - made))
+            accepted = next((i for i in range(k) if rng.random() >= 0.8), k)
+            verify_ms = 60.0 + 8.0 * k + (slow_ms if len(ks) == 1 else 0.0)
+            controller.observe(k, accepted, 2.0 + 3.0 * k if k else None, verify_ms if ks else None)
+            made, ks = made + accepted + 1, ks + [k]
+        return ks
+
+    shared = AdaptiveK(max_k=8)
+    for _ in range(20):
+        request(shared)
+    request(shared, slow_ms=30_000.0)
+    after = [k for _ in range(50) for k in request(shared)]
+    assert sum(k > 0 for k in after) >= 0.8 * len(after), f"{sum(k > 0 for k in after)} of {len(after)} cycles drafted"
+
+
+def test_a_probe_whose_cycle_drafted_nothing_ends_with_that_cycle():
+    """A probe whose Propose failed (or fell on a cycle with drafting paused) left the probe
+    flag set: the next cycles were never trimmed, and the next drafted cycle, probe or not,
+    set the probe interval. The cycle after the probe's ends it, leaving the interval."""
+    controller = AdaptiveK(max_k=8)
+    feed(controller, 40, bernoulli(0.0), draft_ms_per_token=2.0, verify_ms=lambda k: 60 + 8 * k)
+    while not controller.choose(8):
+        controller.observe(0, 0, None, 60)
+    every = controller.probe_every
+    controller.observe(0, 0, None, 60)  # the probe's call failed: no drafts
+    assert not controller.probing and controller.probe_every == every
+    assert controller.trim(0, 4) == 0  # drafts are trimmed again: speculation loses
+
+
 def test_adaptive_k_drafts_long_for_a_good_cheap_draft():
     controller = AdaptiveK(max_k=8)
     feed(controller, 60, bernoulli(0.95), draft_ms_per_token=1.0, verify_ms=lambda k: 60 + 5 * k)
@@ -1706,6 +1748,120 @@ class ListStore:
 class RejectingTargetStub:
     async def Verify(self, request, timeout=None, wait_for_ready=None):
         return pb.VerifyResponse(num_accepted=0, next_token=7, bonus=False)
+
+
+class EmptyDraftStub:
+    """A draft whose every Propose answers with no tokens (a draft model whose context is full)."""
+
+    def __init__(self):
+        self.calls = 0
+
+    def Propose(self, request, timeout=None):
+        self.calls += 1
+        return FakeDraftStream([])
+
+
+class StepsTargetStub:
+    """A target whose every pass takes `ms` and decodes token 7 for each step asked."""
+
+    def __init__(self, ms: float = 0.0, fail_calls: tuple[int, ...] = ()):
+        self.ms, self.calls, self.fail_calls = ms, [], fail_calls  # calls (from 1) that fail UNAVAILABLE
+
+    async def Verify(self, request, timeout=None, wait_for_ready=None):
+        self.calls.append(request)
+        await asyncio.sleep(self.ms / 1000)
+        if len(self.calls) in self.fail_calls:
+            raise grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(), "busy")
+        return pb.VerifyResponse(num_accepted=0, next_token=7, more_tokens=[7] * (request.steps - 1))
+
+
+def plain_store():
+    from types import SimpleNamespace
+
+    return SimpleNamespace(commit=lambda session_id, cycle, *rest, **options: asyncio.sleep(0, (cycle + 1, 0)),
+                           ping=lambda: asyncio.sleep(0))  # fmt: skip
+
+
+def test_a_draft_that_answers_with_no_drafts_is_backed_off_not_asked_every_cycle():
+    """A draft that answers every Propose with nothing and no error (another implementation of
+    the Draft service) was asked again each cycle, which, having asked, made one token: 40
+    tokens took 40 cycles and 39 calls. It is backed off as a failed draft is (1, 2, 4, ...
+    cycles of plain steps)."""
+    from coordinator.cycles import CycleLoop, Plan
+
+    async def run():
+        plan = Plan(session_id="s", prompt=[1, 2, 3], max_new_tokens=40, sampling=Sampling(0.0, 0, 1.0, 1), k=4,
+                    eos_token_ids=frozenset(), max_context=0, draft_model="", draft_fingerprint="",
+                    pipeline=False)  # fmt: skip
+        draft = EmptyDraftStub()
+        outcomes = [o async for o in CycleLoop(OneReplica(draft), OneReplica(StepsTargetStub()), plain_store(), plan,
+                                               None).run()]  # fmt: skip
+        return outcomes, draft.calls
+
+    outcomes, calls = asyncio.run(run())
+    assert sum(len(o.tokens) for o in outcomes) == 40
+    assert len(outcomes) <= 15 and calls <= 6, (len(outcomes), calls)
+
+
+def test_a_requests_cycle_propose_is_cancelled_when_the_request_ends_with_an_error():
+    """The cycle's own Propose was cancelled only once its Verify succeeded: a request that
+    ended meanwhile (an error, the client gone) left the draft drafting for it, its session
+    held, until the call's budget ran out."""
+    from coordinator.cycles import CycleLoop, Plan
+
+    class Stream(FakeDraftStream):
+        cancelled = False
+
+        def cancel(self):
+            self.cancelled = True
+
+    class Draft:
+        streams: list = []
+
+        def Propose(self, request, timeout=None):
+            self.streams.append(Stream([pb.DraftToken(index=i, token_id=7) for i in range(request.k)]))
+            return self.streams[-1]
+
+    class FailingTarget:
+        async def Verify(self, request, timeout=None, wait_for_ready=None):
+            raise grpc.aio.AioRpcError(grpc.StatusCode.INTERNAL, grpc.aio.Metadata(), grpc.aio.Metadata(), "broken")
+
+    async def run():
+        plan = Plan(session_id="s", prompt=[1, 2, 3], max_new_tokens=40, sampling=Sampling(0.0, 0, 1.0, 1), k=4,
+                    eos_token_ids=frozenset(), max_context=0, draft_model="", draft_fingerprint="",
+                    pipeline=False)  # fmt: skip
+        draft = Draft()
+        with pytest.raises(grpc.aio.AioRpcError):
+            [o async for o in CycleLoop(OneReplica(draft), OneReplica(FailingTarget()), plain_store(), plan, None).run()]
+        return draft.streams
+
+    streams = asyncio.run(run())
+    assert len(streams) == 1 and streams[0].cancelled
+
+
+def test_adaptive_k_learns_no_cost_from_a_resumed_runs_first_cycle_or_a_retried_verify():
+    """A Resume's first cycle (its cycle index not 0) prefills the context on both services, and
+    a Verify sent again waited out its back-off: their times are no pass's cost. The first
+    went into the coordinator-wide estimate (its verify mean rose from 10 to 250 ms)."""
+    from coordinator.cycles import CycleLoop, Plan, Stats
+
+    async def run(resume: bool, fail_calls: tuple[int, ...]):
+        shared = AdaptiveK(4)
+        plan = Plan(session_id="s", prompt=list(range(1, 50)), max_new_tokens=4, sampling=Sampling(0.0, 0, 1.0, 1),
+                    k=2, eos_token_ids=frozenset(), max_context=0, draft_model="", draft_fingerprint="",
+                    pipeline=False, adaptive=True)  # fmt: skip
+        target = StepsTargetStub(ms=1.0, fail_calls=fail_calls)
+        loop = CycleLoop(OneReplica(RecordingDraftStub()), OneReplica(target), plain_store(), plan, None,
+                         shared_k=shared)  # fmt: skip
+        if resume:
+            loop.resume_at(plan.prompt + [7, 7], cycle=2, stats=Stats())
+        [o async for o in loop.run()]
+        return sum(count for _, count in shared.verify.values()), len(target.calls)
+
+    fresh, _ = asyncio.run(run(False, ()))  # 4 cycles: the last 3 timed
+    resumed, _ = asyncio.run(run(True, ()))  # 2 cycles: the last timed
+    retried, calls = asyncio.run(run(False, (2, 3)))  # the second cycle's Verify sent 3 times: not timed
+    assert (round(fresh, 4), resumed, round(retried, 4), calls) == (2.8525, 1.0, 1.95, 6)
 
 
 def test_a_draft_call_that_failed_before_reaching_the_session_leaves_the_drafts_position_where_it_was():
