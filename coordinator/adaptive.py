@@ -25,15 +25,16 @@ Terms (the seed's formulas):
                  = 1 / c_verify(0)              for k = 0 (target only)
 
 K is chosen before drafting (`choose`): for an n-gram draft the coordinator looks the
-match up itself (specdec.ngram, microseconds), so K is the best for that match's class,
+match up itself (specdec.ngram, under a millisecond), so K is the best for that match's class,
 and a miss or a weak match costs no draft call and runs plain steps; for a model draft,
 K is the best for its one class. Once drafts arrive, `trim` keeps only as many as their
 own class makes worth verifying (a guard for when the class was not known beforehand).
 
 Estimates decay (DECAY per cycle) so K follows the text as it changes. c_verify(k ≥ 1)
 is a line fitted to the passes seen so far, with a prior slope until two sizes have
-been seen; a plain step's cost is measured on its own. An observed cost counts as at most
-OUTLIER_FACTOR times its estimate, so one slow cycle cannot skew the line. When k = 0 wins,
+been seen; a plain step's cost is measured on its own. Each size weighs in a line by its
+decayed count, and a size not seen lately (STALE_COUNT) not at all while another is: a
+slow cycle at a K no longer chosen cannot skew the line for long. When k = 0 wins,
 a one-token probe keeps α̂ current: after PROBE_EVERY cycles, and after twice as many each time a
 probe is rejected (up to MAX_PROBE_EVERY), so a useless draft costs less and less; a
 probe that is accepted resets the interval.
@@ -58,12 +59,12 @@ PRIOR_WEIGHT = 2.0  # ... and α̂_i leans on α̂_{i-1} with this many pseudo-c
 # Verifying k more tokens costs this fraction of a plain step per token until measured
 # (design.md §5: 5 tokens ≈ 1.6 plain steps on a CPU).
 PRIOR_VERIFY_SLOPE = 0.15
-# An observed cost above this many times the estimate for its size counts as that much: one
-# slow cycle (a pause, a prefill, a retry's back-off) weighed in the fitted line as much as
-# every other size's mean, and a K no longer chosen is never measured again, so one cycle 30 s
-# long kept speculation off, coordinator-wide, for ~14,500 cycles (until its count underflowed).
-# A real slowdown is still learnt: each observation can raise the estimate up to that factor.
-OUTLIER_FACTOR = 3.0
+# A size whose decayed count fell below this (one observation ~45 observations ago) is left
+# out of a cost line while some size was seen since (the freshest is kept where none was). A
+# mean no longer fed (a K no longer chosen) kept its full weight in the line until its count
+# underflowed, ~14,500 observations: one slow cycle (a pause, a retry's back-off) at the K in
+# use kept speculation off that long, coordinator-wide.
+STALE_COUNT = 0.1
 PROBE_EVERY = 16
 MAX_PROBE_EVERY = 128
 
@@ -128,11 +129,11 @@ class AdaptiveK:
         """Estimated ms to get k drafts, the Propose call included: a line fitted to the
         calls seen (one size seen: k times its cost per token). An n-gram draft's cost is
         mostly the call, the same for 1 token or 8; a model draft's grows by c_q a token."""
-        points = mean_points(self.draft)
+        points = fresh(mean_points(self.draft))
         if not points or k == 0:
             return 0.0
         if len(points) == 1:
-            size, ms = points[0]
+            size, ms, _ = points[0]
             return ms * k / size
         return max(line_at(points, k), 0.0)
 
@@ -143,15 +144,15 @@ class AdaptiveK:
         kernel from a pass over several (specdec.packed), which can cost less than a single
         row, so a plain step is not on the line through the others. For k ≥ 1, a line
         fitted to the passes seen, with the prior slope until two sizes have been seen."""
-        means = dict(mean_points(self.verify))
-        plain_ms = means.pop(0, None)
-        points = list(means.items())
+        points = mean_points(self.verify)
+        plain_ms = next((ms for size, ms, _ in points if size == 0), None)
+        points = fresh([point for point in points if point[0] > 0])
         if k == 0 and plain_ms is not None:
             return plain_ms
         if not points:
             return None if plain_ms is None else plain_ms * (1 + PRIOR_VERIFY_SLOPE * k)
         if len(points) == 1:
-            size, ms = points[0]
+            size, ms, _ = points[0]
             return ms * (1 + PRIOR_VERIFY_SLOPE * k) / (1 + PRIOR_VERIFY_SLOPE * size)
         return max(line_at(points, k), 1e-3)
 
@@ -229,7 +230,7 @@ class AdaptiveK:
             if drafted:
                 self.probe_every = PROBE_EVERY if accepted else min(2 * self.probe_every, MAX_PROBE_EVERY)
         if verify_ms is not None:
-            add_decayed(self.verify, drafted, bounded(verify_ms, self.c_verify(drafted)))
+            add_decayed(self.verify, drafted, verify_ms)
         if drafted:
             positions = self.classes.setdefault(match_length, [])
             for counts in positions:
@@ -241,12 +242,7 @@ class AdaptiveK:
                 positions[i][0] += i < accepted
                 positions[i][1] += 1
         if proposed and draft_ms is not None:
-            add_decayed(self.draft, proposed, bounded(draft_ms, self.c_draft(proposed) if self.draft else None))
-
-
-def bounded(ms: float, estimate: float | None) -> float:
-    """An observed cost, at most OUTLIER_FACTOR times the current estimate (None: none yet)."""
-    return ms if not estimate else min(ms, OUTLIER_FACTOR * estimate)
+            add_decayed(self.draft, proposed, draft_ms)
 
 
 def add_decayed(costs: dict[int, list[float]], size: int, ms: float) -> None:
@@ -259,16 +255,24 @@ def add_decayed(costs: dict[int, list[float]], size: int, ms: float) -> None:
     total[1] += 1
 
 
-def mean_points(costs: dict[int, list[float]]) -> list[tuple[int, float]]:
-    """(size, mean ms) of every size seen in {size: [decayed sum of ms, decayed count]}."""
-    return [(size, total / count) for size, (total, count) in costs.items() if count > 0]
+def mean_points(costs: dict[int, list[float]]) -> list[tuple[int, float, float]]:
+    """(size, mean ms, decayed count) of every size seen in {size: [decayed sum of ms, decayed count]}."""
+    return [(size, total / count, count) for size, (total, count) in costs.items() if count > 0]
 
 
-def line_at(points: list[tuple[int, float]], k: int) -> float:
-    """The least-squares line through (size, ms) points of two or more sizes, at k, its
-    slope clamped at 0 (a longer pass or call does not cost less)."""
-    n = len(points)
-    mean_x = sum(x for x, _ in points) / n
-    mean_y = sum(y for _, y in points) / n
-    slope = sum((x - mean_x) * (y - mean_y) for x, y in points) / sum((x - mean_x) ** 2 for x, _ in points)
+def fresh(points: list[tuple[int, float, float]]) -> list[tuple[int, float, float]]:
+    """The points seen lately (decayed count at least STALE_COUNT); the most counted one
+    where none was, so a line is never left to its prior by a quiet spell."""
+    return [p for p in points if p[2] >= STALE_COUNT] or sorted(points, key=lambda p: p[2])[-1:]
+
+
+def line_at(points: list[tuple[int, float, float]], k: int) -> float:
+    """The least-squares line through (size, ms, weight) points of two or more sizes, each
+    weighted by its decayed count (seen often and lately counts more), at k, its slope
+    clamped at 0 (a longer pass or call does not cost less)."""
+    total = sum(w for _, _, w in points)
+    mean_x = sum(w * x for x, _, w in points) / total
+    mean_y = sum(w * y for _, y, w in points) / total
+    spread = sum(w * (x - mean_x) ** 2 for x, _, w in points)
+    slope = sum(w * (x - mean_x) * (y - mean_y) for x, y, w in points) / spread
     return mean_y + max(slope, 0.0) * (k - mean_x)

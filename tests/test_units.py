@@ -48,6 +48,35 @@ def test_ngram_without_a_match_proposes_nothing():
     assert find_continuation([7], 4, max_ngram=3, min_ngram=1) == ([], 0)
 
 
+def scanned_continuation(tokens, k, max_ngram, min_ngram):
+    """find_continuation's definition, start by start in Python (the implementation before it
+    searched packed bytes in C)."""
+    for n in range(min(max_ngram, len(tokens) - 1), min_ngram - 1, -1):
+        for start in range(len(tokens) - n - 1, -1, -1):
+            if tokens[start : start + n] == tokens[len(tokens) - n :] and tokens[start + n : start + n + k]:
+                return tokens[start + n : start + n + k], n
+    return [], 0
+
+
+def test_ngram_lookup_finds_what_a_start_by_start_scan_finds_on_any_tokens():
+    """The lookup searches the tokens packed 8 bytes each with bytes.rfind, a hit counting only
+    at a token boundary: on 20,000 random contexts (vocabularies of 2 to 2**40 ids, negative
+    ids, overlapping matches, k 0 to 6) it finds exactly the scan's match."""
+    import random
+
+    rng = random.Random(0)
+    for _ in range(20_000):
+        vocab = rng.choice([2, 3, 5, 50, 300, 2**40])
+        tokens = [rng.randrange(vocab) - (vocab // 2 if rng.random() < 0.1 else 0) for _ in range(rng.randint(0, 60))]
+        k, max_ngram = rng.randint(0, 6), rng.randint(1, 6)
+        min_ngram = rng.randint(1, max_ngram)
+        assert find_continuation(tokens, k, max_ngram, min_ngram) == scanned_continuation(tokens, k, max_ngram, min_ngram)
+    # a hit across a token boundary is no match, and the match it overlaps is still found:
+    # 0 then 256 (0x100) hold nine zero bytes from the 0's first
+    assert find_continuation([5, 0, 256, 9, 0], 1, 1, 1) == ([256], 1)
+    assert find_continuation([256, 1, 5, 1], 1, 1, 1) == ([5], 1)
+
+
 def test_ngram_drafter_tags_each_proposal_with_its_match_length_and_the_wire_keeps_it():
     from draft_service.drafters import NgramDrafter
 
@@ -1172,8 +1201,8 @@ def test_one_slow_cycle_does_not_keep_its_k_or_speculation_off_for_thousands_of_
     """One cycle slowed by 30 s (a pause, a prefill, a retry's back-off) weighed in the fitted
     cost line as much as every other size's mean, and a K no longer chosen is never measured
     again: speculation stayed off in the coordinator-wide estimate for the next ~200 requests
-    of 64 tokens (until the count underflowed, ~14,500 observations). An observed cost counts
-    as at most OUTLIER_FACTOR times its estimate: the requests after it draft as before."""
+    of 64 tokens (until the count underflowed, ~14,500 observations). Sizes weigh by their
+    decayed count and stale ones drop out (STALE_COUNT): the requests after it draft as before."""
     import random
 
     rng = random.Random(1)
