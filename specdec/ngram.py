@@ -9,6 +9,7 @@ a model draft's q blended with the lookup's token).
 from __future__ import annotations
 
 import json
+from array import array
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -25,21 +26,28 @@ DEFAULT_MIN_NGRAM = 1
 
 def find_continuation(tokens: Sequence[int], k: int, max_ngram: int, min_ngram: int) -> tuple[list[int], int]:
     """(up to k tokens that followed the latest earlier match of the longest suffix n-gram,
-    that n-gram's length n); ([], 0) without a match."""
+    that n-gram's length n); ([], 0) without a match.
+
+    A match is any earlier occurrence [start, start + n) with start + n < len(tokens) (it
+    may overlap the suffix). The search runs in C: the tokens packed 8 bytes each, and
+    bytes.rfind for the suffix's bytes, a hit counting only at a token boundary. It ran in
+    Python, start by start, ~27 ns a token for each n tried: 2.5-4 ms a call on a 32k-token
+    context, once per drafted token for a model draft mixing in the lookup, and once or
+    twice a cycle on the coordinator's event loop for an n-gram draft."""
     length = len(tokens)
+    if length < 2 or k <= 0:
+        return [], 0
     if not isinstance(tokens, list):
         tokens = list(tokens)
-    last = tokens[-1] if tokens else None
+    packed = array("q", tokens).tobytes()  # [8 * length] bytes
     for n in range(min(max_ngram, length - 1), min_ngram - 1, -1):
-        suffix = tokens[length - n :]
-        # Scan backwards so the most recent match wins; a match must end before the suffix starts.
-        # Comparing its last token first skips the slice for almost every start (this runs
-        # on every cycle in the coordinator, over the whole context).
-        for start in range(length - n - 1, -1, -1):
-            if tokens[start + n - 1] == last and tokens[start : start + n] == suffix:
-                continuation = list(tokens[start + n : start + n + k])
-                if continuation:
-                    return continuation, n
+        suffix = packed[8 * (length - n) :]
+        end = 8 * (length - 1)  # a match ends before the last token: a continuation follows it
+        while (at := packed.rfind(suffix, 0, end)) >= 0:
+            if at % 8 == 0:
+                start = at // 8
+                return tokens[start + n : start + n + k], n
+            end = at + len(suffix) - 1  # straddles two tokens: look for one that starts earlier
     return [], 0
 
 
