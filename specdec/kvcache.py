@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 
 import torch
 from transformers import DynamicCache
-from transformers.cache_utils import DummyLayer, DynamicLayer, DynamicSlidingWindowLayer
+from transformers.cache_utils import DummyLayer, DynamicIndexedLayer, DynamicLayer, DynamicSlidingWindowLayer
 
 from specdec import plain_forward
 from specdec.errors import FailedPrecondition, InvalidArgument, NotFound, OutOfRange, ResourceExhausted
@@ -305,13 +305,16 @@ class GrowingLayer(DynamicLayer):
     values = property(lambda self: self.filled("value_buffer"), lambda self, value: refuse_views(value))
 
     def grow(self, needed: int) -> None:
-        """Move to buffers of at least `needed` positions (at least twice the old capacity)."""
+        """Move to buffers of at least `needed` positions (at least twice the old capacity).
+        Both new buffers are made before either replaces its old one: out of memory on the
+        second (a GPU under load) left keys of the new capacity beside values of the old, and
+        every later pass of the session failed on the mismatch, however much memory came free."""
         capacity = max(needed, 2 * self.key_buffer.shape[-2])
-        for name in ("key_buffer", "value_buffer"):
-            old = getattr(self, name)
-            new = self.empty_like_with(old, capacity)
-            new[:, :, : self.length] = old[:, :, : self.length]
-            setattr(self, name, new)
+        keys = self.empty_like_with(self.key_buffer, capacity)  # [B, H, capacity, D]
+        values = self.empty_like_with(self.value_buffer, capacity)  # [B, H, capacity, D]
+        keys[:, :, : self.length] = self.key_buffer[:, :, : self.length]
+        values[:, :, : self.length] = self.value_buffer[:, :, : self.length]
+        self.key_buffer, self.value_buffer = keys, values
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         """Append [B, H, T, D] keys and values; return all of them so far, [B, H, length, D]."""
@@ -368,15 +371,24 @@ def new_cache(config) -> DynamicCache:
     return cache
 
 
+# Cache layers a crop cuts back exactly: attention keys and values (GrowingLayer; DeepSeek
+# V3.2's with its indexer keys, DynamicIndexedLayer) and layers that hold nothing (DummyLayer:
+# no attention, or another layer's keys shared, as in Gemma 3n).
+CROPPABLE_LAYERS = (GrowingLayer, DynamicIndexedLayer, DummyLayer)
+
+
 def uncroppable_layers(config) -> list[str]:
-    """The kinds of cache layer (class names) a model of `config` keeps that are neither
-    attention keys and values (GrowingLayer) nor empty (DummyLayer: a layer without attention,
-    or one sharing another's keys). Such a layer (Mamba's and Jamba's SSM state, LFM2's
-    convolution, Qwen3-Next's linear attention) keeps a running state that cannot be cropped
-    back to a cycle's accepted drafts: those models' logits were wrong after a prefill fed in
-    chunks, and their first rejected draft failed the pass, its batch's other sessions too."""
-    return sorted({type(layer).__name__ for layer in new_cache(config).layers
-                   if not isinstance(layer, (GrowingLayer, DummyLayer))})  # fmt: skip
+    """The kinds of cache layer (class names) a model of `config` keeps that a crop cannot cut
+    back (CROPPABLE_LAYERS has those it can). Such a layer (Mamba's and Jamba's SSM state,
+    LFM2's convolution, Qwen3-Next's linear attention) keeps a running state that cannot be
+    cropped back to a cycle's accepted drafts: those models' logits were wrong after a prefill
+    fed in chunks, and their first rejected draft failed the pass, its batch's other sessions
+    too. A config whose cache transformers cannot build names the error instead."""
+    try:
+        layers = new_cache(config).layers
+    except (KeyError, ValueError, TypeError) as exc:
+        return [f"a cache transformers cannot build: {type(exc).__name__} {exc}"]
+    return sorted({type(layer).__name__ for layer in layers if not isinstance(layer, CROPPABLE_LAYERS)})
 
 
 def cache_bytes(cache: DynamicCache | None) -> int:
@@ -679,9 +691,10 @@ def context_limit(model) -> int:
         return limit
     parameters = getattr(config, "rope_parameters", None) or {}
     each = list(parameters.values()) if all(isinstance(v, dict) for v in parameters.values()) and parameters else [parameters]
-    originals = [p.get("original_max_position_embeddings") for p in each] + [
-        getattr(config, "original_max_position_embeddings", None)]
-    originals = [int(o) for o in originals if o]
+    longrope = [p for p in each if p.get("rope_type", p.get("type")) == "longrope"]  # not another layer type's
+    originals = [int(o) for p in longrope if (o := p.get("original_max_position_embeddings"))]
+    if not originals and (o := getattr(config, "original_max_position_embeddings", None)):
+        originals = [int(o)]
     return min([limit, *originals] if limit else originals, default=limit)
 
 
@@ -717,6 +730,15 @@ def transformers_forward(model, cache: DynamicCache | None, tokens: Sequence[int
     return out.logits[0, -keep:].float()  # [keep, V]
 
 
+def wait_for_device(tensor: torch.Tensor) -> None:
+    """Wait until the GPU that holds `tensor` has done its queued work (a no-op on a CPU): a
+    GPU runs a forward's kernels after the call returns, so a clock read at once would time
+    their launch (the Verifier's forward_ms would leave the pass's time to the verdict's first
+    read, and step_ms would charge a pass's kernels to the next one)."""
+    if tensor.device.type == "cuda":
+        torch.cuda.synchronize(tensor.device)
+
+
 def step_ms(model, context: Sequence[int], tokens: int, repeats: int = 5) -> float:
     """Median ms of one forward of `tokens` new tokens after a cached `context`, projecting
     each of them onto the vocabulary as Verify does (tokens = 1: one decode step, c_p or c_q;
@@ -733,7 +755,7 @@ def prefill_ms(model, tokens: Sequence[int], repeats: int = 5) -> float:
         for round_ in range(repeats + 1):
             cache = new_cache(model.config)
             start = time.perf_counter()
-            forward(model, cache, tokens)
+            wait_for_device(forward(model, cache, tokens))
             if round_:
                 times.append((time.perf_counter() - start) * 1000)
     return sorted(times)[len(times) // 2]
@@ -748,12 +770,12 @@ def step_ms_by_size(model, context: Sequence[int], sizes: Sequence[int], repeats
     times: dict[int, list[float]] = {n: [] for n in sizes}
     with torch.inference_mode():
         cache = new_cache(model.config)
-        forward(model, cache, context)
+        wait_for_device(forward(model, cache, context))
         for round_ in range(repeats + 1):
             for n in sizes:
                 crop_cache(cache, len(context))
                 start = time.perf_counter()
-                forward(model, cache, list(context[-n:]), keep=n)
+                wait_for_device(forward(model, cache, list(context[-n:]), keep=n))
                 if round_:
                     times[n].append((time.perf_counter() - start) * 1000)
     return {n: sorted(t)[len(t) // 2] for n, t in times.items()}

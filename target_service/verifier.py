@@ -22,21 +22,13 @@ import torch
 
 from specdec.batching import rerun_alone
 from specdec.errors import OutOfRange
-from specdec.kvcache import SessionState, forward, forward_batch
+from specdec.kvcache import SessionState, forward, forward_batch, wait_for_device
 from specdec.ngram import find_continuation
 from specdec.sampling import greedy_token, greedy_verdict, rejection_sample, sample
 from specdec.draft_wire import Draft, stack_draft_probs
 from specdec.wire import Sampling
 
 log = logging.getLogger("specdec")
-
-
-def wait_for_device(tensor: torch.Tensor) -> None:
-    """Wait until the GPU that holds `tensor` has done its queued work (a no-op on a CPU): a
-    GPU runs a forward's kernels after the call returns, so a clock read at once would time
-    their launch, and forward_ms would leave the pass's time to the verdict's first read."""
-    if tensor.device.type == "cuda":
-        torch.cuda.synchronize(tensor.device)
 
 
 def use_threads(threads: int) -> None:

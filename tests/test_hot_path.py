@@ -502,6 +502,33 @@ def test_a_sliding_window_model_crops_and_copies_its_cache_past_the_window_with_
         torch.testing.assert_close(copied, whole, rtol=0, atol=1e-5)
 
 
+def test_a_cache_layer_that_runs_out_of_memory_while_growing_keeps_working_once_memory_is_free(monkeypatch):
+    """Growing a layer's buffers replaced the keys' before the values' was made: out of memory
+    on the second (a GPU under load) left keys of the new capacity beside values of the old,
+    and every later pass of the session failed on the mismatch. Both are made first now: the
+    failed pass leaves the layer as it was, and the next one appends as if nothing happened."""
+    layer = GrowingLayer()
+    first = torch.randn(1, 2, 60, 4)
+    layer.update(first, -first)
+    made = []
+    real = GrowingLayer.empty_like_with
+
+    def second_allocation_fails(states, capacity):
+        made.append(capacity)
+        if len(made) == 2:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 64.00 MiB")
+        return real(states, capacity)
+
+    monkeypatch.setattr(GrowingLayer, "empty_like_with", staticmethod(second_allocation_fails))
+    more = torch.randn(1, 2, 10, 4)
+    with pytest.raises(torch.OutOfMemoryError):
+        layer.update(more, -more)
+    monkeypatch.setattr(GrowingLayer, "empty_like_with", staticmethod(real))
+    assert layer.key_buffer.shape == layer.value_buffer.shape and layer.length == 60
+    keys, values = layer.update(more, -more)
+    assert torch.equal(keys, torch.cat([first, more], dim=2)) and torch.equal(values, -keys)
+
+
 def test_a_model_whose_layers_share_other_layers_keys_crops_its_cache_with_the_logits_of_one_pass():
     """Gemma 3n's last layers reuse earlier layers' keys and values: their cache layers hold
     nothing (transformers' DummyLayer), and cropping one failed with an AttributeError at the

@@ -304,6 +304,18 @@ def test_a_model_whose_cache_keeps_a_running_state_is_refused_at_load_naming_why
         load_model(str(tmp_path / family))
 
 
+def test_a_model_whose_attention_cache_also_keeps_indexer_keys_is_not_refused():
+    """DeepSeek V3.2's cache layers hold attention keys and values plus its indexer's keys, and
+    crop both: a first version of the refusal above refused it."""
+    import transformers
+
+    from specdec.kvcache import uncroppable_layers
+
+    config = transformers.AutoConfig.for_model("deepseek_v32")
+    config.num_hidden_layers, config.layer_types = 2, ["indexed_attention"] * 2
+    assert uncroppable_layers(config) == []
+
+
 def test_a_longrope_models_sessions_end_where_its_rotary_frequencies_would_switch(tiny_tokenizer, tmp_path):
     """Phi-3 128k's longrope switches every row of a pass to its long factors past
     original_max_position_embeddings, while the keys cached before keep the short ones: its
