@@ -111,6 +111,11 @@ def add_bench_parser(commands) -> None:
     p.add_argument("--no-pipeline", dest="pipeline", action="store_const", const="off", help="the same as --pipeline off")
     p.add_argument("--threads", type=THREADS, default=0,
                    help="torch threads of the in-process baselines (0 = torch's default, all cores)")  # fmt: skip
+    p.add_argument("--device", default="cpu",
+                   help="where every model of the bench runs, the baselines and the services alike (their "
+                        "SPECDEC_*_DEVICE is not read): cpu, cuda, cuda:N or auto (default: %(default)s)")  # fmt: skip
+    p.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16", "auto"],
+                   help="the dtype of every model of the bench, baselines and services alike (default: %(default)s)")
     p.add_argument("--no-chat-template", action="store_true", help="use prompts as raw text")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     p.add_argument("--compare-k", type=k_list, default=None, metavar="K,K,...",
@@ -198,7 +203,7 @@ def hf_generate(model, ids: list[int], args, *, assistant_settings: dict | None 
         setattr(extra["assistant_model"].generation_config, name, value)
     sampled = args.temperature > 0
     out = model.generate(
-        torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+        torch.tensor([ids], device=model.device), attention_mask=torch.ones(1, len(ids), dtype=torch.long, device=model.device),
         do_sample=sampled, temperature=args.temperature if sampled else None,
         top_k=args.top_k or None if sampled else None, top_p=args.top_p if sampled else None,
         max_new_tokens=args.max_new_tokens, **extra,
@@ -315,7 +320,9 @@ def stack_config(args):
     from specdec.launcher import StackConfig
     from specdec.redis_server import free_port
 
-    return StackConfig(port=free_port(), target=args.target, draft=args.draft, ngram_first=args.ngram_first)
+    placed = ["--device", args.device, "--dtype", args.dtype]  # as the baselines: a GPU stack beside CPU baselines compared nothing
+    return StackConfig(port=free_port(), target=args.target, draft=args.draft, ngram_first=args.ngram_first,
+                       target_args=placed, draft_args=placed)  # fmt: skip
 
 
 def run_interleaved(args, prompts_ids, target, draft, packed_target, packed_draft) -> tuple[dict[str, Run], dict, Costs]:
@@ -530,7 +537,8 @@ def run_costs(args, target, draft, context: list[int]) -> int:
         for mode in ("sequential", "pipelined")
     }  # fmt: skip
     report = {
-        "target": args.target, "draft": args.draft, "context_tokens": len(context), "threads": costs.threads,
+        "target": args.target, "draft": args.draft, "device": args.device, "dtype": args.dtype,
+        "context_tokens": len(context), "threads": costs.threads,
         "c_p_ms": c_p, "c_q_ms": c_q, "c_verify_ms": {str(k): ms for k, ms in costs.c_verify.items()},
         "c_verify_shared_ms": {str(k): ms for k, ms in costs.c_verify_shared.items()},
         "verify_over_step": {str(k): ms / c_p for k, ms in costs.c_verify.items()},
@@ -548,7 +556,8 @@ def format_costs(r: dict) -> str:
     threads = r["threads"]
     lines = [
         f"target {r['target']} ({threads['target']} threads with the draft idle, {threads['target_shared']} while "
-        f"it drafts beside it), draft {r['draft']} ({threads['draft']}), {r['context_tokens']} tokens of context",
+        f"it drafts beside it), draft {r['draft']} ({threads['draft']}), {r['context_tokens']} tokens of context, "
+        f"on {r['device']} in {r['dtype']}",
         f"c_p {r['c_p_ms']:.1f} ms per target step, c_q {r['c_q_ms']:.2f} ms per draft token",
         f"linear kernels timed at load (or as timed before, kernels.json in the cache): target {format_kernels(r['kernels']['target'])}; "
         f"draft {format_kernels(r['kernels']['draft'])}",
@@ -606,7 +615,8 @@ def run_compare_k(args, prompts_ids: list[list[int]]) -> int:
     best = max(fixed, key=fixed.get)
     agree = [len(set(map(tuple, outputs))) == 1 for outputs in zip(*(run.outputs for run in runs.values()))]
     report = {
-        "target": args.target, "draft": args.draft, "max_k": args.max_k, "prompts": len(prompts_ids),
+        "target": args.target, "draft": args.draft, "device": args.device, "dtype": args.dtype, "max_k": args.max_k,
+        "prompts": len(prompts_ids),
         "kind": args.kind, "repeats": args.repeats, "temperature": args.temperature, "pipeline": args.pipeline,
         "tokens_per_s": rates, "new_tokens": {name: run.tokens for name, run in runs.items()},
         "best_fixed_k": best, "adaptive_vs_best_fixed_k": rates["adaptive"] / fixed[best],
@@ -620,7 +630,7 @@ def run_compare_k(args, prompts_ids: list[list[int]]) -> int:
 
 def format_compare_k(r: dict) -> str:
     lines = [f"target {r['target']}, draft {r['draft']}, {r['prompts']} prompts x {r['repeats']}, "
-             f"one stack, interleaved", "", f"{'system':<14}{'tokens/s':>10}{'tokens':>8}"]  # fmt: skip
+             f"one stack, interleaved, on {r['device']} in {r['dtype']}", "", f"{'system':<14}{'tokens/s':>10}{'tokens':>8}"]  # fmt: skip
     for name, rate in r["tokens_per_s"].items():
         lines.append(f"{name:<14}{rate:>10.2f}{r['new_tokens'][name]:>8}")
     drafted = ", ".join(f"K={k}: {n}" for k, n in r["adaptive_cycles_by_k"].items()) or "none"
@@ -662,8 +672,14 @@ def run_bench(args) -> int:
 
     import torch
 
-    from specdec.models import load_model
+    from specdec.models import load_model, resolve_device
     from specdec.packed import should_pack
+
+    try:
+        resolve_device(args.device)  # a device this machine lacks ends the command before a model loads
+    except ValueError as exc:
+        raise SystemExit(f"specdec bench: --device: {exc}") from None
+    placed = {"device": args.device, "dtype": args.dtype}
 
     # transformers' assisted loop hands its assistant both a generation config and arguments,
     # then warns as if the caller had ("Passing `generation_config` together with ..."): not ours.
@@ -680,8 +696,8 @@ def run_bench(args) -> int:
 
         tokenizer = loading("target", load_tokenizer, args.target)
         return run_compare_k(args, [encode(tokenizer, p, not args.no_chat_template) for p in prompts])
-    target = loading("target", load_model, args.target, pack=False)
-    draft = None if args.draft == NGRAM_DRAFT else loading("draft", load_model, args.draft, pack=False)
+    target = loading("target", load_model, args.target, pack=False, **placed)
+    draft = None if args.draft == NGRAM_DRAFT else loading("draft", load_model, args.draft, pack=False, **placed)
     prompts_ids = [encode(target.tokenizer, p, not args.no_chat_template) for p in prompts]
     if args.costs:  # a context of ~128 tokens made of the prompts themselves
         context = [t for ids in prompts_ids for t in ids][:128]
@@ -689,8 +705,8 @@ def run_bench(args) -> int:
 
     # A second copy, loaded as the services load it, only where that packs its layers.
     packed = should_pack(target.model)
-    packed_target = load_model(args.target) if packed else None
-    packed_draft = load_model(args.draft) if packed and draft is not None else None
+    packed_target = load_model(args.target, **placed) if packed else None
+    packed_draft = load_model(args.draft, **placed) if packed and draft is not None else None
     if not packed:  # the costs run on the baselines' copies (transformers' generate ignores the plain forward)
         pack_loaded(target)
         pack_loaded(draft)
@@ -736,6 +752,8 @@ def run_bench(args) -> int:
     report = {
         "target": args.target,
         "draft": args.draft,
+        "device": args.device,
+        "dtype": args.dtype,
         "ngram_first": args.ngram_first,
         "k": args.k,
         "prompts": len(prompts),
@@ -853,7 +871,7 @@ def format_report(r: dict) -> str:
     runs = r["runs"]
     lines = [
         f"target {r['target']}, draft {r['draft']}, K={r['k']}, {r['prompts']} prompts, "
-        f"{r['new_tokens']} new tokens, temperature {r['temperature']}",
+        f"{r['new_tokens']} new tokens, temperature {r['temperature']}, on {r['device']} in {r['dtype']}",
         "",
         f"{'run':<14}{'tokens/s':>10}{'vs target':>11}",
     ]

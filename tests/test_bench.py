@@ -168,9 +168,26 @@ def test_bench_refuses_a_malformed_or_missing_prompt_file_and_a_missing_model_wi
         (["--prompts", str(tmp_path / "missing.jsonl")], f"cannot read the prompts file '{tmp_path / 'missing.jsonl'}'"),
         (["--draft", str(tmp_path / "no-draft")], f"draft: could not load: model '{tmp_path / 'no-draft'}' not found"),
     ]
+    import torch
+
+    if not torch.cuda.is_available():
+        cases.append((["--device", "cuda:0"], "specdec bench: --device: device 'cuda:0' requested but CUDA is not available"))
     for flags, says in cases:
         out = subprocess.run([sys.executable, "-m", "specdec.cli", "bench", *flags], capture_output=True, text=True, timeout=120)
         assert out.returncode == 1 and says in out.stderr and "Traceback" not in out.stderr, (flags, out.stderr)
+
+
+def test_the_benchs_stack_runs_its_models_on_the_device_and_dtype_of_its_baselines():
+    """The baselines load on --device in --dtype and so do the services the bench starts:
+    they inherited SPECDEC_*_DEVICE instead, so a GPU stack was timed against CPU baselines."""
+    from specdec.bench import stack_config
+    from specdec.cli import build_parser
+
+    args = build_parser().parse_args(["bench", "--draft", "ngram", "--device", "cuda:1", "--dtype", "bfloat16"])
+    config = stack_config(args)
+    assert config.target_args == config.draft_args == ["--device", "cuda:1", "--dtype", "bfloat16"]
+    defaults = build_parser().parse_args(["bench", "--draft", "ngram"])
+    assert stack_config(defaults).target_args == ["--device", "cpu", "--dtype", "float32"]
 
 
 def test_bench_kind_keeps_only_the_prompts_of_that_kind():
@@ -191,12 +208,14 @@ def test_bench_costs_prints_each_ks_cost_and_the_alpha_it_needs(tiny_models, tmp
     prompts.write_text('{"prompt": "hello world, hello world"}\n')
     out = subprocess.run(
         [sys.executable, "-m", "specdec.cli", "bench", "--target", tiny_models.target, "--draft", tiny_models.draft,
-         "--prompts", str(prompts), "--k", "3", "--costs", "--json"],
+         "--prompts", str(prompts), "--k", "3", "--costs", "--json", "--dtype", "bfloat16"],
         capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert out.returncode == 0, out.stderr[-3000:]
     report = json.loads(out.stdout)
     assert set(report["c_verify_ms"]) == {"1", "2", "3"} and report["c_p_ms"] > 0
+    # measured on the models as --dtype loads them: bfloat16 takes no packed float32 kernels
+    assert (report["device"], report["dtype"], report["kernels"]["target"]) == ("cpu", "bfloat16", {})
     for mode in ("sequential", "pipelined"):
         for k in ("1", "2", "3"):
             need, more = report["required_alpha"][mode]["1"][k], report["required_alpha"][mode]["1.3"][k]
