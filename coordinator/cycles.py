@@ -284,6 +284,9 @@ class DraftCall:
     def cancel(self) -> None:
         self.call.cancel()
         self.task.cancel()
+        # A task cancelled before it ran never reaches pump's finally: first() would wait forever.
+        self.finished = True
+        self.changed.set()
         self.end_span()
 
 

@@ -1868,6 +1868,22 @@ def test_a_requests_cycle_propose_is_cancelled_when_the_request_ends_with_an_err
     assert len(streams) == 1 and streams[0].cancelled
 
 
+def test_a_draft_call_cancelled_before_its_stream_began_gives_what_it_has_and_does_not_wait():
+    """Cancelled before its reading task ran, a DraftCall never marked itself finished (the
+    task's `finally` never ran), so asking it for its tokens waited forever."""
+    from opentelemetry import trace
+
+    from coordinator.cycles import DraftCall
+
+    async def run():
+        replicas = OneReplica(RecordingDraftStub())
+        call = DraftCall(replicas.replica, pb.ProposeRequest(k=3), 1.0, frozenset(), trace.get_tracer("test"))
+        call.cancel()
+        return await asyncio.wait_for(call.first(3), timeout=2)
+
+    assert asyncio.run(run()) == []
+
+
 def test_adaptive_k_learns_no_cost_from_a_resumed_runs_first_cycle_or_a_retried_verify():
     """A Resume's first cycle (its cycle index not 0) prefills the context on both services, and
     a Verify sent again waited out its back-off: their times are no pass's cost. The first
