@@ -59,8 +59,9 @@ PRIOR_WEIGHT = 2.0  # ... and α̂_i leans on α̂_{i-1} with this many pseudo-c
 # Verifying k more tokens costs this fraction of a plain step per token until measured
 # (design.md §5: 5 tokens ≈ 1.6 plain steps on a CPU).
 PRIOR_VERIFY_SLOPE = 0.15
-# A size whose decayed count fell below this (one observation ~45 observations ago) is left
-# out of a cost line while some size was seen since (the freshest is kept where none was). A
+# A size whose decayed count fell below this (seen once ~45 observations ago, or more often
+# longer ago) is left out of a cost line while another is above it (where none is, the one of
+# the largest count stays). A
 # mean no longer fed (a K no longer chosen) kept its full weight in the line until its count
 # underflowed, ~14,500 observations: one slow cycle (a pause, a retry's back-off) at the K in
 # use kept speculation off that long, coordinator-wide.
@@ -142,11 +143,15 @@ class AdaptiveK:
 
         c_verify(0), a plain step, is its own mean: on a CPU one row takes a different
         kernel from a pass over several (specdec.packed), which can cost less than a single
-        row, so a plain step is not on the line through the others. For k ≥ 1, a line
+        row, so a plain step is not on the line through the others (unless it was not seen
+        lately while passes were: then it is read off their line). For k ≥ 1, a line
         fitted to the passes seen, with the prior slope until two sizes have been seen."""
         points = mean_points(self.verify)
-        plain_ms = next((ms for size, ms, _ in points if size == 0), None)
-        points = fresh([point for point in points if point[0] > 0])
+        passes = fresh([point for point in points if point[0] > 0])
+        # a plain step not seen lately while passes were (speculation won since) is left out too:
+        # one slow plain step kept its mean, and speculation on, for as long as drafting went on
+        plain = [point for point in points if point[0] == 0 and (point[2] >= STALE_COUNT or not passes)]
+        plain_ms, points = (plain[0][1] if plain else None), passes
         if k == 0 and plain_ms is not None:
             return plain_ms
         if not points:
@@ -261,8 +266,9 @@ def mean_points(costs: dict[int, list[float]]) -> list[tuple[int, float, float]]
 
 
 def fresh(points: list[tuple[int, float, float]]) -> list[tuple[int, float, float]]:
-    """The points seen lately (decayed count at least STALE_COUNT); the most counted one
-    where none was, so a line is never left to its prior by a quiet spell."""
+    """The points seen lately (decayed count at least STALE_COUNT); where none is, the one
+    of the largest decayed count (the most and latest seen), so a quiet spell never leaves a
+    line to its prior."""
     return [p for p in points if p[2] >= STALE_COUNT] or sorted(points, key=lambda p: p[2])[-1:]
 
 

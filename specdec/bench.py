@@ -676,7 +676,7 @@ def run_bench(args) -> int:
     from specdec.packed import should_pack
 
     try:
-        resolve_device(args.device)  # a device this machine lacks ends the command before a model loads
+        args.device = resolve_device(args.device)  # "auto" named as it resolves; one this machine lacks ends here
     except ValueError as exc:
         raise SystemExit(f"specdec bench: --device: {exc}") from None
     placed = {"device": args.device, "dtype": args.dtype}

@@ -383,12 +383,8 @@ def uncroppable_layers(config) -> list[str]:
     LFM2's convolution, Qwen3-Next's linear attention) keeps a running state that cannot be
     cropped back to a cycle's accepted drafts: those models' logits were wrong after a prefill
     fed in chunks, and their first rejected draft failed the pass, its batch's other sessions
-    too. A config whose cache transformers cannot build names the error instead."""
-    try:
-        layers = new_cache(config).layers
-    except (KeyError, ValueError, TypeError) as exc:
-        return [f"a cache transformers cannot build: {type(exc).__name__} {exc}"]
-    return sorted({type(layer).__name__ for layer in layers if not isinstance(layer, CROPPABLE_LAYERS)})
+    too."""
+    return sorted({type(layer).__name__ for layer in new_cache(config).layers if not isinstance(layer, CROPPABLE_LAYERS)})
 
 
 def cache_bytes(cache: DynamicCache | None) -> int:
@@ -400,7 +396,7 @@ def cache_bytes(cache: DynamicCache | None) -> int:
         if isinstance(layer, GrowingLayer):
             total += layer.nbytes()
             continue
-        for tensor in (getattr(layer, "keys", None), getattr(layer, "values", None)):
+        for tensor in (getattr(layer, "keys", None), getattr(layer, "values", None), getattr(layer, "indexer_keys", None)):
             if isinstance(tensor, torch.Tensor):
                 total += tensor.numel() * tensor.element_size()
     return total

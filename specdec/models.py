@@ -460,11 +460,16 @@ def load_model(name_or_path: str, *, dtype: str = "float32", device: str = "cpu"
 def refuse_uncroppable(model, name: str) -> None:
     """ValueError (a user's load error: one line) for a model whose cache specdec cannot crop
     (kvcache.uncroppable_layers): speculative decoding takes back a cycle's rejected drafts."""
-    if kinds := uncroppable_layers(model.config):
+    try:
+        kinds = uncroppable_layers(model.config)
+    except (KeyError, ValueError, TypeError) as exc:  # a layer type transformers' cache does not know
+        raise ValueError(f"{name} ({model.config.model_type}): transformers cannot build its KV cache "
+                         f"({type(exc).__name__}: {exc})") from None  # fmt: skip
+    if kinds:
         raise ValueError(
             f"{name} ({model.config.model_type}) keeps a running state in its cache ({', '.join(kinds)}), which cannot be "
-            "cut back to the drafts a cycle accepted; specdec serves models whose every layer is attention (full or "
-            "sliding-window)"
+            "cut back to the drafts a cycle accepted; specdec serves models whose every layer is attention (full, "
+            "sliding-window or indexed)"
         )
 
 

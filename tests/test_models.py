@@ -331,6 +331,17 @@ def test_a_longrope_models_sessions_end_where_its_rotary_frequencies_would_switc
         config = transformers.Phi3Config(rope_parameters=parameters, original_max_position_embeddings=32, **common)
         save_model(transformers.Phi3ForCausalLM(config), tiny_tokenizer, tmp_path / name)
         assert load_model(str(tmp_path / name)).max_context == limit
+    # a rope per layer type: only the longrope entries' original length counts, not another type's
+    from types import SimpleNamespace
+
+    from specdec.kvcache import context_limit
+
+    per_type = {"full_attention": {"rope_type": "longrope", "original_max_position_embeddings": 64},
+                "sliding_attention": {"rope_type": "yarn", "original_max_position_embeddings": 16}}  # fmt: skip
+    model = SimpleNamespace(config=SimpleNamespace(max_position_embeddings=128, rope_parameters=per_type),
+                            model=SimpleNamespace(rotary_emb=SimpleNamespace(rope_type={"full_attention": "longrope",
+                                                                                         "sliding_attention": "yarn"})))  # fmt: skip
+    assert context_limit(model) == 64
 
 
 def block_network(monkeypatch) -> None:

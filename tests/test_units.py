@@ -71,10 +71,10 @@ def test_ngram_lookup_finds_what_a_start_by_start_scan_finds_on_any_tokens():
         k, max_ngram = rng.randint(0, 6), rng.randint(1, 6)
         min_ngram = rng.randint(1, max_ngram)
         assert find_continuation(tokens, k, max_ngram, min_ngram) == scanned_continuation(tokens, k, max_ngram, min_ngram)
-    # a hit across a token boundary is no match, and the match it overlaps is still found:
-    # 0 then 256 (0x100) hold nine zero bytes from the 0's first
+    # a hit across a token boundary is no match: 1 then 256 (0x100) hold 256's bytes one byte in
+    assert find_continuation([0, 1, 256], 1, 1, 1) == ([], 0)
+    # ... and the match it overlaps is still found: 0 then 256 hold nine zero bytes from the 0's first
     assert find_continuation([5, 0, 256, 9, 0], 1, 1, 1) == ([256], 1)
-    assert find_continuation([256, 1, 5, 1], 1, 1, 1) == ([5], 1)
 
 
 def test_ngram_drafter_tags_each_proposal_with_its_match_length_and_the_wire_keeps_it():
@@ -1223,6 +1223,47 @@ def test_one_slow_cycle_does_not_keep_its_k_or_speculation_off_for_thousands_of_
     request(shared, slow_ms=30_000.0)
     after = [k for _ in range(50) for k in request(shared)]
     assert sum(k > 0 for k in after) >= 0.8 * len(after), f"{sum(k > 0 for k in after)} of {len(after)} cycles drafted"
+
+
+def test_a_slow_plain_step_a_first_measurement_and_a_pipelined_draft_cost_each_count_as_measured():
+    """Three ways a cost estimate went wrong, none of them for long now. (1) One plain step slowed
+    by 30 s beside a useless draft (α 0.05) made K = 0 look slow; no plain step is measured while
+    drafting, so the draft was asked every cycle for as long as it went on: the plain step's
+    mean drops out once stale, read off the passes' line, and K = 0 comes back. (2) A first
+    version capped each cost at 3x its estimate: a plain step's first measurement after a steep
+    line through the passes (estimate 1e-3 ms) was stored as 0.003 ms. (3) ... and a draft whose
+    pipelined cycles cost ~0 (their drafts came during the previous Verify) had its real calls
+    clipped toward that, its c_draft collapsing to 0.08 ms for a 14 ms call."""
+    import random
+
+    rng = random.Random(1)
+
+    def cycles(controller, n):
+        ks = []
+        for _ in range(n):
+            k = controller.choose(8)
+            accepted = next((i for i in range(k) if rng.random() >= 0.05), k)
+            controller.observe(k, accepted, 2.0 + 30.0 * k if k else None, 60.0 + 8.0 * k)
+            ks.append(k)
+        return ks
+
+    useless = AdaptiveK(max_k=8)
+    cycles(useless, 400)
+    useless.observe(0, 0, None, 30_060.0)
+    after = cycles(useless, 2000)
+    assert sum(k > 0 for k in after) <= 300 and sum(k > 0 for k in after[-1000:]) <= 60, sum(k > 0 for k in after)
+
+    steep = AdaptiveK(max_k=8)
+    for _ in range(5):
+        steep.observe(3, 3, 5.0, 3.0)
+        steep.observe(4, 4, 6.0, 95.0)
+    steep.observe(0, 0, None, 60.0)
+    assert steep.c_verify(0) == 60.0
+
+    pipelined = AdaptiveK(max_k=8)
+    for i in range(200):
+        pipelined.observe(4, 4, 14.0 if i % 5 == 0 else 0.05, 50.0)  # 4 in 5 kept pipelined: ~0 ms
+    assert 1.5 < pipelined.c_draft(4) < 6.0, pipelined.c_draft(4)
 
 
 def test_a_probe_whose_cycle_drafted_nothing_ends_with_that_cycle():
