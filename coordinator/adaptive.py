@@ -61,10 +61,9 @@ PRIOR_WEIGHT = 2.0  # ... and α̂_i leans on α̂_{i-1} with this many pseudo-c
 PRIOR_VERIFY_SLOPE = 0.15
 # A size whose decayed count fell below this (seen once ~45 observations ago, or more often
 # longer ago) is left out of a cost line while another is above it (where none is, the one of
-# the largest count stays). A
-# mean no longer fed (a K no longer chosen) kept its full weight in the line until its count
-# underflowed, ~14,500 observations: one slow cycle (a pause, a retry's back-off) at the K in
-# use kept speculation off that long, coordinator-wide.
+# the largest count stays). A mean no longer fed (a K no longer chosen) kept its full weight in
+# the line until its count underflowed, ~14,500 observations: one slow cycle (a pause, a
+# retry's back-off) at the K in use kept speculation off that long, coordinator-wide.
 STALE_COUNT = 0.1
 PROBE_EVERY = 16
 MAX_PROBE_EVERY = 128
@@ -146,12 +145,11 @@ class AdaptiveK:
         row, so a plain step is not on the line through the others (unless it was not seen
         lately while passes were: then it is read off their line). For k ≥ 1, a line
         fitted to the passes seen, with the prior slope until two sizes have been seen."""
-        points = mean_points(self.verify)
-        passes = fresh([point for point in points if point[0] > 0])
+        means = mean_points(self.verify)
+        points = fresh([point for point in means if point[0] > 0])
         # a plain step not seen lately while passes were (speculation won since) is left out too:
         # one slow plain step kept its mean, and speculation on, for as long as drafting went on
-        plain = [point for point in points if point[0] == 0 and (point[2] >= STALE_COUNT or not passes)]
-        plain_ms, points = (plain[0][1] if plain else None), passes
+        plain_ms = next((ms for size, ms, count in means if size == 0 and (count >= STALE_COUNT or not points)), None)
         if k == 0 and plain_ms is not None:
             return plain_ms
         if not points:

@@ -1176,8 +1176,6 @@ def test_a_request_whose_draft_loses_probes_as_often_as_adaptive_k_says_not_twic
     """The gaps above, through the cycle loop: the next cycle's K was chosen twice, when its
     Propose was prefetched and again when the cycle began, and each choice of K = 0 counted
     towards the next probe: probes came after 16, 32, 64, 64 cycles instead of 32, 64, 128."""
-    from types import SimpleNamespace
-
     from coordinator.cycles import CycleLoop, Plan
 
     monkeypatch.setattr(AdaptiveK, "best_k", lambda self, limit, match_length=None: 0)  # speculation loses
@@ -1187,10 +1185,8 @@ def test_a_request_whose_draft_loses_probes_as_often_as_adaptive_k_says_not_twic
         plan = Plan(session_id="s", prompt=[1, 2, 3], max_new_tokens=700, sampling=Sampling(0.0, 0, 1.0, 1), k=4,
                     eos_token_ids=frozenset(), max_context=0, draft_model="", draft_fingerprint="",
                     pipeline=False, adaptive=True)  # fmt: skip
-        store = SimpleNamespace(commit=lambda session_id, cycle, *rest, **options: asyncio.sleep(0, (cycle + 1, 0)),
-                                ping=lambda: asyncio.sleep(0))  # fmt: skip
-        return [o async for o in CycleLoop(OneReplica(RecordingDraftStub()), OneReplica(RejectingTargetStub()), store,
-                                           plan, None).run()]  # fmt: skip
+        return [o async for o in CycleLoop(OneReplica(RecordingDraftStub()), OneReplica(RejectingTargetStub()),
+                                           plain_store(), plan, None).run()]  # fmt: skip
 
     probes = [o.info.index for o in asyncio.run(run()) if o.info.drafted]
     gaps = [b - a for a, b in zip(probes, probes[1:])]
@@ -1846,6 +1842,7 @@ class StepsTargetStub:
 
 
 def plain_store():
+    """A session store whose every commit lands (the next cycle, length 0) and whose ping answers."""
     from types import SimpleNamespace
 
     return SimpleNamespace(commit=lambda session_id, cycle, *rest, **options: asyncio.sleep(0, (cycle + 1, 0)),
