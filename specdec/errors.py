@@ -60,6 +60,10 @@ class Unavailable(SpecdecError):
     code = grpc.StatusCode.UNAVAILABLE
 
 
+class WorkerWedged(Unavailable):
+    """A model service's worker runs a pass past its --pass-timeout (serving.ModelWorker)."""
+
+
 class SessionRecreated(SpecdecError):
     """A model service held a session whose id has since been deleted (or expired) and created
     again: its cache is of the earlier session's tokens. Dropped; the call is to be sent again.

@@ -12,7 +12,7 @@ from specdec import serving, telemetry
 from specdec.errors import FailedPrecondition, InvalidArgument, OutOfRange, SessionRecreated, Unavailable, grpc_handler
 from specdec.kvcache import PREFILL_CHUNK, SessionPool, SessionState, feed_pending, find_prefix, take_prefix
 from specdec.metrics import ModelServiceMetrics
-from specdec.ranges import DEFAULT_MAX_BATCH, DEFAULT_MAX_K
+from specdec.ranges import DEFAULT_MAX_BATCH, DEFAULT_MAX_K, DEFAULT_PASS_TIMEOUT_S
 from specdec.security import ServerSecurity, require_caller_credential
 from specdec.session import SessionStore, check_session_id, session_gone
 from specdec.v1 import specdec_pb2 as pb
@@ -55,6 +55,10 @@ class ModelServiceConfig:
     security: ServerSecurity = field(default_factory=ServerSecurity)
     # Serve without mTLS and without an internal token (development only).
     allow_unauthenticated: bool = False
+    # Seconds one pass (a batch, a prefill chunk) may run before the service takes its device for
+    # hung: calls refused UNAVAILABLE and health NOT_SERVING until it ends (serving.ModelWorker);
+    # 0 = never.
+    pass_timeout_s: float = DEFAULT_PASS_TIMEOUT_S
 
 
 class ModelService:
@@ -111,9 +115,22 @@ class ModelService:
         )
 
     def ready(self) -> SessionPool:
+        """The pool of sessions, once calls can be served: Unavailable while the model loads
+        or the worker is wedged (serving.ModelWorker)."""
+        pool = self.loaded()
+        self.worker.refuse_if_wedged()
+        return pool
+
+    def loaded(self) -> SessionPool:
+        """The pool of sessions, once the model is loaded (Unavailable before)."""
         if self.pool is None:
             raise Unavailable(f"the {self.role} model is still loading; retry shortly")
         return self.pool
+
+    def watch_passes(self) -> None:
+        """Take a pass past config.pass_timeout_s for a wedged worker from now on (once loaded:
+        loading runs on the worker too, and may take minutes)."""
+        self.worker.pass_timeout_s = self.config.pass_timeout_s
 
     @staticmethod
     def internal_sampling(msg: pb.SamplingParams) -> Sampling:
@@ -133,6 +150,9 @@ class ModelService:
         pool = self.ready()
         session_id = check_session_id(request.session_id)
         async with pool.use(session_id, self.store.exists) as state:
+            # A call that waited for the session's lock while the worker wedged: the wedged pass
+            # may be this session's (its caller gave up, the pass still writes its cache).
+            self.ready()
             try:
                 async with state.brought(
                     request.position, request.new_tokens, self.committed_reader(state), self.info.vocab_size,
@@ -191,7 +211,8 @@ class ModelService:
                 retire = await self.store.exists(request.session_id)
             except Exception:  # noqa: BLE001 - Redis away: drop the cache rather than keep a deleted one's
                 retire = False
-        return pb.ReleaseResponse(released=self.ready().release(request.session_id, retire=retire))
+        # A wedged worker's sessions are released too: their states are only dropped or kept.
+        return pb.ReleaseResponse(released=self.loaded().release(request.session_id, retire=retire))
 
     @grpc_handler
     async def ModelInfo(self, request, context):
@@ -237,6 +258,7 @@ async def serve(servicer_class, config, service_name: str) -> None:
 
     async def load():
         await servicer.worker.run(servicer.load)
+        servicer.watch_passes()
 
     await serving.run(
         name=servicer_class.role,
@@ -250,4 +272,5 @@ async def serve(servicer_class, config, service_name: str) -> None:
         metrics_port=config.metrics_port,
         security=config.security,
         credential="the internal token of the coordinator",
+        wedged=servicer.worker.wedged,
     )

@@ -121,6 +121,10 @@ DEFAULT_STALL_TIMEOUT_S = 30.0
 REPLICA_REFRESH_S = 10.0
 # Sessions one forward pass of the target or the draft takes at most (specdec.batching; `--max-batch`).
 DEFAULT_MAX_BATCH = 8
+# Seconds one pass of a model service may run before its device is taken for hung (`--pass-timeout`,
+# serving.ModelWorker): a prefill chunk of a 7B model in float32 takes about a minute on 2 CPU
+# cores, a GPU's pass milliseconds.
+DEFAULT_PASS_TIMEOUT_S = 300.0
 SHARE = Range(float, 0, 1, below=True)  # a fraction that must leave something over
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+import time
 from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
@@ -23,7 +24,7 @@ from grpc_reflection.v1alpha import reflection
 from specdec import telemetry
 from specdec.catalog import USER_LOAD_ERRORS
 from specdec.client import CHANNEL_OPTIONS, GRPC_OPTIONS
-from specdec.errors import MalformedRequest
+from specdec.errors import MalformedRequest, WorkerWedged
 from specdec.metrics import serve_metrics
 from specdec.ranges import DEFAULT_DRAIN_S, join_host_port
 from specdec.security import ChannelSecurity, ServerSecurity, TokenChannel
@@ -42,20 +43,70 @@ class ModelWorker:
     """One thread that runs all model work of a service, off the event loop.
 
     A single thread keeps forwards from competing for the CPU cores and for one
-    session's KV cache; the event loop stays free for network I/O meanwhile."""
+    session's KV cache; the event loop stays free for network I/O meanwhile.
 
-    def __init__(self, name: str):
+    Terms:
+        job      one call of `run`: a function run on the thread (a pass, a prefill chunk).
+        wedged   a job has run longer than `pass_timeout_s` (0: never; set once the model is
+                 loaded, since loading is no pass): a hung device or driver, as far as anyone
+                 outside can tell. Until that job ends, every job waiting for the thread (the
+                 wedged one's caller too) ends in WorkerWedged, and new ones are refused with it
+                 at once, so calls end UNAVAILABLE, which the coordinator answers by asking
+                 another replica, where they used to wait for ever.
+    """
+
+    def __init__(self, name: str, pass_timeout_s: float = 0.0):
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
+        self.pass_timeout_s = pass_timeout_s
+        self.began: float | None = None  # time.monotonic() the running job began; None while idle
 
     async def run(self, fn, *args):
-        future = asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
+        self.refuse_if_wedged()
+        job = self.executor.submit(self.timed, fn, *args)
+        done = asyncio.wrap_future(job)
         try:
-            return await asyncio.shield(future)
+            await self.settle(done)
         except asyncio.CancelledError:
-            # A forward cannot be interrupted: let it finish before the caller releases the
-            # session it mutates (the session lock), then pass the cancellation on.
-            await wait_out(future)
+            # A forward cannot be interrupted: let a begun one finish before the caller releases
+            # the session it mutates (the session lock), then pass the cancellation on. One not
+            # begun never will.
+            job.cancel()
+            await wait_out(done)
             raise
+        if not done.done():  # wedged meanwhile, in this job or one before it
+            job.cancel()
+            self.refuse_if_wedged()
+        return done.result()
+
+    def timed(self, fn, *args):
+        """Run `fn` on the thread, its start kept in `began` (see `wedged`)."""
+        self.began = time.monotonic()
+        try:
+            return fn(*args)
+        finally:
+            self.began = None
+
+    async def settle(self, done: asyncio.Future) -> None:
+        """Wait until `done` is, or until the worker is wedged."""
+        while not done.done() and self.wedged() is None:
+            began = self.began
+            wait_s = None
+            if self.pass_timeout_s > 0:  # wake when the running job would pass the limit
+                wait_s = self.pass_timeout_s - (0 if began is None else time.monotonic() - began) + 0.01
+            await asyncio.wait([done], timeout=None if wait_s is None else max(0.01, wait_s))
+
+    def wedged(self) -> str | None:
+        """Why the worker takes no job now (class doc: wedged), or None."""
+        began = self.began
+        if self.pass_timeout_s <= 0 or began is None or (running := time.monotonic() - began) <= self.pass_timeout_s:
+            return None
+        return (f"one forward pass has run for {running:.0f} s, past --pass-timeout {self.pass_timeout_s:g} s: "
+                "a hung device or driver?")  # fmt: skip
+
+    def refuse_if_wedged(self) -> None:
+        if (reason := self.wedged()) is not None:
+            raise WorkerWedged(f"this replica's model worker is wedged ({reason}); it refuses every call until "
+                               "that pass ends: ask another replica")  # fmt: skip
 
     def shutdown(self) -> None:
         self.executor.shutdown(wait=False, cancel_futures=True)
@@ -72,6 +123,9 @@ async def wait_out(future: asyncio.Future) -> None:
         except asyncio.CancelledError:
             continue
 
+
+# How often a loaded service asks whether it is wedged (ModelWorker.wedged) for its health.
+HEALTH_CHECK_S = 1.0
 
 # gRPC sets SO_REUSEPORT on Linux by default, so a second server on a port already served
 # binds without error and the kernel splits the connections between the two (a second
@@ -150,8 +204,11 @@ async def run(
     metrics_port: int = 0,
     security: ServerSecurity | None = None,
     credential: str = "a token",
+    wedged: Callable[[], str | None] | None = None,
 ) -> None:
     """Serve until a termination signal; see the module docstring for the order of steps.
+    `wedged`: why the service cannot serve now (ModelWorker.wedged), looked at every
+    HEALTH_CHECK_S once loaded: health says NOT_SERVING while it names a reason.
     `servicer` serves every service of `service_names`; `security` says how calls are
     secured (TLS, mTLS) and authenticated (bearer tokens naming `credential`).
     Call telemetry.setup_tracing before this (and before making channels or Redis clients)."""
@@ -199,7 +256,10 @@ async def run(
         await set_health(health_servicer, service_names, health_pb2.HealthCheckResponse.SERVING)
         log.info("%s serving on %s", name, address)
         print(f"{name} serving on {address}", flush=True)
+        watching = asyncio.create_task(watch_health(name, health_servicer, service_names, wedged)) if wedged else None
         await stop.wait()
+        if watching is not None:
+            watching.cancel()
     else:
         load_task.cancel()
 
@@ -226,6 +286,26 @@ def describe(security: ServerSecurity) -> str:
     """How a server is secured, for its log (never the secrets themselves)."""
     transport = "mutual TLS" if security.mutual_tls else "TLS" if security.tls else "plaintext"
     return f"{transport}, {'bearer token required' if security.tokens else 'no token'}"
+
+
+async def watch_health(name: str, servicer, service_names: Sequence[str], wedged: Callable[[], str | None],
+                       every_s: float = HEALTH_CHECK_S) -> None:  # fmt: skip
+    """Health NOT_SERVING while `wedged()` names a reason, SERVING again once it names none: a
+    Kubernetes readiness probe then takes the pod out of its Service, and its liveness probe
+    restarts it if the reason lasts."""
+    was = None
+    while True:
+        await asyncio.sleep(every_s)
+        reason = wedged()
+        if (reason is None) == (was is None):
+            continue
+        if reason is not None:
+            log.error("%s: %s; health says NOT_SERVING until it ends", name, reason)
+            await set_health(servicer, service_names, health_pb2.HealthCheckResponse.NOT_SERVING)
+        else:
+            log.warning("%s: the wedged pass ended; serving again", name)
+            await set_health(servicer, service_names, health_pb2.HealthCheckResponse.SERVING)
+        was = reason
 
 
 async def set_health(servicer, service_names: Sequence[str], status) -> None:

@@ -18,7 +18,7 @@ import specdec
 from conftest import scrape, start_stack
 from draft_service.drafters import ModelDrafter, Step
 from specdec.draft_wire import Draft
-from specdec.errors import OutOfRange, UnusableLogits
+from specdec.errors import OutOfRange, UnusableLogits, WorkerWedged
 from specdec.kvcache import PREFILL_CHUNK, SessionState, new_cache
 from specdec.model_service import prefill
 from specdec.models import LoadedModel, build_tiny_model, build_tiny_tokenizer
@@ -143,6 +143,56 @@ def test_a_call_cancelled_twice_during_its_pass_still_returns_only_once_the_pass
     batched_done_early, alone_done_early, results = asyncio.run(run())
     assert not batched_done_early and not alone_done_early, "a call in a running pass waits for the pass"
     assert all(isinstance(result, asyncio.CancelledError) for result in results) and passes.batches == [["running"]]
+
+
+def test_a_pass_past_the_pass_timeout_wedges_the_worker_until_it_ends_and_every_waiting_job_ends_unavailable():
+    """A pass that runs past pass_timeout_s (a hung device) ends its own caller's wait and the
+    waits of the jobs queued behind it in WorkerWedged (UNAVAILABLE: the coordinator asks another
+    replica), within about the timeout; a job queued behind it never runs; a new job is refused
+    at once while it lasts, and `wedged()` says why. Once the pass ends, the worker serves again.
+    Before, every call waited for the pass, for ever if it never ended."""
+    hang, ran = threading.Event(), []
+
+    async def run():
+        worker = ModelWorker("test-target", pass_timeout_s=0.3)
+        started = time.monotonic()
+        hung = asyncio.create_task(worker.run(hang.wait, 30))
+        queued = asyncio.create_task(worker.run(ran.append, "queued"))
+        outcome = await asyncio.gather(hung, queued, return_exceptions=True)
+        waited = time.monotonic() - started
+        reason = worker.wedged()
+        with pytest.raises(WorkerWedged):
+            await worker.run(ran.append, "refused")
+        hang.set()
+        while worker.wedged() is not None:
+            await asyncio.sleep(0.01)
+        after = await worker.run(lambda: "served")
+        worker.shutdown()
+        return outcome, waited, reason, after
+
+    outcome, waited, reason, after = asyncio.run(run())
+    assert all(isinstance(result, WorkerWedged) for result in outcome), outcome
+    assert "model worker is wedged" in str(outcome[0]) and "--pass-timeout 0.3 s" in str(outcome[0])
+    assert 0.3 <= waited < 5, waited
+    assert reason is not None and "past --pass-timeout 0.3 s" in reason
+    assert ran == [] and after == "served"
+
+
+def test_a_worker_without_a_pass_timeout_or_with_passes_shorter_than_it_never_wedges():
+    """pass_timeout_s 0 (as while the model loads) waits for any pass; passes shorter than the
+    timeout, however many, never wedge the worker."""
+
+    async def run():
+        never = ModelWorker("test-target")
+        slow = await never.run(time.sleep, 0.2)
+        short = ModelWorker("test-target", pass_timeout_s=0.2)
+        results = [await short.run(time.sleep, 0.05) for _ in range(8)]
+        never.shutdown()
+        short.shutdown()
+        return slow, results, short.wedged()
+
+    slow, results, wedged = asyncio.run(run())
+    assert slow is None and results == [None] * 8 and wedged is None
 
 
 # ---------------------------------------------------------------- real verification
@@ -280,7 +330,9 @@ def test_a_long_prompt_is_prefilled_a_chunk_a_pass_and_another_sessions_pass_run
 def test_a_prefill_cancelled_stops_after_its_current_chunk_and_the_session_keeps_what_was_fed(verifier):
     """A client that gives up during a long prompt's prefill frees the model after the chunk
     that runs (it used to hold it for the whole prompt's pass); the session keeps the chunks
-    fed, with a cache that covers them, for a later call to go on from."""
+    fed, with a cache that covers them, for a later call to go on from. A chunk that has not
+    begun is not fed at all: here the second, queued behind another job when the call is
+    cancelled (the worker ran it before the cancellation went on)."""
     prompt = torch.randint(4, verifier.loaded.vocab_size, (4 * PREFILL_CHUNK + 10,),
                            generator=torch.Generator().manual_seed(4)).tolist()  # fmt: skip
     state = SessionState("given-up", held=[], pending=list(prompt), cache=new_cache(verifier.model.config))
@@ -288,14 +340,18 @@ def test_a_prefill_cancelled_stops_after_its_current_chunk_and_the_session_keeps
     async def run():
         worker = ModelWorker("test-target")
         gate = threading.Event()
-        busy = asyncio.ensure_future(worker.run(gate.wait, 5))
-        task = asyncio.create_task(prefill(worker, verifier.model, state))
-        await asyncio.sleep(0.05)  # its first chunk is queued
+        busy = []
+        # After the first chunk, another job takes the worker before the second chunk is queued.
+        fed = lambda: busy or busy.append(worker.executor.submit(gate.wait, 5))  # noqa: E731
+        task = asyncio.create_task(prefill(worker, verifier.model, state, fed))
+        while not busy:
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.05)  # the second chunk waits behind it
         task.cancel()
-        gate.set()
         with pytest.raises(asyncio.CancelledError):
             await task
-        await busy
+        gate.set()
+        await asyncio.wrap_future(busy[0])
         worker.shutdown()
 
     asyncio.run(run())

@@ -377,6 +377,129 @@ for _ in call:
 """
 
 
+# The pass timeout of the in-process target below: far above a tiny model's pass (milliseconds).
+PASS_TIMEOUT_S = 1.0
+
+
+def test_a_target_whose_pass_hangs_refuses_calls_unavailable_and_says_not_serving_until_the_pass_ends(
+    stack, redis_url, tiny_models, monkeypatch
+):
+    """A target whose device hangs in a pass (simulated: its verify_batch waits on an event; the
+    target runs in this process, over real gRPC and Redis): the call in that pass, and one for
+    the same session waiting behind it, end UNAVAILABLE "wedged" once the pass has run
+    --pass-timeout (they waited for ever: a Verify has no timeout of its own when the request
+    has no deadline, and a hung device answers the keepalive pings), the one waiting never
+    touching the session's state, which the hung pass may still write; every other call is
+    refused at once meanwhile, and the gRPC health says NOT_SERVING (a Release, which needs no
+    pass, is still answered). Once the pass ends it serves again: the hung session's next
+    Verify gets the verdict a healthy target gives."""
+    from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+    import target_service.server as target_server
+    from conftest import internal_stub
+    from specdec import serving
+    from specdec.kvcache import SessionState
+    from target_service.verifier import Verifier
+
+    hang, release = threading.Event(), threading.Event()
+    verify_batch = Verifier.verify_batch
+
+    def hanging(self, jobs):
+        if hang.is_set():
+            hang.clear()
+            release.wait(60)
+        return verify_batch(self, jobs)
+
+    monkeypatch.setattr(Verifier, "verify_batch", hanging)
+    # A call must not touch a session's state while a hung pass may still write it.
+    workers, touched_while_wedged = [], []
+    brought = SessionState.brought
+
+    def bringing(state, *args):
+        if workers and workers[0].wedged() is not None:
+            touched_while_wedged.append(state.session_id)
+        return brought(state, *args)
+
+    monkeypatch.setattr(SessionState, "brought", bringing)
+    with specdec.Client(stack.address) as client:
+        for session_id in ("hung-a", "hung-b"):
+            client.generate(PROMPT, max_new_tokens=2, session_id=session_id)
+    prompt = tiny_models.tokenizer.encode(PROMPT)
+
+    def verify(session_id):
+        return pb.VerifyRequest(session_id=session_id, position=0, new_tokens=prompt,
+                                sampling=pb.SamplingParams(temperature=0.0, seed=1))  # fmt: skip
+
+    healthy = internal_stub(stack, "target").Verify(verify("hung-b"), timeout=10)
+    SERVING, NOT_SERVING = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
+
+    async def status_becomes(checks, status):
+        for _ in range(100):
+            reply = await checks.Check(health_pb2.HealthCheckRequest(service=serving.TARGET_SERVICE), timeout=5)
+            if reply.status == status:
+                return True
+            await asyncio.sleep(0.05)
+        return False
+
+    async def run():
+        config = target_server.TargetConfig(model=tiny_models.target, pass_timeout_s=PASS_TIMEOUT_S,
+                                            allow_unauthenticated=True)  # fmt: skip
+        servicer = target_server.TargetServicer(config, SessionStore(redis_url))
+        await servicer.worker.run(servicer.load)
+        servicer.watch_passes()
+        workers.append(servicer.worker)
+        server = serving.create_server()
+        health_servicer = health.aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+        serving.add_service(server, serving.TARGET_SERVICE, servicer)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        await serving.set_health(health_servicer, [serving.TARGET_SERVICE], SERVING)
+        watching = asyncio.create_task(serving.watch_health("target", health_servicer, [serving.TARGET_SERVICE],
+                                                            servicer.worker.wedged, every_s=0.05))  # fmt: skip
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+                target, checks = pb_grpc.TargetStub(channel), health_pb2_grpc.HealthStub(channel)
+                await target.Verify(verify("hung-a"), timeout=30)  # the session held here
+                hang.set()
+                started = time.monotonic()
+                hung = asyncio.ensure_future(target.Verify(verify("hung-b"), timeout=30))
+                await asyncio.sleep(0.2)
+                behind = asyncio.ensure_future(target.Verify(verify("hung-b"), timeout=30))  # waits for its lock
+                outcome = await asyncio.gather(hung, behind, return_exceptions=True)
+                waited = time.monotonic() - started
+                not_serving = await status_becomes(checks, NOT_SERVING)
+                refused_at = time.monotonic()
+                with pytest.raises(grpc.aio.AioRpcError) as refused:
+                    await target.Verify(verify("hung-a"), timeout=30)
+                refused_in = time.monotonic() - refused_at
+                released = await target.Release(pb.ReleaseRequest(session_id="hung-a"), timeout=5)
+                release.set()
+                serving_again = await status_becomes(checks, SERVING)
+                after = await target.Verify(verify("hung-b"), timeout=30)
+                return outcome, waited, not_serving, refused.value, refused_in, released, serving_again, after
+        finally:
+            release.set()
+            watching.cancel()
+            await server.stop(0)
+            servicer.worker.shutdown()
+            await servicer.store.close()
+
+    outcome, waited, not_serving, refused, refused_in, released, serving_again, after = asyncio.run(run())
+    print(f"wedged calls ended after {waited:.2f} s; a call meanwhile refused in {refused_in * 1000:.1f} ms")
+    for failed in outcome:
+        assert isinstance(failed, grpc.aio.AioRpcError), failed
+        assert failed.code() == grpc.StatusCode.UNAVAILABLE and "model worker is wedged" in failed.details()
+    assert PASS_TIMEOUT_S <= waited < PASS_TIMEOUT_S + 5
+    assert not_serving, "health said SERVING while a pass hung"
+    assert refused.code() == grpc.StatusCode.UNAVAILABLE and "--pass-timeout 1 s" in refused.details()
+    assert refused_in < 1.0
+    assert released.released, "a Release is answered while the worker is wedged (it needs no pass)"
+    assert serving_again, "health stayed NOT_SERVING after the pass ended"
+    assert touched_while_wedged == []
+    assert (after.num_accepted, after.next_token, after.bonus) == (healthy.num_accepted, healthy.next_token, healthy.bonus)
+
+
 def test_a_client_that_vanishes_mid_stream_has_its_call_cancelled_once_the_servers_keepalive_ping_goes_unanswered():
     """A client process frozen mid-stream (SIGSTOP: a laptop closed, a network cut that leaves
     TCP open) reads nothing and answers nothing. specdec's servers (serving.create_server) ping
