@@ -146,7 +146,16 @@ class ModelServiceMetrics:
             "session that began alike instead of fed to the model (prefix reuse: kvcache.find_prefix).",
             ["service"], registry=r,
         ).labels(service=service)  # fmt: skip
+        self.running_pass = Gauge(
+            "specdec:running_pass_seconds", "Seconds the pass now running on the model's worker has run (0 while "
+            "idle); one past --pass-timeout makes the service refuse calls (serving.ModelWorker).",
+            ["service"], registry=r,
+        ).labels(service=service)  # fmt: skip
         self._evictions_seen = 0
+
+    def watch_worker(self, worker) -> None:
+        """Read running_pass from a serving.ModelWorker at each scrape."""
+        self.running_pass.set_function(worker.running_s)
 
     def observe_pool(self, pool) -> None:
         """Follow a kvcache.SessionPool (its on_change callback)."""

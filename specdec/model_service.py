@@ -77,6 +77,7 @@ class ModelService:
         self.loading_info.CopyFrom(info)
         self.worker = serving.ModelWorker(f"{self.role}-model")
         self.metrics = ModelServiceMetrics(self.role)
+        self.metrics.watch_worker(self.worker)
         self.pool: SessionPool | None = None  # set once the model is loaded
         self.model = None  # the loaded model (None for an n-gram draft)
 

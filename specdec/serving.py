@@ -95,10 +95,15 @@ class ModelWorker:
                 wait_s = self.pass_timeout_s - (0 if began is None else time.monotonic() - began) + 0.01
             await asyncio.wait([done], timeout=None if wait_s is None else max(0.01, wait_s))
 
+    def running_s(self) -> float:
+        """Seconds the running job has run; 0 while idle."""
+        began = self.began
+        return 0.0 if began is None else time.monotonic() - began
+
     def wedged(self) -> str | None:
         """Why the worker takes no job now (class doc: wedged), or None."""
-        began = self.began
-        if self.pass_timeout_s <= 0 or began is None or (running := time.monotonic() - began) <= self.pass_timeout_s:
+        running = self.running_s()
+        if self.pass_timeout_s <= 0 or running <= self.pass_timeout_s:
             return None
         return (f"one forward pass has run for {running:.0f} s, past --pass-timeout {self.pass_timeout_s:g} s: "
                 "a hung device or driver?")  # fmt: skip

@@ -469,6 +469,8 @@ def test_a_target_whose_pass_hangs_refuses_calls_unavailable_and_says_not_servin
                 outcome = await asyncio.gather(hung, behind, return_exceptions=True)
                 waited = time.monotonic() - started
                 not_serving = await status_becomes(checks, NOT_SERVING)
+                running_pass = servicer.metrics.registry.get_sample_value("specdec:running_pass_seconds",
+                                                                          {"service": "target"})  # fmt: skip
                 refused_at = time.monotonic()
                 with pytest.raises(grpc.aio.AioRpcError) as refused:
                     await target.Verify(verify("hung-a"), timeout=30)
@@ -477,7 +479,9 @@ def test_a_target_whose_pass_hangs_refuses_calls_unavailable_and_says_not_servin
                 release.set()
                 serving_again = await status_becomes(checks, SERVING)
                 after = await target.Verify(verify("hung-b"), timeout=30)
-                return outcome, waited, not_serving, refused.value, refused_in, released, serving_again, after
+                idle_pass = servicer.metrics.registry.get_sample_value("specdec:running_pass_seconds", {"service": "target"})
+                return (outcome, waited, not_serving, running_pass, idle_pass, refused.value, refused_in, released,
+                        serving_again, after)  # fmt: skip
         finally:
             release.set()
             watching.cancel()
@@ -485,13 +489,15 @@ def test_a_target_whose_pass_hangs_refuses_calls_unavailable_and_says_not_servin
             servicer.worker.shutdown()
             await servicer.store.close()
 
-    outcome, waited, not_serving, refused, refused_in, released, serving_again, after = asyncio.run(run())
+    (outcome, waited, not_serving, running_pass, idle_pass, refused, refused_in, released, serving_again,
+     after) = asyncio.run(run())  # fmt: skip
     print(f"wedged calls ended after {waited:.2f} s; a call meanwhile refused in {refused_in * 1000:.1f} ms")
     for failed in outcome:
         assert isinstance(failed, grpc.aio.AioRpcError), failed
         assert failed.code() == grpc.StatusCode.UNAVAILABLE and "model worker is wedged" in failed.details()
     assert PASS_TIMEOUT_S <= waited < PASS_TIMEOUT_S + 5
     assert not_serving, "health said SERVING while a pass hung"
+    assert running_pass >= PASS_TIMEOUT_S and idle_pass == 0, (running_pass, idle_pass)  # /metrics shows it
     assert refused.code() == grpc.StatusCode.UNAVAILABLE and "--pass-timeout 1 s" in refused.details()
     assert refused_in < 1.0
     assert released.released, "a Release is answered while the worker is wedged (it needs no pass)"
