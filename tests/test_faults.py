@@ -21,7 +21,9 @@ import specdec
 from conftest import start_stack
 from coordinator.cycles import DRAFT_DEADLINE_SHARE, draft_budget
 from coordinator.replicas import score
+from specdec import serving
 from specdec.errors import Aborted
+from specdec.kvcache import SessionState
 from specdec.redis_server import EmbeddedRedis
 from specdec.session import REDIS_SOCKET_TIMEOUT_S, SessionStore, meta_key, tokens_key
 from specdec.v1 import specdec_pb2 as pb
@@ -377,15 +379,74 @@ for _ in call:
 """
 
 
-# The pass timeout of the in-process target below: far above a tiny model's pass (milliseconds).
+# The pass timeout of the in-process targets below: far above a tiny model's pass (milliseconds).
 PASS_TIMEOUT_S = 1.0
+
+
+class HangingTarget:
+    """A real target service (the tiny target model, real Redis, real gRPC on a loopback port,
+    health and its watch as `serving.run` sets them up) run in this process, whose next pass
+    hangs once `hang` is set, until `release` is: a device that hangs, which a CPU machine
+    cannot make. `wedged_touches` lists the sessions whose state a call brought while the
+    worker was wedged (SessionState.brought: none may be)."""
+
+    def __init__(self, monkeypatch, model: str, redis_url: str):
+        from target_service.server import TargetConfig, TargetServicer
+        from target_service.verifier import Verifier
+
+        self.hang, self.release = threading.Event(), threading.Event()
+        self.wedged_touches: list[str] = []
+        verify_batch, brought = Verifier.verify_batch, SessionState.brought
+
+        def hanging(verifier, jobs):
+            if self.hang.is_set():
+                self.hang.clear()
+                self.release.wait(60)
+            return verify_batch(verifier, jobs)
+
+        def bringing(state, *args):
+            if self.servicer.worker.wedged() is not None:
+                self.wedged_touches.append(state.session_id)
+            return brought(state, *args)
+
+        monkeypatch.setattr(Verifier, "verify_batch", hanging)
+        monkeypatch.setattr(SessionState, "brought", bringing)
+        config = TargetConfig(model=model, pass_timeout_s=PASS_TIMEOUT_S, allow_unauthenticated=True)
+        self.servicer = TargetServicer(config, SessionStore(redis_url))
+
+    async def start(self) -> int:
+        """Load and serve; returns the port."""
+        from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+        await self.servicer.worker.run(self.servicer.load)
+        self.servicer.watch_passes()
+        self.server = serving.create_server()
+        health_servicer = health.aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(health_servicer, self.server)
+        serving.add_service(self.server, serving.TARGET_SERVICE, self.servicer)
+        port = self.server.add_insecure_port("127.0.0.1:0")
+        await self.server.start()
+        names = [serving.TARGET_SERVICE]
+        await serving.set_health(health_servicer, names, health_pb2.HealthCheckResponse.SERVING)
+        self.watching = asyncio.create_task(serving.watch_health("target", health_servicer, names,
+                                                                 self.servicer.worker.wedged, every_s=0.05))  # fmt: skip
+        return port
+
+    async def stop(self) -> None:
+        self.release.set()
+        self.watching.cancel()
+        await self.server.stop(0)
+        self.servicer.worker.shutdown()
+        await self.servicer.store.close()
+
+    def running_pass_s(self) -> float:
+        return self.servicer.metrics.registry.get_sample_value("specdec:running_pass_seconds", {"service": "target"})
 
 
 def test_a_target_whose_pass_hangs_refuses_calls_unavailable_and_says_not_serving_until_the_pass_ends(
     stack, redis_url, tiny_models, monkeypatch
 ):
-    """A target whose device hangs in a pass (simulated: its verify_batch waits on an event; the
-    target runs in this process, over real gRPC and Redis): the call in that pass, and one for
+    """A target whose device hangs in a pass (HangingTarget): the call in that pass, and one for
     the same session waiting behind it, end UNAVAILABLE "wedged" once the pass has run
     --pass-timeout (they waited for ever: a Verify has no timeout of its own when the request
     has no deadline, and a hung device answers the keepalive pings), the one waiting never
@@ -393,34 +454,11 @@ def test_a_target_whose_pass_hangs_refuses_calls_unavailable_and_says_not_servin
     refused at once meanwhile, and the gRPC health says NOT_SERVING (a Release, which needs no
     pass, is still answered). Once the pass ends it serves again: the hung session's next
     Verify gets the verdict a healthy target gives."""
-    from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    import target_service.server as target_server
     from conftest import internal_stub
-    from specdec import serving
-    from specdec.kvcache import SessionState
-    from target_service.verifier import Verifier
 
-    hang, release = threading.Event(), threading.Event()
-    verify_batch = Verifier.verify_batch
-
-    def hanging(self, jobs):
-        if hang.is_set():
-            hang.clear()
-            release.wait(60)
-        return verify_batch(self, jobs)
-
-    monkeypatch.setattr(Verifier, "verify_batch", hanging)
-    # A call must not touch a session's state while a hung pass may still write it.
-    workers, touched_while_wedged = [], []
-    brought = SessionState.brought
-
-    def bringing(state, *args):
-        if workers and workers[0].wedged() is not None:
-            touched_while_wedged.append(state.session_id)
-        return brought(state, *args)
-
-    monkeypatch.setattr(SessionState, "brought", bringing)
+    hung_target = HangingTarget(monkeypatch, tiny_models.target, redis_url)
     with specdec.Client(stack.address) as client:
         for session_id in ("hung-a", "hung-b"):
             client.generate(PROMPT, max_new_tokens=2, session_id=session_id)
@@ -442,26 +480,12 @@ def test_a_target_whose_pass_hangs_refuses_calls_unavailable_and_says_not_servin
         return False
 
     async def run():
-        config = target_server.TargetConfig(model=tiny_models.target, pass_timeout_s=PASS_TIMEOUT_S,
-                                            allow_unauthenticated=True)  # fmt: skip
-        servicer = target_server.TargetServicer(config, SessionStore(redis_url))
-        await servicer.worker.run(servicer.load)
-        servicer.watch_passes()
-        workers.append(servicer.worker)
-        server = serving.create_server()
-        health_servicer = health.aio.HealthServicer()
-        health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-        serving.add_service(server, serving.TARGET_SERVICE, servicer)
-        port = server.add_insecure_port("127.0.0.1:0")
-        await server.start()
-        await serving.set_health(health_servicer, [serving.TARGET_SERVICE], SERVING)
-        watching = asyncio.create_task(serving.watch_health("target", health_servicer, [serving.TARGET_SERVICE],
-                                                            servicer.worker.wedged, every_s=0.05))  # fmt: skip
+        port = await hung_target.start()
         try:
             async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
                 target, checks = pb_grpc.TargetStub(channel), health_pb2_grpc.HealthStub(channel)
                 await target.Verify(verify("hung-a"), timeout=30)  # the session held here
-                hang.set()
+                hung_target.hang.set()
                 started = time.monotonic()
                 hung = asyncio.ensure_future(target.Verify(verify("hung-b"), timeout=30))
                 await asyncio.sleep(0.2)
@@ -469,25 +493,19 @@ def test_a_target_whose_pass_hangs_refuses_calls_unavailable_and_says_not_servin
                 outcome = await asyncio.gather(hung, behind, return_exceptions=True)
                 waited = time.monotonic() - started
                 not_serving = await status_becomes(checks, NOT_SERVING)
-                running_pass = servicer.metrics.registry.get_sample_value("specdec:running_pass_seconds",
-                                                                          {"service": "target"})  # fmt: skip
+                running_pass = hung_target.running_pass_s()
                 refused_at = time.monotonic()
                 with pytest.raises(grpc.aio.AioRpcError) as refused:
                     await target.Verify(verify("hung-a"), timeout=30)
                 refused_in = time.monotonic() - refused_at
                 released = await target.Release(pb.ReleaseRequest(session_id="hung-a"), timeout=5)
-                release.set()
+                hung_target.release.set()
                 serving_again = await status_becomes(checks, SERVING)
                 after = await target.Verify(verify("hung-b"), timeout=30)
-                idle_pass = servicer.metrics.registry.get_sample_value("specdec:running_pass_seconds", {"service": "target"})
-                return (outcome, waited, not_serving, running_pass, idle_pass, refused.value, refused_in, released,
-                        serving_again, after)  # fmt: skip
+                return (outcome, waited, not_serving, running_pass, hung_target.running_pass_s(), refused.value,
+                        refused_in, released, serving_again, after)  # fmt: skip
         finally:
-            release.set()
-            watching.cancel()
-            await server.stop(0)
-            servicer.worker.shutdown()
-            await servicer.store.close()
+            await hung_target.stop()
 
     (outcome, waited, not_serving, running_pass, idle_pass, refused, refused_in, released, serving_again,
      after) = asyncio.run(run())  # fmt: skip
@@ -502,8 +520,44 @@ def test_a_target_whose_pass_hangs_refuses_calls_unavailable_and_says_not_servin
     assert refused_in < 1.0
     assert released.released, "a Release is answered while the worker is wedged (it needs no pass)"
     assert serving_again, "health stayed NOT_SERVING after the pass ended"
-    assert touched_while_wedged == []
+    assert hung_target.wedged_touches == []
     assert (after.num_accepted, after.next_token, after.bonus) == (healthy.num_accepted, healthy.next_token, healthy.bonus)
+
+
+def test_a_session_on_a_target_replica_whose_pass_hangs_goes_on_on_the_other_with_the_same_tokens(
+    stack, redis_url, tiny_models, monkeypatch
+):
+    """Two target replicas behind a coordinator, one of them a HangingTarget; a session it
+    serves has its next pass hang: after --pass-timeout its Verify ends UNAVAILABLE, the
+    coordinator takes the replica for lost and verifies the cycle on the other, and the request,
+    which has no deadline, ends with the no-fault output. Before, it waited as long as the pass."""
+    hung_target = HangingTarget(monkeypatch, tiny_models.target, redis_url)
+    loop = asyncio.new_event_loop()
+    serving_thread = threading.Thread(target=loop.run_forever, daemon=True)
+    serving_thread.start()
+    port = asyncio.run_coroutine_threadsafe(hung_target.start(), loop).result(120)
+    first, second = f"127.0.0.1:{stack.ports['target']}", f"127.0.0.1:{port}"
+    on_second = [f"hangs-{i}" for i in range(40) if score(f"hangs-{i}", second) > score(f"hangs-{i}", first)]
+    options = dict(max_new_tokens=30, **OPTIONS)
+    try:
+        address = stack.add_coordinator("beside-hung", "--target-address", f"{first},{second}")
+        with specdec.Client(stack.address) as client:
+            expected = client.generate(PROMPT, session_id=on_second[0], **options)  # one target, no fault
+        with specdec.Client(address, retries=0) as client:
+            hung_target.hang.set()
+            started = time.monotonic()
+            result = client.generate(PROMPT, session_id=on_second[1], **options)
+            took = time.monotonic() - started
+    finally:
+        asyncio.run_coroutine_threadsafe(hung_target.stop(), loop).result(30)
+        loop.call_soon_threadsafe(loop.stop)
+        serving_thread.join(10)
+        stack.processes["beside-hung"].terminate()
+    print(f"\na session whose target replica's pass hung finished in {took:.1f} s")
+    assert not hung_target.hang.is_set(), "the session's pass never reached the hanging replica"
+    assert result.token_ids == expected.token_ids
+    assert PASS_TIMEOUT_S <= took < PASS_TIMEOUT_S + 20
+    assert hung_target.wedged_touches == []
 
 
 def test_a_client_that_vanishes_mid_stream_has_its_call_cancelled_once_the_servers_keepalive_ping_goes_unanswered():
