@@ -35,7 +35,7 @@ from specdec.errors import (
 from specdec.metrics import CoordinatorMetrics
 from specdec.ngram import DEFAULT_K, DEFAULT_MAX_NGRAM, DEFAULT_MIN_NGRAM, NGRAM_DRAFT
 from specdec.ranges import (
-    DEFAULT_DRAIN_S, DEFAULT_MAX_K, DEFAULT_MAX_NEW_TOKENS_LIMIT, DEFAULT_STALL_TIMEOUT_S, DEFAULT_WAIT_MS,
+    DEFAULT_DRAIN_S, DEFAULT_MAX_K, DEFAULT_MAX_NEW_TOKENS_LIMIT, DEFAULT_STALL_TIMEOUT_S, DEFAULT_TTL_S, DEFAULT_WAIT_MS,
 )
 from specdec.security import ChannelSecurity, ServerSecurity, caller_id, is_caller, redact_url
 from specdec.session import CALLER_LEASE_S, NotReplicated, SessionStore, check_session_id, new_session_id, session_gone
@@ -152,6 +152,8 @@ class CoordinatorConfig:
     # 0 = do not wait.
     redis_wait_replicas: int = 0
     redis_wait_ms: int = DEFAULT_WAIT_MS
+    # Seconds a session stays in Redis after its last write (SessionStore.ttl_s).
+    session_ttl_s: int = DEFAULT_TTL_S
     # How long to wait for the model services at start-up.
     startup_timeout_s: float = STARTUP_TIMEOUT_S
     # Port of the Prometheus /metrics endpoint; 0 = off.
@@ -1018,7 +1020,8 @@ async def wait_for_model_info(replicas: Replicas, name: str, timeout_s: float) -
 
 async def serve(config: CoordinatorConfig) -> None:
     telemetry.setup_tracing("specdec-coordinator")
-    store = SessionStore(config.redis_url, wait_replicas=config.redis_wait_replicas, wait_ms=config.redis_wait_ms)
+    store = SessionStore(config.redis_url, ttl_s=config.session_ttl_s, wait_replicas=config.redis_wait_replicas,
+                         wait_ms=config.redis_wait_ms)  # fmt: skip
     servicer = CoordinatorServicer(config, store)
     await serving.run(
         name="coordinator",

@@ -17,9 +17,9 @@ from specdec import __version__
 from specdec.ngram import DEFAULT_K, DEFAULT_MAX_NGRAM, DEFAULT_MIN_NGRAM, NGRAM_DRAFT
 from specdec.ranges import (
     AT_LEAST_ONE, DEFAULT_DRAIN_S, DEFAULT_MAX_BATCH, DEFAULT_MAX_K, DEFAULT_MAX_NEW_TOKENS_LIMIT, DEFAULT_RETRIES,
-    DEFAULT_PASS_TIMEOUT_S, DEFAULT_STALL_TIMEOUT_S, DEFAULT_WAIT_MS,
+    DEFAULT_PASS_TIMEOUT_S, DEFAULT_STALL_TIMEOUT_S, DEFAULT_TTL_S, DEFAULT_WAIT_MS,
     DRAIN_S, MAX_NEW_TOKENS, METRICS_PORT, PER_CALLER, PORT, RETRIES, SECONDS, SEED, REPLICA_REFRESH_S,
-    SERVICE_PORT, STALL_TIMEOUT_S, TEMPERATURE, THREADS, TOP_K, TOP_P, UINT32, WAIT_MS, WAIT_REPLICAS, Range,
+    SERVICE_PORT, SESSION_TTL_S, STALL_TIMEOUT_S, TEMPERATURE, THREADS, TOP_K, TOP_P, UINT32, WAIT_MS, WAIT_REPLICAS, Range,
     grpc_address, listen_host, stop_text, undecodable, utf8_text,
 )
 
@@ -306,11 +306,20 @@ def add_common_service_flags(p: argparse.ArgumentParser, prefix: str, port: int)
                   "for TLS, or redis+cluster://HOST:PORT (rediss+cluster://) naming any node of a Redis Cluster; "
                   "prefer the environment variable, since a password on the command line is visible "
                   "to every user of the machine")  # fmt: skip
+    add_session_ttl_flag(p)
     env_flag(p, "--log-level", f"{prefix}_LOG_LEVEL", default="INFO", type=log_level,
              help=f"logging level: {', '.join(LOG_LEVELS)}")  # fmt: skip
     env_flag(p, "--metrics-port", f"{prefix}_METRICS_PORT", default=0, type=METRICS_PORT,
              help="serve Prometheus /metrics on this port (0 = off)")  # fmt: skip
     add_tls_server_flags(p, prefix)
+
+
+def add_session_ttl_flag(p: argparse.ArgumentParser) -> None:
+    env_flag(p, "--session-ttl", "SPECDEC_SESSION_TTL", default=DEFAULT_TTL_S, type=SESSION_TTL_S, metavar="SECONDS",
+             help="seconds a session stays in Redis after its last use (its prompt and tokens; Resume and "
+                  "Delete find it until then), and at most how long a model service keeps a finished "
+                  "session's cache for prefix reuse; give every service the same value (the environment "
+                  "variable does)")  # fmt: skip
 
 
 def add_tls_server_flags(p: argparse.ArgumentParser, prefix: str) -> None:
@@ -456,6 +465,7 @@ def add_stack_flags(p: argparse.ArgumentParser) -> None:
     add_ngram_first_flag(p)
     env_flag(p, "--redis-url", "SPECDEC_REDIS_URL", default="", type=redis_url, secret=True,
              help="Redis URL; empty starts an embedded redis-server on a private port")  # fmt: skip
+    add_session_ttl_flag(p)
     env_flag(p, "--tls-cert", "SPECDEC_TLS_CERT", default="",
              help="PEM certificate for every service (valid for the addresses used, with server and client use): "
                   "TLS on every hop, mutual TLS between the services")  # fmt: skip
@@ -580,7 +590,7 @@ def run_serve(args) -> NoReturn:
             ngram_via_draft_service=args.ngram_via_draft_service, ngram_first=args.ngram_first,
             max_prompt_tokens=args.max_prompt_tokens, max_concurrent_requests=args.max_concurrent_requests,
             max_requests_per_caller=args.max_requests_per_caller, redis_wait_replicas=args.redis_wait_replicas,
-            redis_wait_ms=args.redis_wait_ms, security=server_security(args, args.auth_token_file, AUTH_TOKEN_ENV),
+            redis_wait_ms=args.redis_wait_ms, session_ttl_s=args.session_ttl, security=server_security(args, args.auth_token_file, AUTH_TOKEN_ENV),
             internal=ChannelSecurity.from_token_file(args.internal_tls_ca, args.internal_tls_cert, args.internal_tls_key,
                                                      args.internal_token_file, INTERNAL_TOKEN_ENV),
         )  # fmt: skip
@@ -595,6 +605,7 @@ def run_serve(args) -> NoReturn:
             max_sessions=args.max_sessions, dtype=args.dtype, device=args.device, metrics_port=args.metrics_port,
             max_cache_mb=args.max_cache_mb, allow_unauthenticated=args.allow_unauthenticated, security=security,
             max_batch=args.max_batch, prefix_reuse=not args.no_prefix_reuse, pass_timeout_s=args.pass_timeout,
+            session_ttl_s=args.session_ttl,
         )  # fmt: skip
         if args.service == "draft":
             from draft_service.server import DraftConfig, serve
@@ -634,7 +645,7 @@ def run_up(args) -> int:
         port=args.port, host=args.host, target=args.target, draft=args.draft, redis_url=args.redis_url,
         metrics_port_base=args.metrics_port_base, tls=StackTLS(*tls_files) if all(tls_files) else None,
         auth_token_file=args.auth_token_file,
-        ngram_first=args.ngram_first,
+        ngram_first=args.ngram_first, env={"SPECDEC_SESSION_TTL": str(args.session_ttl)},
     )  # fmt: skip
     print(f"starting: target {config.target}, draft {config.draft}", file=sys.stderr, flush=True)
     with Stack(config) as stack:

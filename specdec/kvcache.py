@@ -44,7 +44,7 @@ from transformers.cache_utils import DummyLayer, DynamicIndexedLayer, DynamicLay
 
 from specdec import plain_forward
 from specdec.errors import FailedPrecondition, InvalidArgument, NotFound, OutOfRange, ResourceExhausted
-from specdec.session import DEFAULT_TTL_S
+from specdec.ranges import DEFAULT_TTL_S
 from specdec.wire import check_token_ids
 
 FetchCommitted = Callable[[str, int, int], Awaitable[list[int]]]

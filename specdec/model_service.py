@@ -12,7 +12,7 @@ from specdec import serving, telemetry
 from specdec.errors import FailedPrecondition, InvalidArgument, OutOfRange, SessionRecreated, Unavailable, grpc_handler
 from specdec.kvcache import PREFILL_CHUNK, SessionPool, SessionState, feed_pending, find_prefix, take_prefix
 from specdec.metrics import ModelServiceMetrics
-from specdec.ranges import DEFAULT_MAX_BATCH, DEFAULT_MAX_K, DEFAULT_PASS_TIMEOUT_S
+from specdec.ranges import DEFAULT_MAX_BATCH, DEFAULT_MAX_K, DEFAULT_PASS_TIMEOUT_S, DEFAULT_TTL_S
 from specdec.security import ServerSecurity, require_caller_credential
 from specdec.session import SessionStore, check_session_id, session_gone
 from specdec.v1 import specdec_pb2 as pb
@@ -59,6 +59,9 @@ class ModelServiceConfig:
     # hung: calls refused UNAVAILABLE and health NOT_SERVING until it ends (serving.ModelWorker);
     # 0 = never.
     pass_timeout_s: float = DEFAULT_PASS_TIMEOUT_S
+    # Seconds Redis keeps a session after its last write (the coordinator's --session-ttl): a
+    # finished session's cache is kept for prefix reuse at most that long.
+    session_ttl_s: int = DEFAULT_TTL_S
 
 
 class ModelService:
@@ -111,9 +114,8 @@ class ModelService:
         return loaded
 
     def make_pool(self, new_cache) -> SessionPool:
-        return SessionPool(
-            self.config.max_sessions, new_cache, self.metrics.observe_pool, int(self.config.max_cache_mb * 2**20)
-        )
+        return SessionPool(self.config.max_sessions, new_cache, self.metrics.observe_pool,
+                           int(self.config.max_cache_mb * 2**20), retired_s=self.config.session_ttl_s)  # fmt: skip
 
     def ready(self) -> SessionPool:
         """The pool of sessions, once calls can be served: Unavailable while the model loads

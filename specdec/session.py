@@ -48,7 +48,7 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 
 from specdec.errors import Aborted, AlreadyExists, InvalidArgument, NotFound, Unavailable
-from specdec.ranges import DEFAULT_WAIT_MS
+from specdec.ranges import DEFAULT_TTL_S, DEFAULT_WAIT_MS
 from specdec.security import redact_url
 
 REDIS_URL_ENV = "SPECDEC_REDIS_URL"
@@ -59,7 +59,6 @@ REDIS_SCHEMES = ("redis", "rediss", "unix", *CLUSTER_SCHEMES)
 # a command that cannot reach its node, or meets CLUSTERDOWN, is resent this many times after a
 # topology refresh (a master killed: its replica takes over after the cluster's node timeout).
 CLUSTER_RETRIES = 2
-DEFAULT_TTL_S = 3600
 MAX_SESSION_ID_LEN = 128
 # Opening a connection: loopback or a LAN answers in milliseconds, so a Redis that has
 # not answered in 2 s is down, and the request fails with UNAVAILABLE instead of waiting.

@@ -59,6 +59,39 @@ def test_a_coordinator_whose_redis_does_not_answer_at_start_says_so_and_serves(t
     assert refused.value.code.name == "UNAVAILABLE"
 
 
+def test_session_ttl_sets_how_long_redis_keeps_a_session_and_a_model_service_a_finished_ones_cache(
+    tiny_stack, redis_url, tiny_models, monkeypatch
+):
+    """--session-ttl (SPECDEC_SESSION_TTL, one setting for every service; `specdec up` passes its
+    own to all three): a coordinator given 30 s writes its sessions' keys with that TTL, where
+    the TTL was fixed at an hour; a model service given it keeps a finished session's cache for
+    prefix reuse no longer than that."""
+    import redis
+
+    import specdec
+    from specdec.cli import build_parser
+    from target_service.server import TargetConfig, TargetServicer
+
+    address = tiny_stack.add_coordinator("short-ttl", "--session-ttl", "30")
+    store = redis.Redis.from_url(redis_url)
+    try:
+        with specdec.Client(address) as client:
+            client.generate("hello", max_new_tokens=2, session_id="kept-30-s")
+        with specdec.Client(tiny_stack.address) as client:
+            client.generate("hello", max_new_tokens=2, session_id="kept-an-hour")
+        short = [store.ttl(key("kept-30-s")) for key in (meta_key, tokens_key)]
+        default = [store.ttl(key("kept-an-hour")) for key in (meta_key, tokens_key)]
+    finally:
+        tiny_stack.processes["short-ttl"].terminate()
+    assert all(0 < ttl <= 30 for ttl in short) and all(30 < ttl <= 3600 for ttl in default), (short, default)
+    servicer = TargetServicer(TargetConfig(model=tiny_models.target, session_ttl_s=30), store=None)
+    assert servicer.make_pool(lambda: None).retired_s == 30
+    monkeypatch.setenv("SPECDEC_SESSION_TTL", "45")
+    for command in (["serve", "target"], ["serve", "draft"], ["serve", "coordinator"], ["up"]):
+        assert build_parser(command).parse_args(command).session_ttl == 45, command
+    servicer.worker.shutdown()
+
+
 def test_create_stores_prompt_and_meta(redis_url):
     async def go():
         store = SessionStore(redis_url, ttl_s=100)
