@@ -21,6 +21,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from specdec.errors import WorkerWedged
 from specdec.kvcache import crop_cache
 from specdec.ranges import DEFAULT_MAX_BATCH
 from specdec.serving import ModelWorker, wait_out
@@ -46,7 +47,8 @@ class Batcher:
         """The job's result, from the next pass that takes it (its exception raised). Cancelled
         while queued, the job leaves the queue untouched; cancelled while its pass runs, it waits
         for the pass (which changes its session) before the cancellation goes on, as
-        ModelWorker.run does."""
+        ModelWorker.run does, or until the worker is wedged: then WorkerWedged, as ModelWorker.run
+        raises."""
         waiting = (job, asyncio.get_running_loop().create_future())
         self.queue.append(waiting)
         if self.draining is None:
@@ -56,8 +58,11 @@ class Batcher:
         except asyncio.CancelledError:
             if waiting in self.queue:
                 self.queue.remove(waiting)
-            else:
-                await wait_out(waiting[1])
+                raise
+            await wait_out(waiting[1])
+            if not waiting[1].cancelled() and isinstance(error := waiting[1].exception(), WorkerWedged):
+                # Its pass may still write the session: the caller must drop it, not undo the call's work.
+                raise error from None
             raise
 
     async def drain(self) -> None:
@@ -68,7 +73,7 @@ class Batcher:
                 batch = self.next_batch()
                 started = time.perf_counter()
                 try:
-                    results = await self.worker.run(self.run_batch, [job for job, _ in batch])
+                    results = await self.worker.run(self.run_batch, [job for job, _ in batch], sessions=len(batch))
                 except Exception as exc:  # the pass itself failed: every job in it did
                     results = [exc] * len(batch)
                 self.observe(len(batch), time.perf_counter() - started)

@@ -351,10 +351,10 @@ def add_model_flags(p: argparse.ArgumentParser, prefix: str, model: str) -> None
                   "once for all of them (1 = one session a pass)")  # fmt: skip
     env_flag(p, "--pass-timeout", f"{prefix}_PASS_TIMEOUT", default=DEFAULT_PASS_TIMEOUT_S,
              type=Range(float, 0, note="0 = never"),
-             help="seconds one forward pass (a batch, or a 256-token prefill chunk) may run before the service "
-                  "takes its device for hung: until that pass ends it refuses every call UNAVAILABLE, so the "
-                  "coordinator asks another replica, and its gRPC health says NOT_SERVING, so Kubernetes "
-                  "takes it out of its Service and restarts it (0 = never)")  # fmt: skip
+             help="seconds one forward pass may run, per session it serves (a prefill chunk: 256 tokens of one), "
+                  "before the service takes its device for hung: until that pass ends it refuses every call "
+                  "UNAVAILABLE, so the coordinator asks another replica, and its gRPC health says NOT_SERVING, so "
+                  "Kubernetes takes it out of its Service and restarts it (0 = never)")  # fmt: skip
     env_flag(p, "--no-prefix-reuse", f"{prefix}_NO_PREFIX_REUSE", action="store_true",
              help="feed every new session's whole prompt to the model, instead of copying the beginning it "
                   "shares with an idle or finished session's context (a chat's earlier turns, a common system "

@@ -43,7 +43,7 @@ from transformers import DynamicCache
 from transformers.cache_utils import DummyLayer, DynamicIndexedLayer, DynamicLayer, DynamicSlidingWindowLayer
 
 from specdec import plain_forward
-from specdec.errors import FailedPrecondition, InvalidArgument, NotFound, OutOfRange, ResourceExhausted
+from specdec.errors import FailedPrecondition, InvalidArgument, NotFound, OutOfRange, ResourceExhausted, WorkerWedged
 from specdec.ranges import DEFAULT_TTL_S
 from specdec.wire import check_token_ids
 
@@ -169,7 +169,8 @@ class SessionState:
         caller's word for the body of the `async with` (the model's work) while one read
         checks them against Redis; when they prove not to be the committed tokens, undo the
         work (cache, held, pending) and raise as `sync` would (FailedPrecondition,
-        OutOfRange). Also undone when the body raises or is cancelled."""
+        OutOfRange). Also undone when the body raises or is cancelled, but for WorkerWedged: a
+        pass may still be writing the state then, and the caller drops it instead."""
         check_position(position, new_tokens, vocab_size, max_context)
         new_tokens = list(new_tokens)
         if not self.checked_below(position):
@@ -181,9 +182,11 @@ class SessionState:
         try:
             yield self
             await check
-        except BaseException:
+        except BaseException as exc:
             if not check.cancel() and not check.cancelled():
                 check.exception()  # done with an error of its own: retrieved, not logged as lost
+            if isinstance(exc, WorkerWedged):
+                raise  # a pass may still write this state: not undone here, dropped by the caller
             crop_cache(self.cache, keep)
             del self.held[keep:]
             self.pending = pending
@@ -482,22 +485,28 @@ class SessionPool:
     @contextlib.asynccontextmanager
     async def use(self, session_id: str, exists: Callable[[str], Awaitable[bool]]):
         """Hold a session for one call: locked, and safe from eviction meanwhile, also while
-        the call waits for the lock."""
-        state = await self.acquire(session_id, exists)
-        state.calls += 1
-        try:
-            async with state.lock:
-                state.busy = True
-                try:
-                    yield state
-                finally:
-                    state.busy = False
-                    state.last_used = time.monotonic()
-                    state.nbytes = cache_bytes(state.cache)
-        finally:
-            state.calls -= 1
-            self._trim_memory()
-            self.on_change(self)
+        the call waits for the lock. A state dropped or released while the call waited for it
+        (`drop`: a call before found it untrustworthy) is not used: the call takes the
+        session's state again, a new one if none is held."""
+        while True:
+            state = await self.acquire(session_id, exists)
+            state.calls += 1
+            try:
+                async with state.lock:
+                    if self.sessions.get(session_id) is not state:
+                        continue
+                    state.busy = True
+                    try:
+                        yield state
+                    finally:
+                        state.busy = False
+                        state.last_used = time.monotonic()
+                        state.nbytes = cache_bytes(state.cache)
+                    return
+            finally:
+                state.calls -= 1
+                self._trim_memory()
+                self.on_change(self)
 
     def release(self, session_id: str, retire: bool = False) -> bool:
         """Stop serving a session; True if it was held. `retire` (it finished): keep its cache
@@ -517,9 +526,13 @@ class SessionPool:
     def drop(self, state: SessionState) -> None:
         """Drop `state` if the pool still serves it under its id: a call that finds its state
         untrustworthy (recreated, gone) drops that one, never a newer state another call
-        made under the same id meanwhile (which a drop by id took from under it)."""
+        made under the same id meanwhile (which a drop by id took from under it). Also when
+        it was retired meanwhile (a Release during its call): never to serve as a prefix."""
         if self.sessions.get(state.session_id) is state:
             self.release(state.session_id)
+        elif self.retired.get(state.session_id) is state:
+            del self.retired[state.session_id]
+            self.on_change(self)
 
     def _over_memory(self) -> bool:
         return bool(self.max_cache_bytes) and self.bytes_held > self.max_cache_bytes

@@ -9,7 +9,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from specdec import serving, telemetry
-from specdec.errors import FailedPrecondition, InvalidArgument, OutOfRange, SessionRecreated, Unavailable, grpc_handler
+from specdec.errors import (
+    FailedPrecondition, InvalidArgument, OutOfRange, SessionRecreated, Unavailable, WorkerWedged, grpc_handler,
+)
 from specdec.kvcache import PREFILL_CHUNK, SessionPool, SessionState, feed_pending, find_prefix, take_prefix
 from specdec.metrics import ModelServiceMetrics
 from specdec.ranges import DEFAULT_MAX_BATCH, DEFAULT_MAX_K, DEFAULT_PASS_TIMEOUT_S, DEFAULT_TTL_S
@@ -55,9 +57,9 @@ class ModelServiceConfig:
     security: ServerSecurity = field(default_factory=ServerSecurity)
     # Serve without mTLS and without an internal token (development only).
     allow_unauthenticated: bool = False
-    # Seconds one pass (a batch, a prefill chunk) may run before the service takes its device for
-    # hung: calls refused UNAVAILABLE and health NOT_SERVING until it ends (serving.ModelWorker);
-    # 0 = never.
+    # Seconds one pass may run per session it serves (a prefill chunk: one) before the service takes
+    # its device for hung: calls refused UNAVAILABLE and health NOT_SERVING until it ends
+    # (serving.ModelWorker); 0 = never.
     pass_timeout_s: float = DEFAULT_PASS_TIMEOUT_S
     # Seconds Redis keeps a session after its last write (the coordinator's --session-ttl): a
     # finished session's cache is kept for prefix reuse at most that long.
@@ -153,8 +155,9 @@ class ModelService:
         pool = self.ready()
         session_id = check_session_id(request.session_id)
         async with pool.use(session_id, self.store.exists) as state:
-            # A call that waited for the session's lock while the worker wedged: the wedged pass
-            # may be this session's (its caller gave up, the pass still writes its cache).
+            # A call that waited for the session's lock while the worker wedged is refused now,
+            # before it reads Redis or touches the state (pool.use gave it a state no hung pass
+            # holds: a caller that left one dropped it).
             self.ready()
             try:
                 async with state.brought(
@@ -164,6 +167,9 @@ class ModelService:
                     yield state
             except SessionRecreated:
                 pool.drop(state)  # the earlier session's cache: never to be trusted again
+                raise
+            except WorkerWedged:
+                pool.drop(state)  # a pass may still write it (serving.ModelWorker)
                 raise
             except (FailedPrecondition, OutOfRange):
                 # Tokens missing from Redis may mean the session itself is gone (deleted, expired)

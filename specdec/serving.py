@@ -46,75 +46,100 @@ class ModelWorker:
     session's KV cache; the event loop stays free for network I/O meanwhile.
 
     Terms:
-        job      one call of `run`: a function run on the thread (a pass, a prefill chunk).
-        wedged   a job has run longer than `pass_timeout_s` (0: never; set once the model is
-                 loaded, since loading is no pass): a hung device or driver, as far as anyone
+        job      one call of `run`: a function run on the thread (a pass over `sessions`
+                 sessions, a prefill chunk).
+        limit    how long a job may run: `pass_timeout_s` per session of its pass (0: no limit;
+                 set once the model is loaded, since loading is no pass).
+        wedged   the running job is past its limit: a hung device or driver, as far as anyone
                  outside can tell. Until that job ends, every job waiting for the thread (the
-                 wedged one's caller too) ends in WorkerWedged, and new ones are refused with it
+                 wedged one's caller too) ends in WorkerWedged and new ones are refused with it
                  at once, so calls end UNAVAILABLE, which the coordinator answers by asking
-                 another replica, where they used to wait for ever.
+                 another replica, where they used to wait for ever. A caller that gets
+                 WorkerWedged may have a pass still writing its session: it drops the session
+                 rather than undo its work (model_service.ModelService.session).
     """
 
     def __init__(self, name: str, pass_timeout_s: float = 0.0):
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
         self.pass_timeout_s = pass_timeout_s
-        self.began: float | None = None  # time.monotonic() the running job began; None while idle
+        # (time.monotonic() the running job began, its limit in seconds, its sessions); None while idle.
+        self.running: tuple[float, float, int] | None = None
 
-    async def run(self, fn, *args):
+    async def run(self, fn, *args, sessions: int = 1):
+        """fn(*args) on the thread. Cancelled, the caller waits for a job that has begun (a
+        forward cannot be interrupted, and it changes the session the caller then releases),
+        however often it is cancelled, then the cancellation goes on; a job not begun never
+        runs. WorkerWedged once the worker is wedged (class doc) and this job is not done."""
         self.refuse_if_wedged()
-        job = self.executor.submit(self.timed, fn, *args)
+        job = self.executor.submit(self.timed, sessions, fn, *args)
         done = asyncio.wrap_future(job)
-        try:
-            await self.settle(done)
-        except asyncio.CancelledError:
-            # A forward cannot be interrupted: let a begun one finish before the caller releases
-            # the session it mutates (the session lock), then pass the cancellation on. One not
-            # begun never will.
+        done.add_done_callback(retrieve)  # its error is raised below, or nobody waits for it any more
+        cancelled = False
+        while not job.done() and self.wedged() is None:
+            try:
+                await asyncio.wait([done], timeout=self.until_wedged())
+            except asyncio.CancelledError:
+                cancelled = True
+                if job.cancel():
+                    raise
+        if not job.done():
             job.cancel()
-            await wait_out(done)
-            raise
-        if not done.done():  # wedged meanwhile, in this job or one before it
-            job.cancel()
-            self.refuse_if_wedged()
-        return done.result()
+            raise WorkerWedged(self.wedged_message())
+        if cancelled:
+            await wait_out(done)  # the job is done: its result is on its way
+            raise asyncio.CancelledError
+        return await done
 
-    def timed(self, fn, *args):
-        """Run `fn` on the thread, its start kept in `began` (see `wedged`)."""
-        self.began = time.monotonic()
+    def timed(self, sessions: int, fn, *args):
+        """Run `fn` on the thread, kept in `running` (see `wedged`)."""
+        self.running = (time.monotonic(), self.pass_timeout_s * sessions, sessions)
         try:
             return fn(*args)
         finally:
-            self.began = None
+            self.running = None
 
-    async def settle(self, done: asyncio.Future) -> None:
-        """Wait until `done` is, or until the worker is wedged."""
-        while not done.done() and self.wedged() is None:
-            began = self.began
-            wait_s = None
-            if self.pass_timeout_s > 0:  # wake when the running job would pass the limit
-                wait_s = self.pass_timeout_s - (0 if began is None else time.monotonic() - began) + 0.01
-            await asyncio.wait([done], timeout=None if wait_s is None else max(0.01, wait_s))
+    def until_wedged(self) -> float | None:
+        """Seconds until the running job (or one beginning now) is past its limit; None: never."""
+        if self.pass_timeout_s <= 0:
+            return None
+        running = self.running
+        left = self.pass_timeout_s if running is None else running[1] - (time.monotonic() - running[0])
+        return max(0.01, left + 0.01)
 
     def running_s(self) -> float:
         """Seconds the running job has run; 0 while idle."""
-        began = self.began
-        return 0.0 if began is None else time.monotonic() - began
+        running = self.running
+        return 0.0 if running is None else time.monotonic() - running[0]
 
     def wedged(self) -> str | None:
         """Why the worker takes no job now (class doc: wedged), or None."""
-        running = self.running_s()
-        if self.pass_timeout_s <= 0 or running <= self.pass_timeout_s:
+        running = self.running
+        if self.pass_timeout_s <= 0 or running is None:
             return None
-        return (f"one forward pass has run for {running:.0f} s, past --pass-timeout {self.pass_timeout_s:g} s: "
-                "a hung device or driver?")  # fmt: skip
+        began, limit, sessions = running
+        if (seconds := time.monotonic() - began) <= limit:
+            return None
+        over, times = (f" over {sessions} sessions", f"{sessions} × ") if sessions > 1 else ("", "")
+        return (f"one forward pass{over} has run for {seconds:.0f} s, past {times}--pass-timeout "
+                f"{self.pass_timeout_s:g} s: a hung device or driver?")  # fmt: skip
+
+    def wedged_message(self) -> str:
+        reason = self.wedged() or f"a forward pass ran past its --pass-timeout {self.pass_timeout_s:g} s"
+        return (f"this replica's model worker is wedged ({reason}); it refuses every call until that pass ends: "
+                "ask another replica")  # fmt: skip
 
     def refuse_if_wedged(self) -> None:
-        if (reason := self.wedged()) is not None:
-            raise WorkerWedged(f"this replica's model worker is wedged ({reason}); it refuses every call until "
-                               "that pass ends: ask another replica")  # fmt: skip
+        if self.wedged() is not None:
+            raise WorkerWedged(self.wedged_message())
 
     def shutdown(self) -> None:
         self.executor.shutdown(wait=False, cancel_futures=True)
+
+
+def retrieve(future: asyncio.Future) -> None:
+    """Mark `future`'s exception as seen (asyncio logs one never retrieved)."""
+    if not future.cancelled():
+        future.exception()
 
 
 async def wait_out(future: asyncio.Future) -> None:

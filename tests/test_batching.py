@@ -180,19 +180,62 @@ def test_a_pass_past_the_pass_timeout_wedges_the_worker_until_it_ends_and_every_
 
 def test_a_worker_without_a_pass_timeout_or_with_passes_shorter_than_it_never_wedges():
     """pass_timeout_s 0 (as while the model loads) waits for any pass; passes shorter than the
-    timeout, however many, never wedge the worker."""
+    timeout, however many, never wedge the worker; a pass over several sessions may take the
+    timeout once per session (a batch of 8 prompts' last chunks is 8 chunks' work)."""
 
     async def run():
         never = ModelWorker("test-target")
         slow = await never.run(time.sleep, 0.2)
         short = ModelWorker("test-target", pass_timeout_s=0.2)
         results = [await short.run(time.sleep, 0.05) for _ in range(8)]
+        batch = await short.run(time.sleep, 0.4, sessions=3)
         never.shutdown()
         short.shutdown()
-        return slow, results, short.wedged()
+        return slow, results, batch, short.wedged()
 
-    slow, results, wedged = asyncio.run(run())
-    assert slow is None and results == [None] * 8 and wedged is None
+    slow, results, batch, wedged = asyncio.run(run())
+    assert slow is None and results == [None] * 8 and batch is None and wedged is None
+
+
+def test_a_call_cancelled_while_its_pass_hangs_ends_wedged_once_the_pass_passes_its_timeout():
+    """A call cancelled during its pass waits for the pass (test above), but a pass that hangs
+    past its timeout (over 2 sessions here: twice pass_timeout_s) ends the wait in WorkerWedged,
+    not CancelledError, so that the caller drops the session the pass may still write instead
+    of undoing its work under it; through the Batcher and on the worker alike. The Batcher's
+    caller used to leave with CancelledError as soon as the worker was wedged."""
+    passes, hang = Passes(), threading.Event()
+
+    async def cancelled_during(task, worker):
+        await asyncio.sleep(0.05)  # its pass has begun and hangs
+        task.cancel()
+        started = time.monotonic()
+        outcome = (await asyncio.gather(task, return_exceptions=True))[0]
+        return outcome, time.monotonic() - started, worker.wedged()
+
+    async def run():
+        worker = ModelWorker("test-target", pass_timeout_s=0.2)
+        batcher = Batcher(worker, passes, max_batch=8)
+        first = asyncio.create_task(batcher.run(job("first")))
+        await asyncio.sleep(0.05)  # the first pass hangs on the gate; the next two share a pass
+        pair = [asyncio.create_task(batcher.run(job(name))) for name in ("second", "third")]
+        passes.gate.release()
+        await first
+        batched = await cancelled_during(pair[0], worker)
+        passes.gate.release()
+        await asyncio.gather(pair[1], return_exceptions=True)
+        while worker.wedged() is not None:
+            await asyncio.sleep(0.01)
+        alone = await cancelled_during(asyncio.create_task(worker.run(hang.wait, 30)), worker)
+        hang.set()
+        worker.shutdown()
+        return batched, alone
+
+    batched, alone = asyncio.run(run())
+    for outcome, waited, wedged in (batched, alone):
+        assert isinstance(outcome, WorkerWedged), outcome
+        assert wedged is not None and waited >= 0.1, (waited, wedged)
+    assert "over 2 sessions" in str(batched[0]) and "past 2 × --pass-timeout 0.2 s" in str(batched[0])
+    assert batched[1] >= 0.3 and passes.batches[1] == ["second", "third"]
 
 
 # ---------------------------------------------------------------- real verification

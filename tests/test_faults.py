@@ -387,29 +387,32 @@ class HangingTarget:
     """A real target service (the tiny target model, real Redis, real gRPC on a loopback port,
     health and its watch as `serving.run` sets them up) run in this process, whose next pass
     hangs once `hang` is set, until `release` is: a device that hangs, which a CPU machine
-    cannot make. `wedged_touches` lists the sessions whose state a call brought while the
-    worker was wedged (SessionState.brought: none may be)."""
+    cannot make. It hangs where the pass has written its rows to the sessions' caches and not
+    yet judged them (verifier.wait_for_device), so a caller that undid its work meanwhile
+    leaves a cache the rest of the pass then makes disagree with its tokens.
+    `wedged_touches` lists the sessions whose state a call brought while the worker was wedged
+    (SessionState.brought: none may be)."""
 
     def __init__(self, monkeypatch, model: str, redis_url: str):
+        import target_service.verifier
         from target_service.server import TargetConfig, TargetServicer
-        from target_service.verifier import Verifier
 
         self.hang, self.release = threading.Event(), threading.Event()
         self.wedged_touches: list[str] = []
-        verify_batch, brought = Verifier.verify_batch, SessionState.brought
+        wait_for_device, brought = target_service.verifier.wait_for_device, SessionState.brought
 
-        def hanging(verifier, jobs):
+        def hanging(logits):
             if self.hang.is_set():
                 self.hang.clear()
                 self.release.wait(60)
-            return verify_batch(verifier, jobs)
+            return wait_for_device(logits)
 
         def bringing(state, *args):
             if self.servicer.worker.wedged() is not None:
                 self.wedged_touches.append(state.session_id)
             return brought(state, *args)
 
-        monkeypatch.setattr(Verifier, "verify_batch", hanging)
+        monkeypatch.setattr(target_service.verifier, "wait_for_device", hanging)
         monkeypatch.setattr(SessionState, "brought", bringing)
         config = TargetConfig(model=model, pass_timeout_s=PASS_TIMEOUT_S, allow_unauthenticated=True)
         self.servicer = TargetServicer(config, SessionStore(redis_url))
@@ -438,6 +441,13 @@ class HangingTarget:
         await self.server.stop(0)
         self.servicer.worker.shutdown()
         await self.servicer.store.close()
+
+    def caches_disagreeing(self) -> list[str]:
+        """The sessions held (or kept for reuse) whose cache layers do not each cover exactly
+        their held tokens."""
+        pool = self.servicer.pool
+        return [state.session_id for state in (*pool.sessions.values(), *pool.retired.values())
+                if any(layer.get_seq_length() != len(state.held) for layer in state.cache.layers)]  # fmt: skip
 
     def running_pass_s(self) -> float:
         return self.servicer.metrics.registry.get_sample_value("specdec:running_pass_seconds", {"service": "target"})
@@ -501,14 +511,15 @@ def test_a_target_whose_pass_hangs_refuses_calls_unavailable_and_says_not_servin
                 released = await target.Release(pb.ReleaseRequest(session_id="hung-a"), timeout=5)
                 hung_target.release.set()
                 serving_again = await status_becomes(checks, SERVING)
+                disagreeing = hung_target.caches_disagreeing()
                 after = await target.Verify(verify("hung-b"), timeout=30)
                 return (outcome, waited, not_serving, running_pass, hung_target.running_pass_s(), refused.value,
-                        refused_in, released, serving_again, after)  # fmt: skip
+                        refused_in, released, serving_again, disagreeing, after)  # fmt: skip
         finally:
             await hung_target.stop()
 
     (outcome, waited, not_serving, running_pass, idle_pass, refused, refused_in, released, serving_again,
-     after) = asyncio.run(run())  # fmt: skip
+     disagreeing, after) = asyncio.run(run())  # fmt: skip
     print(f"wedged calls ended after {waited:.2f} s; a call meanwhile refused in {refused_in * 1000:.1f} ms")
     for failed in outcome:
         assert isinstance(failed, grpc.aio.AioRpcError), failed
@@ -521,6 +532,7 @@ def test_a_target_whose_pass_hangs_refuses_calls_unavailable_and_says_not_servin
     assert released.released, "a Release is answered while the worker is wedged (it needs no pass)"
     assert serving_again, "health stayed NOT_SERVING after the pass ended"
     assert hung_target.wedged_touches == []
+    assert disagreeing == [], "a state the hung pass wrote after its caller undid its work was kept"
     assert (after.num_accepted, after.next_token, after.bonus) == (healthy.num_accepted, healthy.next_token, healthy.bonus)
 
 

@@ -5,6 +5,7 @@ cache gives the same logits as transformers' DynamicCache through appends, crops
 rejected draft) and growth; a packed model gives the same greedy tokens and logits within
 float32 tolerance, on the single-row path of one thread bit for bit."""
 
+import asyncio
 import time
 
 import pytest
@@ -620,6 +621,40 @@ def test_a_finished_session_is_kept_for_reuse_until_room_is_needed_or_it_expires
     time.sleep(0.1)
     assert find_prefix(pool, SessionState("new", cache=new_cache(model.config), pending=tokens[:50])) is None
     assert not pool.retired  # kept no longer than retired_s (Redis's TTL of the finished session's record)
+
+
+def test_a_call_that_waited_for_a_session_dropped_meanwhile_takes_the_sessions_state_again():
+    """The call holding a session drops its state (found untrustworthy: the session created
+    again, or a pass of it still running on a wedged worker) while another call waits for its
+    lock, or the session is retired meanwhile and then dropped: the waiting call used to go on
+    with the dropped state, a cache no longer trusted and outside the pool, and a retired one
+    stayed a donor for prefix reuse. The waiting call takes the session's state again, a new one."""
+
+    async def exists(session_id):
+        return True
+
+    async def run():
+        pool = SessionPool(4, lambda: None)
+        holding = pool.use("s", exists)
+        dropped = await holding.__aenter__()
+        waiter = pool.use("s", exists)
+        waiting = asyncio.create_task(waiter.__aenter__())
+        await asyncio.sleep(0.01)  # it waits for the lock
+        pool.drop(dropped)
+        await holding.__aexit__(None, None, None)
+        taken = await waiting
+        busy = taken.busy
+        await waiter.__aexit__(None, None, None)
+        retiring = pool.use("r", exists)
+        retired = await retiring.__aenter__()
+        pool.release("r", retire=True)  # a Release during the call keeps it for reuse...
+        pool.drop(retired)  # ...and the call finds it untrustworthy
+        await retiring.__aexit__(None, None, None)
+        return pool, dropped, taken, busy
+
+    pool, dropped, taken, busy = asyncio.run(run())
+    assert taken is not dropped and pool.sessions["s"] is taken and busy
+    assert "r" not in pool.retired and "r" not in pool
 
 
 def test_a_finished_session_whose_tokens_a_kept_one_holds_is_not_kept_twice(model):
