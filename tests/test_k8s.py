@@ -489,6 +489,9 @@ def test_services_match_the_cli(overlay, monkeypatch):
     assert 1 <= coordinator.max_k <= min(parsed["draft"].max_k, parsed["target"].max_k)
     assert coordinator.default_k is None or 1 <= coordinator.default_k <= coordinator.max_k
     assert 1 <= coordinator.default_max_new_tokens <= coordinator.max_new_tokens_limit
+    # every service keeps sessions as long as Redis does; a hung device takes a model pod out
+    assert parsed["draft"].session_ttl == parsed["target"].session_ttl == coordinator.session_ttl
+    assert parsed["draft"].pass_timeout > 0 and parsed["target"].pass_timeout > 0
     # a per-caller limit is below the pod's, and means something only where callers are told apart
     assert 0 <= coordinator.max_requests_per_caller <= coordinator.max_concurrent_requests
     assert not coordinator.max_requests_per_caller or API_TOKENS[overlay], "a per-caller limit without API tokens"
