@@ -65,6 +65,11 @@ class Step:
     def batchable(self) -> bool:
         return len(self.state.pending) <= MAX_BATCHED_ROWS
 
+    @property
+    def rows(self) -> int:
+        """Tokens its pass feeds: the session's pending ones."""
+        return max(1, len(self.state.pending))
+
 
 class ModelDrafter:
     """Drafts with a causal LM: one forward pass per drafted token, on the session's KV cache.

@@ -10,19 +10,21 @@ each. A job that is not batchable (a Verify that decodes plain steps after its p
 alone, so that its steps do not hold up the others.
 
 Terms:
-    job     what one call asks of one pass: a `batchable` attribute, the rest is run_batch's.
+    job     what one call asks of one pass: `batchable` and `rows` (the tokens it feeds) attributes,
+            the rest is run_batch's.
     batch   the jobs of one pass: at most max_batch sessions, in their order of arrival.
 """
 
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from specdec.errors import WorkerWedged
-from specdec.kvcache import crop_cache
+from specdec.kvcache import PREFILL_CHUNK, crop_cache
 from specdec.ranges import DEFAULT_MAX_BATCH
 from specdec.serving import ModelWorker, wait_out
 
@@ -73,7 +75,8 @@ class Batcher:
                 batch = self.next_batch()
                 started = time.perf_counter()
                 try:
-                    results = await self.worker.run(self.run_batch, [job for job, _ in batch], sessions=len(batch))
+                    jobs = [job for job, _ in batch]
+                    results = await self.worker.run(self.run_batch, jobs, chunks=chunks_of(jobs))
                 except Exception as exc:  # the pass itself failed: every job in it did
                     results = [exc] * len(batch)
                 self.observe(len(batch), time.perf_counter() - started)
@@ -97,6 +100,11 @@ class Batcher:
         batch = [first] + [waiting for waiting in self.queue if waiting[0].batchable][: self.max_batch - 1]
         self.queue = [waiting for waiting in self.queue if waiting not in batch]
         return batch
+
+
+def chunks_of(jobs: Sequence[Any]) -> int:
+    """A pass's size for its time limit (serving.ModelWorker): its jobs' rows in prefill chunks."""
+    return max(1, math.ceil(sum(job.rows for job in jobs) / PREFILL_CHUNK))
 
 
 def rerun_alone(jobs: Sequence[Any], results: list, run_batch: Callable[[Sequence[Any]], list[Any]]) -> list:

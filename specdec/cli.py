@@ -351,8 +351,8 @@ def add_model_flags(p: argparse.ArgumentParser, prefix: str, model: str) -> None
                   "once for all of them (1 = one session a pass)")  # fmt: skip
     env_flag(p, "--pass-timeout", f"{prefix}_PASS_TIMEOUT", default=DEFAULT_PASS_TIMEOUT_S,
              type=Range(float, 0, note="0 = never"),
-             help="seconds one forward pass may run, per session it serves (a prefill chunk: 256 tokens of one), "
-                  "before the service takes its device for hung: until that pass ends it refuses every call "
+             help="seconds one forward pass may run per 256 tokens it feeds (a prefill chunk; a decoding step "
+                  "counts as one) before the service takes its device for hung: until that pass ends it refuses every call "
                   "UNAVAILABLE, so the coordinator asks another replica, and its gRPC health says NOT_SERVING, so "
                   "Kubernetes takes it out of its Service and restarts it (0 = never)")  # fmt: skip
     env_flag(p, "--no-prefix-reuse", f"{prefix}_NO_PREFIX_REUSE", action="store_true",

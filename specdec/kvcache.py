@@ -485,15 +485,17 @@ class SessionPool:
     @contextlib.asynccontextmanager
     async def use(self, session_id: str, exists: Callable[[str], Awaitable[bool]]):
         """Hold a session for one call: locked, and safe from eviction meanwhile, also while
-        the call waits for the lock. A state dropped or released while the call waited for it
-        (`drop`: a call before found it untrustworthy) is not used: the call takes the
-        session's state again, a new one if none is held."""
+        the call waits for the lock. A state dropped while the call waited for it (`drop`: a
+        call before found it untrustworthy; or released for good, the session deleted) is not
+        used: the call takes the session's state again, a new one if none is held (NotFound
+        when Redis no longer has the session). One retired meanwhile (its stream ended) serves
+        the call as before."""
         while True:
             state = await self.acquire(session_id, exists)
             state.calls += 1
             try:
                 async with state.lock:
-                    if self.sessions.get(session_id) is not state:
+                    if self.sessions.get(session_id) is not state and self.retired.get(session_id) is not state:
                         continue
                     state.busy = True
                     try:

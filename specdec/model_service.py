@@ -57,9 +57,9 @@ class ModelServiceConfig:
     security: ServerSecurity = field(default_factory=ServerSecurity)
     # Serve without mTLS and without an internal token (development only).
     allow_unauthenticated: bool = False
-    # Seconds one pass may run per session it serves (a prefill chunk: one) before the service takes
-    # its device for hung: calls refused UNAVAILABLE and health NOT_SERVING until it ends
-    # (serving.ModelWorker); 0 = never.
+    # Seconds one pass may run per 256 tokens it feeds (a prefill chunk; a decoding step counts as
+    # one) before the service takes its device for hung: calls refused UNAVAILABLE and health
+    # NOT_SERVING until it ends (serving.ModelWorker); 0 = never.
     pass_timeout_s: float = DEFAULT_PASS_TIMEOUT_S
     # Seconds Redis keeps a session after its last write (the coordinator's --session-ttl): a
     # finished session's cache is kept for prefix reuse at most that long.

@@ -46,10 +46,11 @@ class ModelWorker:
     session's KV cache; the event loop stays free for network I/O meanwhile.
 
     Terms:
-        job      one call of `run`: a function run on the thread (a pass over `sessions`
-                 sessions, a prefill chunk).
-        limit    how long a job may run: `pass_timeout_s` per session of its pass (0: no limit;
-                 set once the model is loaded, since loading is no pass).
+        job      one call of `run`: a function run on the thread (a pass, a prefill chunk).
+        chunks   a job's size in prefill chunks (kvcache.PREFILL_CHUNK tokens each, at least 1):
+                 a pass over 8 sessions' last 256-token chunks is 8, a decoding step 1.
+        limit    how long a job may run: `pass_timeout_s` per chunk (0: no limit; set once the
+                 model is loaded, since loading is no pass).
         wedged   the running job is past its limit: a hung device or driver, as far as anyone
                  outside can tell. Until that job ends, every job waiting for the thread (the
                  wedged one's caller too) ends in WorkerWedged and new ones are refused with it
@@ -62,16 +63,16 @@ class ModelWorker:
     def __init__(self, name: str, pass_timeout_s: float = 0.0):
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
         self.pass_timeout_s = pass_timeout_s
-        # (time.monotonic() the running job began, its limit in seconds, its sessions); None while idle.
+        # (time.monotonic() the running job began, its limit in seconds, its chunks); None while idle.
         self.running: tuple[float, float, int] | None = None
 
-    async def run(self, fn, *args, sessions: int = 1):
+    async def run(self, fn, *args, chunks: int = 1):
         """fn(*args) on the thread. Cancelled, the caller waits for a job that has begun (a
         forward cannot be interrupted, and it changes the session the caller then releases),
         however often it is cancelled, then the cancellation goes on; a job not begun never
         runs. WorkerWedged once the worker is wedged (class doc) and this job is not done."""
         self.refuse_if_wedged()
-        job = self.executor.submit(self.timed, sessions, fn, *args)
+        job = self.executor.submit(self.timed, chunks, fn, *args)
         done = asyncio.wrap_future(job)
         done.add_done_callback(retrieve)  # its error is raised below, or nobody waits for it any more
         cancelled = False
@@ -90,21 +91,22 @@ class ModelWorker:
             raise asyncio.CancelledError
         return await done
 
-    def timed(self, sessions: int, fn, *args):
+    def timed(self, chunks: int, fn, *args):
         """Run `fn` on the thread, kept in `running` (see `wedged`)."""
-        self.running = (time.monotonic(), self.pass_timeout_s * sessions, sessions)
+        self.running = (time.monotonic(), self.pass_timeout_s * chunks, chunks)
         try:
             return fn(*args)
         finally:
             self.running = None
 
     def until_wedged(self) -> float | None:
-        """Seconds until the running job (or one beginning now) is past its limit; None: never."""
+        """Seconds until the running job is past its limit, or until any job beginning from now
+        on could be (pass_timeout_s), whichever is sooner; None: never."""
         if self.pass_timeout_s <= 0:
             return None
         running = self.running
         left = self.pass_timeout_s if running is None else running[1] - (time.monotonic() - running[0])
-        return max(0.01, left + 0.01)
+        return max(0.01, min(left, self.pass_timeout_s) + 0.01)
 
     def running_s(self) -> float:
         """Seconds the running job has run; 0 while idle."""
@@ -116,10 +118,10 @@ class ModelWorker:
         running = self.running
         if self.pass_timeout_s <= 0 or running is None:
             return None
-        began, limit, sessions = running
+        began, limit, chunks = running
         if (seconds := time.monotonic() - began) <= limit:
             return None
-        over, times = (f" over {sessions} sessions", f"{sessions} × ") if sessions > 1 else ("", "")
+        over, times = (f" the size of {chunks} prefill chunks", f"{chunks} × ") if chunks > 1 else ("", "")
         return (f"one forward pass{over} has run for {seconds:.0f} s, past {times}--pass-timeout "
                 f"{self.pass_timeout_s:g} s: a hung device or driver?")  # fmt: skip
 

@@ -55,6 +55,11 @@ class Job:
         the sessions sharing its pass)."""
         return bool(self.drafts) or self.steps <= 1
 
+    @property
+    def rows(self) -> int:
+        """Tokens its pass feeds: the session's pending ones, then the drafts (plain steps after)."""
+        return len(self.state.pending) + len(self.drafts) + self.steps - 1
+
 
 @dataclass
 class Verdict:

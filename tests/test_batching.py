@@ -46,8 +46,8 @@ class Passes:
         return [ValueError(job.name) if job.name.startswith("bad") else f"verdict {job.name}" for job in jobs]
 
 
-def job(name: str, batchable: bool = True):
-    return SimpleNamespace(name=name, batchable=batchable)
+def job(name: str, batchable: bool = True, rows: int = 1):
+    return SimpleNamespace(name=name, batchable=batchable, rows=rows)
 
 
 def test_calls_that_wait_while_a_pass_runs_share_the_next_one_in_order_up_to_max_batch():
@@ -180,15 +180,15 @@ def test_a_pass_past_the_pass_timeout_wedges_the_worker_until_it_ends_and_every_
 
 def test_a_worker_without_a_pass_timeout_or_with_passes_shorter_than_it_never_wedges():
     """pass_timeout_s 0 (as while the model loads) waits for any pass; passes shorter than the
-    timeout, however many, never wedge the worker; a pass over several sessions may take the
-    timeout once per session (a batch of 8 prompts' last chunks is 8 chunks' work)."""
+    timeout, however many, never wedge the worker; a pass the size of several prefill chunks
+    (a batch of 8 prompts' last chunks, say) may take the timeout once per chunk."""
 
     async def run():
         never = ModelWorker("test-target")
         slow = await never.run(time.sleep, 0.2)
         short = ModelWorker("test-target", pass_timeout_s=0.2)
         results = [await short.run(time.sleep, 0.05) for _ in range(8)]
-        batch = await short.run(time.sleep, 0.4, sessions=3)
+        batch = await short.run(time.sleep, 0.4, chunks=3)
         never.shutdown()
         short.shutdown()
         return slow, results, batch, short.wedged()
@@ -199,7 +199,7 @@ def test_a_worker_without_a_pass_timeout_or_with_passes_shorter_than_it_never_we
 
 def test_a_call_cancelled_while_its_pass_hangs_ends_wedged_once_the_pass_passes_its_timeout():
     """A call cancelled during its pass waits for the pass (test above), but a pass that hangs
-    past its timeout (over 2 sessions here: twice pass_timeout_s) ends the wait in WorkerWedged,
+    past its timeout (2 prefill chunks' rows here: twice pass_timeout_s) ends the wait in WorkerWedged,
     not CancelledError, so that the caller drops the session the pass may still write instead
     of undoing its work under it; through the Batcher and on the worker alike. The Batcher's
     caller used to leave with CancelledError as soon as the worker was wedged."""
@@ -217,7 +217,7 @@ def test_a_call_cancelled_while_its_pass_hangs_ends_wedged_once_the_pass_passes_
         batcher = Batcher(worker, passes, max_batch=8)
         first = asyncio.create_task(batcher.run(job("first")))
         await asyncio.sleep(0.05)  # the first pass hangs on the gate; the next two share a pass
-        pair = [asyncio.create_task(batcher.run(job(name))) for name in ("second", "third")]
+        pair = [asyncio.create_task(batcher.run(job(name, rows=PREFILL_CHUNK))) for name in ("second", "third")]
         passes.gate.release()
         await first
         batched = await cancelled_during(pair[0], worker)
@@ -234,8 +234,29 @@ def test_a_call_cancelled_while_its_pass_hangs_ends_wedged_once_the_pass_passes_
     for outcome, waited, wedged in (batched, alone):
         assert isinstance(outcome, WorkerWedged), outcome
         assert wedged is not None and waited >= 0.1, (waited, wedged)
-    assert "over 2 sessions" in str(batched[0]) and "past 2 × --pass-timeout 0.2 s" in str(batched[0])
+    assert "the size of 2 prefill chunks" in str(batched[0]) and "past 2 × --pass-timeout 0.2 s" in str(batched[0])
     assert batched[1] >= 0.3 and passes.batches[1] == ["second", "third"]
+
+
+def test_a_call_queued_behind_a_long_pass_hears_of_its_own_hung_pass_within_the_timeout():
+    """A call queued behind a pass with a long limit (8 prefill chunks' worth) whose own pass then
+    hangs ends WorkerWedged about pass_timeout_s after its pass began: it used to sleep until the
+    long pass's limit before it looked again."""
+    hang = threading.Event()
+
+    async def run():
+        worker = ModelWorker("test-target", pass_timeout_s=0.2)
+        long = asyncio.create_task(worker.run(time.sleep, 0.1, chunks=8))  # a healthy pass, limit 1.6 s
+        started = time.monotonic()
+        hung = await asyncio.gather(worker.run(hang.wait, 10), return_exceptions=True)
+        waited = time.monotonic() - started
+        await long
+        hang.set()
+        worker.shutdown()
+        return hung[0], waited
+
+    hung, waited = asyncio.run(run())
+    assert isinstance(hung, WorkerWedged) and waited < 1.0, (hung, waited)
 
 
 # ---------------------------------------------------------------- real verification

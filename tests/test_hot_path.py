@@ -13,7 +13,8 @@ import torch
 from transformers import DynamicCache
 
 from specdec.kvcache import (
-    GrowingLayer, SessionPool, SessionState, cache_bytes, crop_cache, find_prefix, forward, new_cache, take_prefix,
+    MIN_PREFIX_REUSE, GrowingLayer, SessionPool, SessionState, cache_bytes, crop_cache, find_prefix, forward, new_cache,
+    take_prefix,
 )  # fmt: skip
 from specdec.models import build_tiny_model, build_tiny_tokenizer, load_model, save_model
 from specdec import packed as packed_module
@@ -628,7 +629,8 @@ def test_a_call_that_waited_for_a_session_dropped_meanwhile_takes_the_sessions_s
     again, or a pass of it still running on a wedged worker) while another call waits for its
     lock, or the session is retired meanwhile and then dropped: the waiting call used to go on
     with the dropped state, a cache no longer trusted and outside the pool, and a retired one
-    stayed a donor for prefix reuse. The waiting call takes the session's state again, a new one."""
+    stayed a donor for prefix reuse. The waiting call takes the session's state again, a new one.
+    A state retired meanwhile (its stream ended) is no untrustworthy one: it serves the call."""
 
     async def exists(session_id):
         return True
@@ -650,11 +652,23 @@ def test_a_call_that_waited_for_a_session_dropped_meanwhile_takes_the_sessions_s
         pool.release("r", retire=True)  # a Release during the call keeps it for reuse...
         pool.drop(retired)  # ...and the call finds it untrustworthy
         await retiring.__aexit__(None, None, None)
-        return pool, dropped, taken, busy
+        finishing = pool.use("f", exists)
+        finished = await finishing.__aenter__()
+        finished.held = list(range(MIN_PREFIX_REUSE))  # worth keeping for reuse
+        waiter = pool.use("f", exists)
+        waiting = asyncio.create_task(waiter.__aenter__())
+        await asyncio.sleep(0.01)
+        pool.release("f", retire=True)  # the stream ended while a second call waited
+        await finishing.__aexit__(None, None, None)
+        after_retired = await waiting
+        await waiter.__aexit__(None, None, None)
+        return pool, dropped, taken, busy, finished, after_retired
 
-    pool, dropped, taken, busy = asyncio.run(run())
+    pool, dropped, taken, busy, finished, after_retired = asyncio.run(run())
     assert taken is not dropped and pool.sessions["s"] is taken and busy
     assert "r" not in pool.retired and "r" not in pool
+    # a state retired (not dropped) meanwhile serves the waiting call, as before: no second state
+    assert after_retired is finished and "f" not in pool and pool.retired["f"] is finished
 
 
 def test_a_finished_session_whose_tokens_a_kept_one_holds_is_not_kept_twice(model):
