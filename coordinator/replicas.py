@@ -254,6 +254,10 @@ class Replicas:
         """May be called: checked, where replicas are checked."""
         return replica.checked or not self.checking
 
+    def callable(self) -> list[Replica]:
+        """Every replica that may be called (cleared), usable now or not."""
+        return [r for r in self.replicas.values() if self.cleared(r)]
+
     def pick(self, session_id: str) -> Replica:
         """The replica that serves `session_id`: the highest-scoring usable one, or the
         highest-scoring one when none is usable (its calls then fail or wait). Where replicas

@@ -758,17 +758,23 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         await self.release(plan.session_id, plan.route, keep_for_reuse=True)
 
     async def release(self, session_id: str, route: str, keep_for_reuse: bool = False) -> None:
-        """Free the session's caches on its draft and target replicas, those `route` picks
-        (Plan.route; failures logged); a finished session's are kept there for prefix reuse
-        (`keep_for_reuse`), a deleted one's dropped."""
+        """Free the session's caches (failures logged): a finished session's on the draft and
+        target replicas `route` picks (Plan.route), where they are kept for prefix reuse
+        (`keep_for_reuse`); a deleted one's dropped on every replica, since a failover may have
+        left a copy on any of them (a Delete went to the route's alone, and a copy elsewhere
+        stayed until evicted)."""
         request = pb.ReleaseRequest(session_id=session_id, keep_for_reuse=keep_for_reuse)
 
-        async def release_on(replicas: Replicas):
-            replica = replicas.pick(route)  # may raise Unavailable: no replica to ask
-            return await replica.stub.Release(request, timeout=RELEASE_TIMEOUT_S)
-
-        calls = [release_on(replicas) for replicas in (self.drafts, self.targets)]
-        for result in await asyncio.gather(*calls, return_exceptions=True):
+        calls, results = [], []
+        for replicas in (self.drafts, self.targets):
+            try:
+                chosen = [replicas.pick(route)] if keep_for_reuse else replicas.callable()
+            except Unavailable as exc:  # no replica to ask
+                results.append(exc)
+                continue
+            calls += [replica.stub.Release(request, timeout=RELEASE_TIMEOUT_S) for replica in chosen]
+        results += await asyncio.gather(*calls, return_exceptions=True)
+        for result in results:
             if isinstance(result, grpc.aio.AioRpcError):
                 log.warning("releasing session %s: %s %s", session_id, result.code().name, result.details())
             elif isinstance(result, Exception):
