@@ -254,9 +254,10 @@ class Replicas:
         """May be called: checked, where replicas are checked."""
         return replica.checked or not self.checking
 
-    def callable(self) -> list[Replica]:
-        """Every replica that may be called (cleared), usable now or not."""
-        return [r for r in self.replicas.values() if self.cleared(r)]
+    def every(self) -> list[Replica]:
+        """Every replica known, usable, checked or not (for calls any of them may need: a
+        deleted session's Release)."""
+        return list(self.replicas.values())
 
     def pick(self, session_id: str) -> Replica:
         """The replica that serves `session_id`: the highest-scoring usable one, or the

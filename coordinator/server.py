@@ -469,7 +469,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             raise
         finally:
             if deleted:
-                self.spawn(self.release(session_id, stored_route(session_id, meta)))
+                self.spawn(self.release(session_id))
         return pb.DeleteResponse(deleted=deleted)
 
     def check_caller(self, session_id: str, meta: dict, context, verb: str) -> None:
@@ -755,20 +755,21 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
                 return
         except Exception as exc:  # noqa: BLE001 - Redis down: free the caches anyway
             log.warning("recording the end of session %s: %s", plan.session_id, exc)
-        await self.release(plan.session_id, plan.route, keep_for_reuse=True)
+        await self.release(plan.session_id, plan.route)
 
-    async def release(self, session_id: str, route: str, keep_for_reuse: bool = False) -> None:
-        """Free the session's caches (failures logged): a finished session's on the draft and
-        target replicas `route` picks (Plan.route), where they are kept for prefix reuse
-        (`keep_for_reuse`); a deleted one's dropped on every replica, since a failover may have
-        left a copy on any of them (a Delete went to the route's alone, and a copy elsewhere
-        stayed until evicted)."""
+    async def release(self, session_id: str, route: str | None = None) -> None:
+        """Free the session's caches (failures logged). A finished session's (`route`: its
+        Plan.route) on the draft and target replicas the route picks, which keep them for
+        prefix reuse; a deleted one's (no route) dropped on every replica, since a failover may
+        have left a copy on any of them (a Delete went to the route's alone, and a copy
+        elsewhere stayed until evicted)."""
+        keep_for_reuse = route is not None
         request = pb.ReleaseRequest(session_id=session_id, keep_for_reuse=keep_for_reuse)
 
         calls, results = [], []
         for replicas in (self.drafts, self.targets):
             try:
-                chosen = [replicas.pick(route)] if keep_for_reuse else replicas.callable()
+                chosen = [replicas.pick(route)] if keep_for_reuse else replicas.every()
             except Unavailable as exc:  # no replica to ask
                 results.append(exc)
                 continue
@@ -895,14 +896,6 @@ def session_meta_plan(plan: Plan) -> str:
         "adaptive": plan.adaptive,
         "affinity_key": plan.affinity_key,
     })  # fmt: skip
-
-
-def stored_route(session_id: str, meta: dict[str, str]) -> str:
-    """Plan.route of a session as its Redis record (session_meta) stores it."""
-    try:
-        return json.loads(meta.get("plan", "{}")).get("affinity_key") or session_id
-    except (ValueError, AttributeError):  # a record this coordinator cannot read: its own id
-        return session_id
 
 
 def replay_text(tokenizer, stop, output: list[int], prompt: Sequence[int] = ()) -> TextStream:

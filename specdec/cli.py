@@ -318,8 +318,8 @@ def add_session_ttl_flag(p: argparse.ArgumentParser) -> None:
     env_flag(p, "--session-ttl", "SPECDEC_SESSION_TTL", default=DEFAULT_TTL_S, type=SESSION_TTL_S, metavar="SECONDS",
              help="seconds a session stays in Redis after its last use (its prompt and tokens; Resume and "
                   "Delete find it until then), and at most how long a model service keeps a finished "
-                  "session's cache for prefix reuse; give every service the same value (the environment "
-                  "variable does)")  # fmt: skip
+                  "session's cache for prefix reuse; each commit renews it, so keep it above the longest "
+                  "prefill of a prompt; give every service the same value (the environment variable does)")  # fmt: skip
 
 
 def add_tls_server_flags(p: argparse.ArgumentParser, prefix: str) -> None:
@@ -590,7 +590,8 @@ def run_serve(args) -> NoReturn:
             ngram_via_draft_service=args.ngram_via_draft_service, ngram_first=args.ngram_first,
             max_prompt_tokens=args.max_prompt_tokens, max_concurrent_requests=args.max_concurrent_requests,
             max_requests_per_caller=args.max_requests_per_caller, redis_wait_replicas=args.redis_wait_replicas,
-            redis_wait_ms=args.redis_wait_ms, session_ttl_s=args.session_ttl, security=server_security(args, args.auth_token_file, AUTH_TOKEN_ENV),
+            redis_wait_ms=args.redis_wait_ms, session_ttl_s=args.session_ttl,
+            security=server_security(args, args.auth_token_file, AUTH_TOKEN_ENV),
             internal=ChannelSecurity.from_token_file(args.internal_tls_ca, args.internal_tls_cert, args.internal_tls_key,
                                                      args.internal_token_file, INTERNAL_TOKEN_ENV),
         )  # fmt: skip

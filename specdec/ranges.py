@@ -109,12 +109,14 @@ WAIT_REPLICAS = Range(int, 0, note="0 = do not wait")
 # The wait's bound stays below the 2 s Redis socket timeout (session.REDIS_SOCKET_TIMEOUT_S), so a
 # missing replica is reported as such, not as a stuck Redis.
 WAIT_MS = Range(int, 1, 1500)
+DEFAULT_WAIT_MS = 500
 # Seconds a session stays in Redis after its last write (`--session-ttl`, SPECDEC_SESSION_TTL: one
 # setting read by the coordinator, which writes sessions, and the model services, which keep a
-# finished session's cache for prefix reuse no longer than Redis keeps the session).
+# finished session's cache for prefix reuse no longer than Redis keeps the session). Each commit
+# renews it, so it must outlast the longest wait between two commits (a long prompt's prefill on a
+# CPU takes minutes): at least a minute. Redis EXPIRE takes whole seconds.
 DEFAULT_TTL_S = 3600
-SESSION_TTL_S = Range(int, 1, 10**9)  # Redis EXPIRE takes whole seconds
-DEFAULT_WAIT_MS = 500
+SESSION_TTL_S = Range(int, 60, 10**9)
 # Seconds a stopping service lets running calls go on (serving.run's grace; `--drain-s`).
 DRAIN_S = Range(float, 0)
 DEFAULT_DRAIN_S = 5.0

@@ -22,7 +22,7 @@ import torch
 
 from specdec.batching import rerun_alone
 from specdec.errors import OutOfRange
-from specdec.kvcache import SessionState, forward, forward_batch, wait_for_device
+from specdec.kvcache import PREFILL_CHUNK, SessionState, forward, forward_batch, wait_for_device
 from specdec.ngram import find_continuation
 from specdec.sampling import greedy_token, greedy_verdict, rejection_sample, sample
 from specdec.draft_wire import Draft, stack_draft_probs
@@ -57,8 +57,11 @@ class Job:
 
     @property
     def rows(self) -> int:
-        """Tokens its pass feeds: the session's pending ones, then the drafts (plain steps after)."""
-        return len(self.state.pending) + len(self.drafts) + self.steps - 1
+        """Its pass's size in tokens, for the pass's time limit (serving.ModelWorker): the
+        session's pending tokens and the drafts, and a prefill chunk's worth for each plain
+        step after the first (each a forward of its own)."""
+        plain_steps = 0 if self.drafts else max(self.steps, 1) - 1
+        return len(self.state.pending) + len(self.drafts) + plain_steps * PREFILL_CHUNK
 
 
 @dataclass

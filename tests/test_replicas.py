@@ -713,31 +713,31 @@ def test_sessions_of_one_affinity_key_go_to_the_replica_it_picks_and_a_delete_re
 
 
 def test_a_delete_drops_the_sessions_caches_on_every_replica_where_a_failover_left_a_copy(two_of_each, tiny_models):
-    """A session served on one target replica, whose cycles a failover once sent to the other
-    (here: a Verify sent there directly, as the coordinator does after a failover), holds a
-    cache on both. Its Delete drops both: it went to the replica the session's id picks alone,
-    and the copy elsewhere stayed held until evicted."""
-    stack, address, metrics_ports = two_of_each.stack, two_of_each.address, two_of_each.targets
-    names = {f"127.0.0.1:{stack.ports[name]}": name for name in ("target", "second-target")}
-    chosen = [t for t in metrics_ports][0]
-    (other,) = set(metrics_ports) - {chosen}
-    session_id = picker(metrics_ports, chosen, "deleted-everywhere")
-    held = lambda target: internal_stub(stack, names[target]).ModelInfo(pb.ModelInfoRequest(), timeout=10)
+    """A session served on one target and one draft replica, whose calls a failover once sent to
+    the others (here: a Verify and a Propose sent there directly, as the coordinator does after a
+    failover), holds a cache on every replica. Its Delete drops them all: it went to the replicas
+    the session's id picks alone, and the copies elsewhere stayed held until evicted."""
+    stack, address = two_of_each.stack, two_of_each.address
+    session_id = "deleted-everywhere"
+    others = {}  # service -> the process name of the replica the session's id does not pick
+    for service, endpoints in (("target", two_of_each.targets), ("draft", two_of_each.drafts)):
+        (other,) = set(endpoints) - {owner(session_id, endpoints)}
+        others[service] = next(n for n in (service, f"second-{service}") if other.endswith(f":{stack.ports[n]}"))
+    held = lambda name: internal_stub(stack, name).ModelInfo(pb.ModelInfoRequest(), timeout=10).sessions_held
     prompt = tiny_models.tokenizer.encode(PROMPT)
+    sampling = pb.SamplingParams(temperature=0.0, seed=1)
     with specdec.Client(address) as client:
         client.generate(session_id=session_id, prompt_token_ids=prompt, max_new_tokens=8, **OPTIONS)
-        before = {target: held(target) for target in metrics_ports}
-        internal_stub(stack, names[other]).Verify(pb.VerifyRequest(
-            session_id=session_id, position=0, new_tokens=prompt, sampling=pb.SamplingParams(temperature=0.0, seed=1),
-        ), timeout=10)  # fmt: skip
-        assert held(other).sessions_held == before[other].sessions_held + 1
+        before = {name: held(name) for name in others.values()}
+        internal_stub(stack, others["target"]).Verify(
+            pb.VerifyRequest(session_id=session_id, position=0, new_tokens=prompt, sampling=sampling), timeout=10)
+        list(internal_stub(stack, others["draft"]).Propose(
+            pb.ProposeRequest(session_id=session_id, position=0, new_tokens=prompt, k=1, sampling=sampling), timeout=10))
+        assert {name: held(name) for name in others.values()} == {name: n + 1 for name, n in before.items()}
         assert client.delete(session_id)
     deadline = time.monotonic() + 10
-    while held(other).sessions_held > before[other].sessions_held:  # the Delete's releases, in the background
-        assert time.monotonic() < deadline, "the copy a failover left on the other replica is still held"
-        time.sleep(0.1)
-    while held(chosen).cache_bytes >= before[chosen].cache_bytes > 0:  # the finished session's kept cache
-        assert time.monotonic() < deadline, "the kept cache on the session's own replica is still held"
+    while {name: held(name) for name in others.values()} != before:  # the Delete's releases, in the background
+        assert time.monotonic() < deadline, "a copy a failover left on another replica is still held"
         time.sleep(0.1)
 
 

@@ -63,7 +63,7 @@ def test_session_ttl_sets_how_long_redis_keeps_a_session_and_a_model_service_a_f
     tiny_stack, redis_url, tiny_models, monkeypatch
 ):
     """--session-ttl (SPECDEC_SESSION_TTL, one setting for every service; `specdec up` passes its
-    own to all three): a coordinator given 30 s writes its sessions' keys with that TTL, where
+    own to all three): a coordinator given 60 s writes its sessions' keys with that TTL, where
     the TTL was fixed at an hour; a model service given it keeps a finished session's cache for
     prefix reuse no longer than that."""
     import redis
@@ -72,7 +72,7 @@ def test_session_ttl_sets_how_long_redis_keeps_a_session_and_a_model_service_a_f
     from specdec.cli import build_parser
     from target_service.server import TargetConfig, TargetServicer
 
-    address = tiny_stack.add_coordinator("short-ttl", "--session-ttl", "30")
+    address = tiny_stack.add_coordinator("short-ttl", "--session-ttl", "60")
     store = redis.Redis.from_url(redis_url)
     try:
         with specdec.Client(address) as client:
@@ -83,12 +83,14 @@ def test_session_ttl_sets_how_long_redis_keeps_a_session_and_a_model_service_a_f
         default = [store.ttl(key("kept-an-hour")) for key in (meta_key, tokens_key)]
     finally:
         tiny_stack.processes["short-ttl"].terminate()
-    assert all(0 < ttl <= 30 for ttl in short) and all(30 < ttl <= 3600 for ttl in default), (short, default)
-    servicer = TargetServicer(TargetConfig(model=tiny_models.target, session_ttl_s=30), store=None)
-    assert servicer.make_pool(lambda: None).retired_s == 30
-    monkeypatch.setenv("SPECDEC_SESSION_TTL", "45")
+    assert all(0 < ttl <= 60 for ttl in short) and all(60 < ttl <= 3600 for ttl in default), (short, default)
+    servicer = TargetServicer(TargetConfig(model=tiny_models.target, session_ttl_s=60), store=None)
+    assert servicer.make_pool(lambda: None).retired_s == 60
+    monkeypatch.setenv("SPECDEC_SESSION_TTL", "90")
     for command in (["serve", "target"], ["serve", "draft"], ["serve", "coordinator"], ["up"]):
-        assert build_parser(command).parse_args(command).session_ttl == 45, command
+        assert build_parser(command).parse_args(command).session_ttl == 90, command
+    with pytest.raises(SystemExit):  # each commit renews it: shorter than a long prefill would expire sessions
+        build_parser(["up"]).parse_args(["up", "--session-ttl", "30"])
     servicer.worker.shutdown()
 
 
