@@ -600,7 +600,8 @@ def descendants(pid):
 def test_up_then_generate_json_end_to_end(tiny_models):
     port = free_port()
     up = subprocess.Popen(
-        [*SPECDEC, "up", "--port", str(port), "--target", tiny_models.target, "--draft", tiny_models.draft],
+        [*SPECDEC, "up", "--port", str(port), "--target", tiny_models.target, "--draft", tiny_models.draft,
+         "--session-ttl", "120"],
         stdout=subprocess.PIPE, text=True,
     )  # fmt: skip
     try:
@@ -608,6 +609,8 @@ def test_up_then_generate_json_end_to_end(tiny_models):
         assert line == f"ready 127.0.0.1:{port}", line
         children = descendants(up.pid)
         assert len(children) >= 4  # redis-server, draft, target, coordinator
+        services = [c for c in children if "serve" in c.cmdline()]
+        assert len(services) == 3 and all(c.environ().get("SPECDEC_SESSION_TTL") == "120" for c in services)
         out = run_cli("generate", "hello world", "--address", f"127.0.0.1:{port}", "--json",
                       "--max-new-tokens", "12", "--k", "3")  # fmt: skip
         assert out.returncode == 0, out.stderr
