@@ -85,7 +85,7 @@ class ModelWorker:
                     raise
         if not job.done():
             job.cancel()
-            raise WorkerWedged(self.wedged_message())
+            raise WorkerWedged(self.wedged_message(self.wedged()))
         if cancelled:
             await wait_out(done)  # the job is done: its result is on its way
             raise asyncio.CancelledError
@@ -125,14 +125,15 @@ class ModelWorker:
         return (f"one forward pass{over} has run for {seconds:.0f} s, past {times}--pass-timeout "
                 f"{self.pass_timeout_s:g} s: a hung device or driver?")  # fmt: skip
 
-    def wedged_message(self) -> str:
-        reason = self.wedged() or f"a forward pass ran past its --pass-timeout {self.pass_timeout_s:g} s"
+    def wedged_message(self, reason: str | None) -> str:
+        """WorkerWedged's message for `reason` (None: the wedged pass ended just now)."""
+        reason = reason or f"a forward pass ran past its --pass-timeout {self.pass_timeout_s:g} s"
         return (f"this replica's model worker is wedged ({reason}); it refuses every call until that pass ends: "
                 "ask another replica")  # fmt: skip
 
     def refuse_if_wedged(self) -> None:
-        if self.wedged() is not None:
-            raise WorkerWedged(self.wedged_message())
+        if (reason := self.wedged()) is not None:
+            raise WorkerWedged(self.wedged_message(reason))
 
     def shutdown(self) -> None:
         self.executor.shutdown(wait=False, cancel_futures=True)

@@ -53,15 +53,20 @@ class Job:
     def batchable(self) -> bool:
         """One forward pass is all it needs (no plain decoding after it, which would hold up
         the sessions sharing its pass)."""
-        return bool(self.drafts) or self.steps <= 1
+        return self.plain_steps == 0
+
+    @property
+    def plain_steps(self) -> int:
+        """Tokens decoded one forward each after its pass: none with drafts, else `steps` - 1
+        (the pass itself gives the first)."""
+        return 0 if self.drafts else max(self.steps, 1) - 1
 
     @property
     def rows(self) -> int:
         """Its pass's size in tokens, for the pass's time limit (serving.ModelWorker): the
         session's pending tokens and the drafts, and a prefill chunk's worth for each plain
-        step after the first (each a forward of its own)."""
-        plain_steps = 0 if self.drafts else max(self.steps, 1) - 1
-        return len(self.state.pending) + len(self.drafts) + plain_steps * PREFILL_CHUNK
+        step (a forward of its own)."""
+        return len(self.state.pending) + len(self.drafts) + self.plain_steps * PREFILL_CHUNK
 
 
 @dataclass
@@ -153,7 +158,7 @@ class Verifier:
         OutOfRange when that, and any plain steps after it, would pass the context."""
         state = job.state
         fed = state.pending + [d.token for d in job.drafts]
-        positions = len(state.held) + len(fed) + (1 if job.drafts else max(job.steps, 1)) - 1
+        positions = len(state.held) + len(fed) + job.plain_steps
         if self.loaded.max_context and positions > self.loaded.max_context:
             raise OutOfRange(f"{positions} positions exceed the target's context of {self.loaded.max_context}")
         return fed
@@ -183,8 +188,7 @@ class Verifier:
         state.crop(accepted_length)
         state.pending = [next_token]
         accepted_at = time.perf_counter()
-        steps = 1 if k else max(job.steps, 1)
-        more_tokens = self.decode_more(state, steps - 1, sampling, generator, job.stop_at_ngram)
+        more_tokens = self.decode_more(state, job.plain_steps, sampling, generator, job.stop_at_ngram)
         done = time.perf_counter()
         return Verdict(
             num_accepted=num_accepted,
