@@ -18,8 +18,9 @@ from specdec.ngram import DEFAULT_K, DEFAULT_MAX_NGRAM, DEFAULT_MIN_NGRAM, NGRAM
 from specdec.ranges import (
     AT_LEAST_ONE, DEFAULT_DRAIN_S, DEFAULT_MAX_BATCH, DEFAULT_MAX_K, DEFAULT_MAX_NEW_TOKENS_LIMIT, DEFAULT_RETRIES,
     DEFAULT_PASS_TIMEOUT_S, DEFAULT_STALL_TIMEOUT_S, DEFAULT_TTL_S, DEFAULT_WAIT_MS,
-    DRAIN_S, MAX_NEW_TOKENS, METRICS_PORT, PER_CALLER, PORT, RETRIES, SECONDS, SEED, REPLICA_REFRESH_S,
-    SERVICE_PORT, SESSION_TTL_S, STALL_TIMEOUT_S, TEMPERATURE, THREADS, TOP_K, TOP_P, UINT32, WAIT_MS, WAIT_REPLICAS, Range,
+    DRAIN_S, MAX_NEW_TOKENS, METRICS_PORT, PASS_TIMEOUT_S, PER_CALLER, PORT, RETRIES, SECONDS, SEED, REPLICA_REFRESH_S,
+    SERVICE_PORT, SESSION_TTL_S, STALL_TIMEOUT_S, TEMPERATURE, THREADS, TOP_K, TOP_P, UINT32, WAIT_MS, WAIT_REPLICAS,
+    Range,
     grpc_address, listen_host, stop_text, undecodable, utf8_text,
 )
 
@@ -349,12 +350,11 @@ def add_model_flags(p: argparse.ArgumentParser, prefix: str, model: str) -> None
              help="sessions one forward pass takes at most: the target's Verify calls, or a model draft's "
                   "drafting steps, that wait while a pass runs share the next one, which reads the weights "
                   "once for all of them (1 = one session a pass)")  # fmt: skip
-    env_flag(p, "--pass-timeout", f"{prefix}_PASS_TIMEOUT", default=DEFAULT_PASS_TIMEOUT_S,
-             type=Range(float, 0, note="0 = never"),
+    env_flag(p, "--pass-timeout", f"{prefix}_PASS_TIMEOUT", default=DEFAULT_PASS_TIMEOUT_S, type=PASS_TIMEOUT_S,
              help="seconds one forward pass may run per 256 tokens it feeds (a prefill chunk; a decoding step "
-                  "counts as one) before the service takes its device for hung: until that pass ends it refuses every call "
-                  "UNAVAILABLE, so the coordinator asks another replica, and its gRPC health says NOT_SERVING, so "
-                  "Kubernetes takes it out of its Service and restarts it (0 = never)")  # fmt: skip
+                  "counts as one) before the service takes its device for hung: until that pass ends it refuses "
+                  "every call UNAVAILABLE, so the coordinator asks another replica, and its gRPC health says "
+                  "NOT_SERVING, so Kubernetes takes it out of its Service and restarts it (0 = never)")  # fmt: skip
     env_flag(p, "--no-prefix-reuse", f"{prefix}_NO_PREFIX_REUSE", action="store_true",
              help="feed every new session's whole prompt to the model, instead of copying the beginning it "
                   "shares with an idle or finished session's context (a chat's earlier turns, a common system "

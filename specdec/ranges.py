@@ -132,6 +132,7 @@ DEFAULT_MAX_BATCH = 8
 # serving.ModelWorker): a prefill chunk of a 7B model in float32 takes about a minute on 2 CPU
 # cores, a GPU's pass milliseconds.
 DEFAULT_PASS_TIMEOUT_S = 300.0
+PASS_TIMEOUT_S = Range(float, 0, note="0 = never")
 SHARE = Range(float, 0, 1, below=True)  # a fraction that must leave something over
 
 
