@@ -17,7 +17,8 @@ Terms:
                                        Service: one address per ready pod).
     down      a replica whose call failed UNAVAILABLE, or whose connection is failing, is
               skipped for DOWN_S seconds, and after that until its channel has connected
-              again: its sessions go to their next-best replica meanwhile.
+              again and its gRPC health says SERVING (not while its model worker is wedged):
+              its sessions go to their next-best replica meanwhile.
     checked   a replica whose ModelInfo matches what the coordinator started with (`identity`:
               for a target the same model, weights and vocabulary, for a draft the same kind and
               vocabulary). Sessions go only to checked replicas: a session that moved to a
@@ -44,6 +45,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from specdec import serving
 from specdec.errors import Unavailable
@@ -121,34 +123,49 @@ class Replica:
     channel: object  # grpc.aio.Channel (or specdec.security.TokenChannel)
     stub: object  # DraftStub / TargetStub on `channel`
     down_until: float = 0.0  # time.monotonic() before which it is skipped
-    recovering: bool = False  # failed, and its channel has not been seen connected since (usable)
+    recovering: bool = False  # failed, and not seen connected and SERVING since (usable, recover)
     checked: bool = False  # serves the coordinator's model (module doc); set by Replicas
     refused: str = ""  # why it is never called: it serves another model
     info: pb.ModelInfoResponse | None = None  # what it answered when last checked
     # time.monotonic() a Propose on it last streamed a token (a draft replica busy with one
     # session's long prefill serves the others meanwhile; a wedged one serves none: cycles)
     answered_at: float = 0.0
+    recovery: asyncio.Task | None = None  # the last task of `recover`
 
     def failed(self) -> None:
         """Skip this replica for DOWN_S seconds (a call to it failed UNAVAILABLE, or a Propose
-        heard nothing from it for its whole budget), and after that until its channel has
-        connected again (`recovering`; see reconnect)."""
+        heard nothing from it for its whole budget), and after that until it has recovered
+        (`recovering`; see recover)."""
         self.down_until = time.monotonic() + DOWN_S
         if not self.recovering:
             self.recovering = True
-            asyncio.get_running_loop().call_later(DOWN_S, self.reconnect)
+            self.recovery = asyncio.get_running_loop().create_task(self.recover())
 
-    def reconnect(self) -> None:
-        """Once DOWN_S passed, have the channel connect and look every RECONNECT_CHECK_S until it
-        has: only then is the replica called again. One frozen (a hung host: its kernel still
-        accepts TCP, it answers nothing) used to be called while its channel was connecting, and
-        each call waited for gRPC's 20 s connect timeout, every DOWN_S for as long as it stayed
-        frozen. Stops when the channel is closed (the replica removed)."""
-        state = self.channel.get_state(try_to_connect=True)
-        if state == grpc.ChannelConnectivity.READY:
-            self.recovering = False
-        elif state != grpc.ChannelConnectivity.SHUTDOWN:
-            asyncio.get_running_loop().call_later(RECONNECT_CHECK_S, self.reconnect)
+    async def recover(self) -> None:
+        """Once DOWN_S passed, look every RECONNECT_CHECK_S until the channel has connected and
+        the replica's gRPC health says SERVING: only then is it called again. One frozen (a hung
+        host: its kernel still accepts TCP, it answers nothing) used to be called while its
+        channel was connecting, and each call waited for gRPC's 20 s connect timeout, every
+        DOWN_S for as long as it stayed frozen; one whose model worker is wedged (a hung device:
+        serving.ModelWorker) still connects, and was called again every DOWN_S only to refuse.
+        Stops when the channel is closed (the replica removed)."""
+        await asyncio.sleep(DOWN_S)
+        while (state := self.channel.get_state(try_to_connect=True)) != grpc.ChannelConnectivity.SHUTDOWN:
+            if state == grpc.ChannelConnectivity.READY and await self.says_serving():
+                self.recovering = False
+                return
+            await asyncio.sleep(RECONNECT_CHECK_S)
+
+    async def says_serving(self) -> bool:
+        """Whether the replica's gRPC health says SERVING (a loaded model service whose worker is
+        not wedged). One without a health service (a proxy in front of it) is taken at its
+        channel's word."""
+        try:
+            reply = await health_pb2_grpc.HealthStub(self.channel).Check(health_pb2.HealthCheckRequest(),
+                                                                         timeout=CHECK_TIMEOUT_S)  # fmt: skip
+        except grpc.aio.AioRpcError as exc:
+            return exc.code() == grpc.StatusCode.UNIMPLEMENTED
+        return reply.status == health_pb2.HealthCheckResponse.SERVING
 
     def usable(self, now: float) -> bool:
         if now < self.down_until or self.recovering:
@@ -462,7 +479,7 @@ class Replicas:
     async def close(self) -> None:
         if self.refresher is not None:
             self.refresher.cancel()
-        for check in list(self.checks.values()):
-            check.cancel()
+        for task in [*self.checks.values(), *(r.recovery for r in self.replicas.values() if r.recovery)]:
+            task.cancel()
         await asyncio.gather(*(r.channel.close() for r in self.replicas.values()), *self.closing,
                              return_exceptions=True)  # fmt: skip

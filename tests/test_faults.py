@@ -20,9 +20,9 @@ import redis
 import specdec
 from conftest import start_stack
 from coordinator.cycles import DRAFT_DEADLINE_SHARE, draft_budget
-from coordinator.replicas import score
+from coordinator.replicas import DOWN_S, score
 from specdec import serving
-from specdec.errors import Aborted
+from specdec.errors import Aborted, WorkerWedged
 from specdec.kvcache import SessionState
 from specdec.redis_server import EmbeddedRedis
 from specdec.session import REDIS_SOCKET_TIMEOUT_S, SessionStore, meta_key, tokens_key
@@ -391,7 +391,7 @@ class HangingTarget:
     yet judged them (verifier.wait_for_device), so a caller that undid its work meanwhile
     leaves a cache the rest of the pass then makes disagree with its tokens.
     `wedged_touches` lists the sessions whose state a call brought while the worker was wedged
-    (SessionState.brought: none may be)."""
+    (SessionState.brought: none may be); `refused` counts the calls refused meanwhile."""
 
     def __init__(self, monkeypatch, model: str, redis_url: str):
         import target_service.verifier
@@ -416,6 +416,17 @@ class HangingTarget:
         monkeypatch.setattr(SessionState, "brought", bringing)
         config = TargetConfig(model=model, pass_timeout_s=PASS_TIMEOUT_S, allow_unauthenticated=True)
         self.servicer = TargetServicer(config, SessionStore(redis_url))
+        self.refused = 0  # calls refused for the wedged worker
+        ready = self.servicer.ready
+
+        def counting_ready():
+            try:
+                return ready()
+            except WorkerWedged:
+                self.refused += 1
+                raise
+
+        self.servicer.ready = counting_ready
 
     async def start(self) -> int:
         """Load and serve; returns the port."""
@@ -542,7 +553,9 @@ def test_a_session_on_a_target_replica_whose_pass_hangs_goes_on_on_the_other_wit
     """Two target replicas behind a coordinator, one of them a HangingTarget; a session it
     serves has its next pass hang: after --pass-timeout its Verify ends UNAVAILABLE, the
     coordinator takes the replica for lost and verifies the cycle on the other, and the request,
-    which has no deadline, ends with the no-fault output. Before, it waited as long as the pass."""
+    which has no deadline, ends with the no-fault output. Before, it waited as long as the pass.
+    Past the replica's down time, while its pass still hangs, its health says NOT_SERVING and
+    the coordinator leaves it be: a session it would serve is not refused there first."""
     hung_target = HangingTarget(monkeypatch, tiny_models.target, redis_url)
     loop = asyncio.new_event_loop()
     serving_thread = threading.Thread(target=loop.run_forever, daemon=True)
@@ -560,6 +573,10 @@ def test_a_session_on_a_target_replica_whose_pass_hangs_goes_on_on_the_other_wit
             started = time.monotonic()
             result = client.generate(PROMPT, session_id=on_second[1], **options)
             took = time.monotonic() - started
+            refused = hung_target.refused
+            time.sleep(DOWN_S + 1)  # the replica's down time over: its channel connects, its pass still hangs
+            later = client.generate(PROMPT, session_id=on_second[2], **options)
+            refused_later = hung_target.refused - refused
     finally:
         asyncio.run_coroutine_threadsafe(hung_target.stop(), loop).result(30)
         loop.call_soon_threadsafe(loop.stop)
@@ -567,8 +584,9 @@ def test_a_session_on_a_target_replica_whose_pass_hangs_goes_on_on_the_other_wit
         stack.processes["beside-hung"].terminate()
     print(f"\na session whose target replica's pass hung finished in {took:.1f} s")
     assert not hung_target.hang.is_set(), "the session's pass never reached the hanging replica"
-    assert result.token_ids == expected.token_ids
+    assert result.token_ids == expected.token_ids == later.token_ids
     assert PASS_TIMEOUT_S <= took < PASS_TIMEOUT_S + 20
+    assert refused_later == 0, "the coordinator called the replica again while its health said NOT_SERVING"
     assert hung_target.wedged_touches == []
 
 

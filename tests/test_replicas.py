@@ -255,6 +255,49 @@ def test_a_failed_replica_that_accepts_connections_but_answers_nothing_stays_ski
     assert state in (grpc.ChannelConnectivity.CONNECTING, grpc.ChannelConnectivity.TRANSIENT_FAILURE)
 
 
+def test_a_failed_replica_whose_health_says_not_serving_stays_skipped_until_it_says_serving(monkeypatch):
+    """A model service whose worker is wedged (a hung device: serving.ModelWorker) still
+    connects and answers health NOT_SERVING. Once its DOWN_S passed it was called again, and
+    refused at once, every DOWN_S for as long as its pass hung: its sessions moved back and
+    away each time. Now a replica that failed is called again only once its health says
+    SERVING; one with no health service (a proxy) once its channel has connected."""
+    from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+    monkeypatch.setattr("coordinator.replicas.DOWN_S", 0.3)
+    monkeypatch.setattr("coordinator.replicas.RECONNECT_CHECK_S", 0.05)
+
+    async def run():
+        server, alive = await bare_server()
+        wedged = grpc.aio.server()
+        checks = health.aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(checks, wedged)
+        endpoints = (alive, f"127.0.0.1:{wedged.add_insecure_port('127.0.0.1:0')}")
+        await wedged.start()
+        await checks.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
+        replicas = Replicas(ReplicaAddress(endpoints=endpoints), pb_grpc.TargetStub)
+        try:
+            await replicas.start()
+            sessions = [f"s{i}" for i in range(200)]
+            before = picks(replicas, sessions)
+            hung = replicas.replicas[endpoints[1]]
+            hung.failed()
+            await asyncio.sleep(1.0)  # well past DOWN_S: connected, and asked its health meanwhile
+            state, during = hung.channel.get_state(), picks(replicas, sessions)
+            await checks.set("", health_pb2.HealthCheckResponse.SERVING)  # its pass ended
+            await wait_until(lambda: not hung.recovering, timeout_s=2.0)
+            after = picks(replicas, sessions)
+        finally:
+            await replicas.close()
+            await server.stop(None)
+            await wedged.stop(None)
+        return endpoints, before, state, during, after
+
+    endpoints, before, state, during, after = asyncio.run(run())
+    assert state == grpc.ChannelConnectivity.READY
+    assert set(during.values()) == {endpoints[0]}, "a replica whose health says NOT_SERVING was called again"
+    assert Counter(before.values())[endpoints[1]] > 50 and after == before
+
+
 def test_a_draft_service_answers_a_propose_first_thing_so_a_frozen_replica_is_told_from_a_busy_one(tiny_stack):
     """Over real gRPC (`DraftCall.answered`, which decides whether a Propose that ran out of
     time marks its replica failed): the draft service sends PROPOSE_STARTED before it looks at
