@@ -162,7 +162,9 @@ def env_flag(
             env_problems(parser).append(f"{env}={raw!r} is not a valid value for {flag}: expected one of 1, true, "
                                         "yes, on (set) or 0, false, no, off, empty (unset)")  # fmt: skip
         value = word in TRUE
-        parser.add_argument(flag, default=value, help=f"{help} [env: {env}]", **kw)
+        off = opposite_switch(flag)
+        parser.add_argument(flag, default=value, help=f"{help} [env: {env}; {off} overrides it]", **kw)
+        parser.add_argument(off, dest=flag[2:].replace("-", "_"), action="store_false", help=argparse.SUPPRESS)
         return
     if raw == "" and kw.get("action") == "append":  # `SPECDEC_STOP=` blanks it: none, as a switch's empty is off
         raw = None
@@ -177,6 +179,13 @@ def env_flag(
         default = [default] if default else None
     suffix = f" (default: {default})" if default not in (None, "") and not secret else ""
     parser.add_argument(flag, default=default, type=type, help=f"{help}{suffix} [env: {env}]", **kw)
+
+
+def opposite_switch(flag: str) -> str:
+    """The flag that turns an env switch `flag` off for one command, where its variable turns
+    it on (a stack's environment that sets SPECDEC_JSON, say): `--json` → `--no-json`,
+    `--no-pipeline` → `--pipeline`."""
+    return f"--{flag[5:]}" if flag.startswith("--no-") else f"--no-{flag[2:]}"
 
 
 def env_problems(parser: argparse.ArgumentParser) -> list[str]:

@@ -233,6 +233,42 @@ def test_a_switch_in_the_environment_takes_yes_or_no_words_and_refuses_others_in
     assert "SPECDEC_CHAT='ture' is not a valid value for --chat: expected one of 1, true, yes, on" in capsys.readouterr().err
 
 
+def test_a_switch_the_environment_turns_on_is_turned_off_for_one_command_by_its_opposite_flag(monkeypatch):
+    """SPECDEC_JSON=1 in a shell's environment used to make every `generate` print JSON, with no
+    flag to say otherwise for one command. Each env switch has its opposite: `--no-json`,
+    and `--pipeline` for `--no-pipeline`; the last one given wins."""
+    import argparse
+
+    from specdec.cli import build_parser
+
+    def switches(parser):
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for sub in action.choices.values():
+                    yield from switches(sub)
+            elif isinstance(action, argparse._StoreTrueAction) and "[env: " in (action.help or ""):
+                yield parser, action
+
+    found = list(switches(build_parser()))
+    assert len(found) >= 9, [a.option_strings for _, a in found]
+    for parser, action in found:
+        env = action.help.split("[env: ")[1].split(";")[0]
+        monkeypatch.setenv(env, "1")
+        flag = action.option_strings[0]
+        off = f"--{flag[5:]}" if flag.startswith("--no-") else f"--no-{flag[2:]}"
+        assert f"{off} overrides it" in action.help, action.help
+        rebuilt = dict((p.prog, p) for p, _ in switches(build_parser()))[parser.prog]
+        positionals = ["x" for a in rebuilt._actions if not a.option_strings and a.required]
+        on, _ = rebuilt.parse_known_args(positionals)
+        off_now, _ = rebuilt.parse_known_args([*positionals, off])
+        again, _ = rebuilt.parse_known_args([*positionals, off, flag])
+        assert (getattr(on, action.dest), getattr(off_now, action.dest), getattr(again, action.dest)) == (True, False, True), (parser.prog, flag)
+        monkeypatch.delenv(env)
+    monkeypatch.setenv("SPECDEC_JSON", "yes")
+    assert build_parser().parse_args(["generate", "hi", "--no-json"]).json is False
+    assert build_parser().parse_args(["generate", "hi"]).json is True
+
+
 def test_a_service_on_port_zero_serves_on_a_free_port_and_says_which(redis_url):
     env = {**os.environ, "SPECDEC_REDIS_URL": redis_url}
     service = subprocess.Popen([*SPECDEC, "serve", "draft", "--model", "ngram", "--port", "0", "--allow-unauthenticated"],
