@@ -15,10 +15,10 @@ Terms:
                 `dns:///host:port`     every address `host` resolves to is a replica, resolved
                                        again every REPLICA_REFRESH_S seconds (a Kubernetes headless
                                        Service: one address per ready pod).
-    down      a replica whose call failed UNAVAILABLE, or whose connection is failing, is
-              skipped for DOWN_S seconds, and after that until its channel has connected
-              again and its gRPC health says SERVING (not while its model worker is wedged):
-              its sessions go to their next-best replica meanwhile.
+    down      a replica whose call failed UNAVAILABLE is skipped for DOWN_S seconds, and after
+              that until its channel has connected again and its gRPC health says SERVING
+              (not while its model worker is wedged); one whose connection is failing, while
+              it is: its sessions go to their next-best replica meanwhile.
     checked   a replica whose ModelInfo matches what the coordinator started with (`identity`:
               for a target the same model, weights and vocabulary, for a draft the same kind and
               vocabulary). Sessions go only to checked replicas: a session that moved to a
@@ -131,6 +131,9 @@ class Replica:
     # session's long prefill serves the others meanwhile; a wedged one serves none: cycles)
     answered_at: float = 0.0
     recovery: asyncio.Task | None = None  # the last task of `recover`
+    # A grpc.health.v1 HealthStub on `channel`, made with it: a stub made on a closed channel
+    # blocked the event loop for good (grpcio 1.85, in _get_registered_call_handle).
+    health: object = None
 
     def failed(self) -> None:
         """Skip this replica for DOWN_S seconds (a call to it failed UNAVAILABLE, or a Propose
@@ -148,7 +151,8 @@ class Replica:
         channel was connecting, and each call waited for gRPC's 20 s connect timeout, every
         DOWN_S for as long as it stayed frozen; one whose model worker is wedged (a hung device:
         serving.ModelWorker) still connects, and was called again every DOWN_S only to refuse.
-        Stops when the channel is closed (the replica removed)."""
+        A look may take CHECK_TIMEOUT_S (a health Check that hangs). Ends when the channel is
+        closed or the task cancelled (the replica removed, the coordinator closing)."""
         await asyncio.sleep(DOWN_S)
         while (state := self.channel.get_state(try_to_connect=True)) != grpc.ChannelConnectivity.SHUTDOWN:
             if state == grpc.ChannelConnectivity.READY and await self.says_serving():
@@ -161,10 +165,11 @@ class Replica:
         not wedged). One without a health service (a proxy in front of it) is taken at its
         channel's word."""
         try:
-            reply = await health_pb2_grpc.HealthStub(self.channel).Check(health_pb2.HealthCheckRequest(),
-                                                                         timeout=CHECK_TIMEOUT_S)  # fmt: skip
+            reply = await self.health.Check(health_pb2.HealthCheckRequest(), timeout=CHECK_TIMEOUT_S)
         except grpc.aio.AioRpcError as exc:
             return exc.code() == grpc.StatusCode.UNIMPLEMENTED
+        except grpc.aio.UsageError:  # its channel closed meanwhile (the replica removed): recover stops
+            return False
         return reply.status == health_pb2.HealthCheckResponse.SERVING
 
     def usable(self, now: float) -> bool:
@@ -462,12 +467,15 @@ class Replicas:
         for endpoint in added:
             # A resolved address is an IP: TLS checks the certificate against the name.
             channel = serving.channel(endpoint, self.security, server_name=self.address.host)
-            self.replicas[endpoint] = Replica(endpoint, channel, self.stub_class(channel))
+            health = health_pb2_grpc.HealthStub(channel)
+            self.replicas[endpoint] = Replica(endpoint, channel, self.stub_class(channel), health=health)
             self.start_check(self.replicas[endpoint])
         for endpoint in gone:
             replica = self.replicas.pop(endpoint)
             if (check := self.checks.pop(endpoint, None)) is not None:
                 check.cancel()
+            if replica.recovery is not None:
+                replica.recovery.cancel()
             task = asyncio.get_running_loop().create_task(replica.channel.close(CLOSE_GRACE_S))
             self.closing.add(task)
             task.add_done_callback(self.closing.discard)

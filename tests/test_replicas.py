@@ -298,6 +298,32 @@ def test_a_failed_replica_whose_health_says_not_serving_stays_skipped_until_it_s
     assert Counter(before.values())[endpoints[1]] > 50 and after == before
 
 
+def test_a_replica_removed_while_it_recovers_ends_its_recovery_without_an_error(monkeypatch):
+    """A failed replica that its address no longer names (a pod gone) has its recovery task
+    cancelled; and a health check on a channel closed meanwhile (a traced channel starts its
+    call a task later) reads as not serving, where it raised out of the task."""
+    monkeypatch.setattr("coordinator.replicas.DOWN_S", 0.05)
+
+    async def run():
+        servers = [await bare_server() for _ in range(2)]
+        endpoints = tuple(address for _, address in servers)
+        replicas = Replicas(ReplicaAddress(endpoints=endpoints), pb_grpc.TargetStub)
+        try:
+            await replicas.start()
+            gone = replicas.replicas[endpoints[1]]
+            gone.failed()
+            replicas.update([endpoints[0]])
+            await asyncio.sleep(0.2)
+            await gone.channel.close()
+            return gone.recovery.cancelled(), await gone.says_serving()
+        finally:
+            await replicas.close()
+            for server, _ in servers:
+                await server.stop(None)
+
+    assert asyncio.run(run()) == (True, False)
+
+
 def test_a_draft_service_answers_a_propose_first_thing_so_a_frozen_replica_is_told_from_a_busy_one(tiny_stack):
     """Over real gRPC (`DraftCall.answered`, which decides whether a Propose that ran out of
     time marks its replica failed): the draft service sends PROPOSE_STARTED before it looks at
