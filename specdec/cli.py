@@ -21,7 +21,7 @@ from specdec.ranges import (
     DRAIN_S, MAX_NEW_TOKENS, METRICS_PORT, PASS_TIMEOUT_S, PER_CALLER, PORT, RETRIES, SECONDS, SEED, REPLICA_REFRESH_S,
     SERVICE_PORT, SESSION_TTL_S, STALL_TIMEOUT_S, TEMPERATURE, THREADS, TOP_K, TOP_P, UINT32, WAIT_MS, WAIT_REPLICAS,
     Range,
-    grpc_address, listen_host, stop_text, undecodable, utf8_text,
+    device_name, grpc_address, listen_host, model_name, stop_text, undecodable, utf8_text,
 )
 
 DEFAULT_ADDRESS = "127.0.0.1:50051"
@@ -103,7 +103,7 @@ def add_stack_model_flags(p: argparse.ArgumentParser, of: str) -> None:
     ("" for `up`'s own), read from the same variables by every command that starts a stack."""
     from specdec.catalog import DEFAULT_TARGET  # light: the launcher would import redis and gRPC's health
 
-    env_flag(p, "--target", "SPECDEC_TARGET", default=DEFAULT_TARGET,
+    env_flag(p, "--target", "SPECDEC_TARGET", default=DEFAULT_TARGET, type=model_name,
              help=f"target model{of}: catalog name, Hugging Face directory or .gguf file")  # fmt: skip
     env_flag(p, "--draft", "SPECDEC_DRAFT", default="",
              help=f"draft model{of} (as --target) or `ngram` for prompt lookup ({DEFAULT_DRAFT_HELP})")  # fmt: skip
@@ -154,26 +154,26 @@ def env_flag(
     a `secret` flag (e.g. a URL that may hold a password) never shows the value. A value the
     flag refuses is an error of the command that takes the flag, once it runs (env_problems):
     it used to end every command, `specdec --help` included, in the words of whichever took
-    the variable first (`SPECDEC_PORT=abc specdec models list`: "specdec up: error: ...")."""
-    raw = os.environ.get(env)
+    the variable first (`SPECDEC_PORT=abc specdec models list`: "specdec up: error: ...");
+    and not where the command line gives the flag, which overrides the variable. A variable
+    set empty (`SPECDEC_TIMEOUT=`, as a compose file or a template may leave one) is unset."""
+    raw = os.environ.get(env) or None
     if kw.get("action") == "store_true":
         word = (raw or "").strip().lower()
-        if word not in TRUE | FALSE:  # "ture" or "enabled" would otherwise be a silent False
-            env_problems(parser).append(f"{env}={raw!r} is not a valid value for {flag}: expected one of 1, true, "
-                                        "yes, on (set) or 0, false, no, off, empty (unset)")  # fmt: skip
-        value = word in TRUE
         off = opposite_switch(flag)
+        if word not in TRUE | FALSE:  # "ture" or "enabled" would otherwise be a silent False
+            env_problems(parser).append(((flag, off), f"{env}={raw!r} is not a valid value for {flag}: expected one of "
+                                         "1, true, yes, on (set) or 0, false, no, off, empty (unset)"))  # fmt: skip
+        value = word in TRUE
         parser.add_argument(flag, default=value, help=f"{help} [env: {env}; {off} overrides it]", **kw)
         parser.add_argument(off, dest=flag[2:].replace("-", "_"), action="store_false", help=argparse.SUPPRESS)
         return
-    if raw == "" and kw.get("action") == "append":  # `SPECDEC_STOP=` blanks it: none, as a switch's empty is off
-        raw = None
     if raw is not None:
         try:
             default = type(raw)
         except (ValueError, argparse.ArgumentTypeError) as exc:
             shown = env if secret else f"{env}={raw!r}"  # a secret's value is never printed
-            env_problems(parser).append(f"{shown} is not a valid value for {flag}: {exc}")
+            env_problems(parser).append(((flag,), f"{shown} is not a valid value for {flag}: {exc}"))
     if kw.get("action") == "append":  # repeatable: the variable holds one value, which the flag replaces
         kw["action"] = AppendOverDefault
         default = [default] if default else None
@@ -188,8 +188,9 @@ def opposite_switch(flag: str) -> str:
     return f"--{flag[5:]}" if flag.startswith("--no-") else f"--no-{flag[2:]}"
 
 
-def env_problems(parser: argparse.ArgumentParser) -> list[str]:
-    """The environment variables a (sub)command's flags refuse, reported when it runs (main)."""
+def env_problems(parser: argparse.ArgumentParser) -> list[tuple[tuple[str, ...], str]]:
+    """The environment variables a (sub)command's flags refuse, reported when it runs (main)
+    unless its command line gives one of the flags (the first item) the problem is of."""
     if not hasattr(parser, "specdec_env_problems"):
         parser.specdec_env_problems = []
     return parser.specdec_env_problems
@@ -235,7 +236,8 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     add_draft_flags(services.add_parser("draft", help="the draft service", description="Serve Draft.Propose."))
     add_target_flags(services.add_parser("target", help="the target service", description="Serve Target.Verify."))
     add_coordinator_flags(
-        services.add_parser("coordinator", help="the public coordinator", description="Serve Coordinator.Generate and Coordinator.Resume.")
+        services.add_parser("coordinator", help="the public coordinator",
+                            description="Serve Coordinator.Generate, Resume, Delete and Info.")  # fmt: skip
     )
 
     gen = commands.add_parser(
@@ -280,7 +282,8 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
         help="delete a session now instead of when it expires",
         description="Remove a session's record, prompt and tokens from Redis and its caches from the model "
         "services, through any coordinator on its Redis; a stream of it still running ends NOT_FOUND. Sessions "
-        "otherwise expire an hour after their last use. Only the API token that created a session, or another "
+        "otherwise expire the services' --session-ttl after their last use (an hour by default). Only the API "
+        "token that created a session, or another "
         "token of its caller name, may delete it. Exit status 0 when it was deleted, 1 when there was no such "
         "session (expired, deleted already, or never created) or the call failed.",
     )  # fmt: skip
@@ -340,11 +343,11 @@ def add_tls_server_flags(p: argparse.ArgumentParser, prefix: str) -> None:
 
 
 def add_model_flags(p: argparse.ArgumentParser, prefix: str, model: str) -> None:
-    env_flag(p, "--model", f"{prefix}_MODEL", default=model,
+    env_flag(p, "--model", f"{prefix}_MODEL", default=model, type=model_name,
              help="catalog name, Hugging Face directory or .gguf file")  # fmt: skip
     env_flag(p, "--dtype", f"{prefix}_DTYPE", default="float32", choices=["float32", "float16", "bfloat16", "auto"],
              help="weights and compute dtype")
-    env_flag(p, "--device", f"{prefix}_DEVICE", default="cpu", help="cpu, cuda, cuda:N or auto")
+    env_flag(p, "--device", f"{prefix}_DEVICE", default="cpu", type=device_name, help="cpu, cuda, cuda:N or auto")
     env_flag(p, "--threads", f"{prefix}_THREADS", default=0, type=THREADS, help="torch CPU threads (0 = torch's choice)")
     env_flag(p, "--max-k", f"{prefix}_MAX_K", default=DEFAULT_MAX_K, type=AT_LEAST_ONE, help="largest K accepted per request")
     env_flag(p, "--max-sessions", f"{prefix}_MAX_SESSIONS", default=256, type=AT_LEAST_ONE,
@@ -419,7 +422,7 @@ def add_coordinator_flags(p: argparse.ArgumentParser) -> None:
              help="for requests that do not ask for pipelining: pipeline a cycle only when the session's "
                   "estimate of the chance its early drafting is kept (all K drafts and the guess accepted: a^(K+1), "
                   "or adaptive K's per-position estimate) is >= this "
-                  "(default: %(default)s; 0 = every cycle, for a draft and a target on separate devices)")  # fmt: skip
+                  "(0 = every cycle, for a draft and a target on separate devices)")  # fmt: skip
     env_flag(p, "--max-prompt-tokens", "SPECDEC_MAX_PROMPT_TOKENS", default=8192, type=AT_LEAST_ONE,
              help="longest prompt accepted, in tokens")  # fmt: skip
     env_flag(p, "--max-concurrent-requests", "SPECDEC_MAX_CONCURRENT_REQUESTS", default=64, type=AT_LEAST_ONE,
@@ -541,8 +544,11 @@ def client_options(args) -> dict:
 
     from specdec.security import CLIENT_TOKEN_ENV, load_tokens, read_pem
 
-    tokens = load_tokens(args.token_file, CLIENT_TOKEN_ENV)
-    credentials = grpc.ssl_channel_credentials(read_pem(args.tls_ca, "CA file (--tls-ca)")) if args.tls_ca else None
+    try:
+        tokens = load_tokens(args.token_file, CLIENT_TOKEN_ENV)
+        credentials = grpc.ssl_channel_credentials(read_pem(args.tls_ca, "CA file (--tls-ca)")) if args.tls_ca else None
+    except SystemExit as exc:  # in the command's name, as its other errors are
+        raise SystemExit(f"specdec {args.command}: {exc}") from None
     return {"credentials": credentials, "token": tokens[0] if tokens else None}
 
 
@@ -606,6 +612,8 @@ def run_serve(args) -> NoReturn:
         )  # fmt: skip
     else:  # draft or target: --model, credentials and TLS files checked before torch is imported
         refuse_missing_model(args.service, args.model)
+        if args.service == "draft" and args.min_ngram > args.max_ngram:  # the draft said so after loading torch
+            raise SystemExit(f"specdec serve draft: --min-ngram {args.min_ngram} is above --max-ngram {args.max_ngram}")
         security = server_security(args, args.internal_token_file, INTERNAL_TOKEN_ENV)
         require_caller_credential(security, args.allow_unauthenticated, args.service)
         security.credentials()  # a TLS flag missing its partner, or an unreadable PEM file, exits here
@@ -769,6 +777,8 @@ def client_error(exc, args) -> str:
     line = f"error: {exc}"
     if exc.code == grpc.StatusCode.DEADLINE_EXCEEDED and getattr(args, "timeout", None):
         line += f"\n(the call's --timeout of {args.timeout:g} s ran out; a longer one, or none, lets it finish)"
+    if exc.code == grpc.StatusCode.UNAUTHENTICATED:
+        line += "\n(the API token is read from --token-file FILE, SPECDEC_TOKEN_FILE or SPECDEC_TOKEN)"
     if exc.code != grpc.StatusCode.UNAVAILABLE:
         return line
     address = args.address or DEFAULT_ADDRESS
@@ -778,10 +788,17 @@ def client_error(exc, args) -> str:
     if "handshake" in message or "ssl" in message:
         line += (f"\n(TLS with {address} failed: does the coordinator serve TLS, with a certificate signed by "
                  "--tls-ca and naming the host dialled?)")  # fmt: skip
+    elif "socket closed" in message and not getattr(args, "tls_ca", None):
+        line += (f"\n(something at {address} closed the connection: a coordinator serving TLS? pass --tls-ca "
+                 "with the CA that signed its certificate)")  # fmt: skip
     else:
-        started = ("without --address, generate and trace start one for the command"
-                   if not getattr(args, "tls_ca", None) else "a local one is started only without --tls-ca")  # fmt: skip
-        line += f"\n(is a coordinator serving at {address}? `specdec up` starts one; {started})"
+        if getattr(args, "command", "") not in ("generate", "trace"):  # resume, delete, soak: a stack they start would not help
+            started = ""
+        elif getattr(args, "tls_ca", None):
+            started = "; a local one is started only without --tls-ca"
+        else:
+            started = "; without --address, generate and trace start one for the command"
+        line += f"\n(is a coordinator serving at {address}? `specdec up` starts one{started})"
         if names_no_port(address):
             port = DEFAULT_ADDRESS.rpartition(":")[2]
             line += (f"\n({address!r} names no port, so gRPC dialled 443; a coordinator listens on {port} "
@@ -990,6 +1007,9 @@ def command_parser(parser: argparse.ArgumentParser, args: argparse.Namespace) ->
     return parser
 
 
+GLOBAL_FLAGS = ("-v", "--verbose", "--version")  # specdec's own flags, before any command
+
+
 def refuse_extra_arguments(parser: argparse.ArgumentParser, extra: list[str]) -> NoReturn:
     """Exit with the command's own usage and a line naming the `extra` arguments it does not
     take, with the nearest flag it has for a mistyped one, or a hint to quote a prompt of
@@ -997,8 +1017,10 @@ def refuse_extra_arguments(parser: argparse.ArgumentParser, extra: list[str]) ->
     message = f"unrecognized arguments: {' '.join(extra)}"
     flags = [option for action in parser._actions for option in action.option_strings]
     unknown = [arg.split("=", 1)[0] for arg in extra if arg.startswith("-")]
-    guesses = [(flag, difflib.get_close_matches(flag, flags, n=1, cutoff=0.6)) for flag in unknown]
+    misplaced = [flag for flag in unknown if flag in GLOBAL_FLAGS]
+    guesses = [(flag, difflib.get_close_matches(flag, flags, n=1, cutoff=0.6)) for flag in unknown if flag not in misplaced]
     hints = [f"{flag}: did you mean {match[0]}?" for flag, match in guesses if match]
+    hints += [f"{flag} goes before the command: specdec {flag} {parser.prog.removeprefix('specdec ')} ..." for flag in misplaced]
     if not unknown and any(action.dest == "prompt" for action in parser._actions):
         hints.append("a prompt of several words goes in quotes")
     parser.error("; ".join([message, *hints]))
@@ -1042,8 +1064,9 @@ def parse_command_line(argv: list[str]) -> argparse.Namespace:
     command = command_parser(parser, args)
     if extra:
         refuse_extra_arguments(command, extra)
-    if problems := env_problems(command):
-        command.error(problems[0])
+    for flags, problem in env_problems(command):
+        if not any(word == flag or word.startswith(f"{flag}=") for word in argv for flag in flags):
+            command.error(problem)
     return args
 
 

@@ -727,7 +727,7 @@ class Client(_Stub):
         broke (0 to 4, after a random wait of up to 0.2 s, 0.4 s, ...; see service_config and
         _Resumption); `load_balancing`: "round_robin" sends each call to the next ready
         coordinator the address names, "pick_first" every call to the first that answers."""
-        self.address = address
+        self.address = address = address.strip()  # " host:port" pasted with its space
         self._metadata = auth_metadata(token)
         self.retries = retries
         credentials = channel_credentials(tls_ca, credentials)
@@ -883,7 +883,7 @@ class AsyncClient(_Stub):
     ):
         """Connect to the coordinator(s) at `address`; the arguments are Client's. The channel
         opens at the first call (see the class); a bad argument is refused here, at once."""
-        self.address = address
+        self.address = address = address.strip()  # " host:port" pasted with its space
         self._metadata = auth_metadata(token)
         self.retries = retries
         self._credentials = channel_credentials(tls_ca, credentials)

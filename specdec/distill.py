@@ -79,7 +79,7 @@ from specdec.ngram import (
     resolve_lookup_weights, write_lookup_file,
 )  # fmt: skip
 from specdec.prompts import PromptFileError, read_json_lines
-from specdec.ranges import AT_LEAST_ONE, SECONDS, SEED, SHARE, TEMPERATURE, Range
+from specdec.ranges import AT_LEAST_ONE, SECONDS, SEED, SHARE, TEMPERATURE, Range, model_name
 from specdec.vocab import describe_model
 
 DEFAULT_TOP_K = 256
@@ -1562,7 +1562,7 @@ def add_distill_parser(subparsers) -> argparse.ArgumentParser:
         f"({DRAFT_CARD_NAME}). --minutes covers data generation and training; the final evaluation and writing "
         "take about a minute more.",
     )
-    parser.add_argument("--target", required=True, help="catalog name or path of the target model")
+    parser.add_argument("--target", required=True, type=model_name, help="catalog name or path of the target model")
     parser.add_argument("--out", required=True, help="output directory (draft model, card, data cache, checkpoint)")
     parser.add_argument("--minutes", type=RANGES["minutes"], default=defaults.minutes,
                         help="wall-clock budget for data + training; 0 only with --resume of a run that has a "

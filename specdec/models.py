@@ -55,6 +55,7 @@ from specdec.catalog import (  # the catalog itself (names, cache folder, checks
 from specdec.kvcache import context_limit, uncroppable_layers
 from specdec.packed import pack_model
 from specdec.plain_forward import enable_plain_forward
+from specdec.ranges import device_problem
 from specdec.vocab import load_tokenizer, vocab_fingerprint
 
 OUTPUT_VOCAB_FILE = "specdec-output-vocab.json"  # in a model dir: the only token ids its head may predict
@@ -430,7 +431,7 @@ def load_model(name_or_path: str, *, dtype: str = "float32", device: str = "cpu"
     if gguf_file is None:
         check_weights(path)
         tokenizer = load_tokenizer(str(path))
-        model = AutoModelForCausalLM.from_pretrained(str(path), local_files_only=True, **_dtype_kwarg(torch_dtype))
+        model = load_weights(path, torch_dtype)
     else:
         model, tokenizer = _load_gguf(gguf_file, torch_dtype)
     if gguf_file is None and (path / OUTPUT_VOCAB_FILE).exists():
@@ -455,6 +456,21 @@ def load_model(name_or_path: str, *, dtype: str = "float32", device: str = "cpu"
         dtype=str(parameter.dtype).removeprefix("torch."),
         kernels=kernels,
     )
+
+
+def load_weights(path: Path, torch_dtype):
+    """The model of the Hugging Face directory `path`; ValueError naming the directory for weights
+    that do not read (a truncated or corrupt download), which ended a service in safetensors' or
+    torch's traceback."""
+    import pickle
+
+    from safetensors import SafetensorError
+
+    try:
+        return AutoModelForCausalLM.from_pretrained(str(path), local_files_only=True, **_dtype_kwarg(torch_dtype))
+    except (SafetensorError, pickle.UnpicklingError, EOFError) as exc:
+        raise ValueError(f"the weights in {str(path)!r} do not read ({exc}): a truncated or corrupt file? "
+                         "copy or download them again") from exc
 
 
 def refuse_uncroppable(model, name: str) -> None:
@@ -545,18 +561,18 @@ def write_output_vocab(directory: str | os.PathLike, token_ids: torch.Tensor) ->
 def resolve_device(device: str) -> str:
     """Turn "auto" into "cuda" or "cpu" and check that a requested cuda device exists."""
     device = device.strip().lower()
+    if problem := device_problem(device):
+        raise ValueError(problem)
     if device == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cpu":
         return device
-    if device == "cuda" or (device.startswith("cuda:") and device[5:].isdigit()):
-        if not torch.cuda.is_available():
-            raise ValueError(f"device {device!r} requested but CUDA is not available (torch {torch.__version__})")
-        index = int(device[5:]) if ":" in device else 0
-        if index >= torch.cuda.device_count():
-            raise ValueError(f"device {device!r} requested but only {torch.cuda.device_count()} CUDA device(s) exist")
-        return device
-    raise ValueError(f"unknown device {device!r}; use cpu, cuda, cuda:N or auto")
+    if not torch.cuda.is_available():
+        raise ValueError(f"device {device!r} requested but CUDA is not available (torch {torch.__version__})")
+    index = int(device[5:]) if ":" in device else 0
+    if index >= torch.cuda.device_count():
+        raise ValueError(f"device {device!r} requested but only {torch.cuda.device_count()} CUDA device(s) exist")
+    return device
 
 
 def eos_token_ids(model, tokenizer) -> list[int]:

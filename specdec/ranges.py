@@ -205,8 +205,12 @@ def address_problem(address: str) -> str | None:
     scheme, sep, rest = text.partition("://")
     if sep and scheme.lower() in URL_SCHEMES:
         return (f"{address!r} is a URL; give the address as HOST:PORT, e.g. {rest.split('/')[0] or '127.0.0.1:50051'!r} "
-                "(gRPC speaks HTTP/2 itself, with TLS by --tls-ca or the SDK's tls_ca)")  # fmt: skip
+                "(gRPC speaks HTTP/2 itself; TLS is a flag of its own: --tls-ca, --internal-tls-ca, the SDK's "
+                "tls_ca)")  # fmt: skip
     scheme = next((s for s in GRPC_SCHEMES if text.lower().startswith(s)), "")
+    if not scheme and "," in text:  # gRPC: "Misformatted domain name"
+        return (f"{address!r} names several addresses: give one HOST:PORT (a load balancer in front of "
+                "several), or a gRPC target of several IPs: ipv4:IP:PORT,IP:PORT (or dns:///NAME:PORT)")
     if scheme not in ("", "dns:", "ipv4:", "ipv6:"):
         return None  # unix:PATH and the like: no port
     rest = text[len(scheme):].rpartition("/")[2] if scheme == "dns:" else text[len(scheme):]
@@ -225,6 +229,30 @@ def grpc_address(text: str) -> str:
     """argparse type of an --address flag: `text`, or ArgumentTypeError saying what is wrong (address_problem)."""
     if problem := address_problem(text):
         raise argparse.ArgumentTypeError(problem)
+    return text.strip()
+
+
+def device_problem(device: str) -> str | None:
+    """None when `device` (lowercased, stripped) names a device specdec places models on, else
+    what is wrong: cpu, cuda, cuda:N or auto."""
+    if device in ("auto", "cpu", "cuda") or (device.startswith("cuda:") and device[5:].isdigit()):
+        return None
+    return f"unknown device {device!r}; use cpu, cuda, cuda:N or auto"
+
+
+def device_name(text: str) -> str:
+    """argparse type of --device (device_problem), checked before torch is imported."""
+    if problem := device_problem(text.strip().lower()):
+        raise argparse.ArgumentTypeError(problem)
+    return text
+
+
+def model_name(text: str) -> str:
+    """argparse type of --model / --target: `text`, or ArgumentTypeError for an empty one, which
+    named the current directory (a model there was served without a word)."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("the model is empty: give a catalog name (`specdec models list`), a "
+                                         "Hugging Face directory or a .gguf file")  # fmt: skip
     return text
 
 

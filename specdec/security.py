@@ -363,6 +363,8 @@ class TokenCheck(grpc.aio.ServerInterceptor):
     def __init__(self, security: ServerSecurity, credential: str, registry=None):
         self.security = security  # its tokens as they are now (refresh_tokens)
         self.message = f"this server requires {credential}: send the metadata `authorization: Bearer <token>`"
+        self.rejected = (f"this server does not accept the token sent (a wrong, mistyped or revoked one?): it "
+                         f"requires {credential}, sent as the metadata `authorization: Bearer <token>`")  # fmt: skip
         self.refused = None if registry is None else unauthenticated_calls(registry)
         self.unlogged, self.logged_at, self.latest = 0, -REFUSALS_LOGGED_EVERY_S, ""
 
@@ -372,7 +374,8 @@ class TokenCheck(grpc.aio.ServerInterceptor):
         if handler is None or details.method in OPEN_METHODS or token_matches(details.invocation_metadata, self.security.tokens):
             return handler
         self.note_refusal(details.method)
-        return refusing_handler(handler, self.message)
+        sent = any(key == AUTH_METADATA for key, _ in details.invocation_metadata or ())
+        return refusing_handler(handler, self.rejected if sent else self.message)
 
     def note_refusal(self, method: str) -> None:
         """Count a refused call; log it now, or, within REFUSALS_LOGGED_EVERY_S of the last line,

@@ -128,6 +128,8 @@ def test_a_flag_value_every_request_or_deployment_would_fail_with_is_refused_wit
     (["serve", "draft", "--prot", "5"], "specdec serve draft", "unrecognized arguments: --prot 5; --prot: did you mean --port?"),
     (["up", "--redis-ulr=redis://x"], "specdec up", "--redis-ulr: did you mean --redis-url?"),
     (["models", "pull", "a", "b"], "specdec models pull", "unrecognized arguments: b"),
+    (["generate", "-v", "hi"], "specdec generate", "-v goes before the command: specdec -v generate ..."),
+    (["serve", "target", "--version"], "specdec serve target", "--version goes before the command: specdec --version serve target"),
 ])  # fmt: skip
 def test_an_argument_a_command_does_not_take_is_refused_with_that_commands_usage_and_the_flag_meant(capsys, argv, usage, says):
     """argparse alone answered `specdec generate --max-tokens 40 hi` with `specdec`'s usage and
@@ -185,6 +187,16 @@ def test_a_bad_value_in_the_environment_names_the_variable_and_the_range(capsys,
     with pytest.raises(SystemExit):
         parse_command_line(["resume", "some-session"])
     assert "specdec resume: error: SPECDEC_TIMEOUT='-1'" in capsys.readouterr().err
+    # The flag given overrides the variable, a bad one too (it ended the command regardless)
+    assert parse_command_line(["resume", "some-session", "--timeout", "5"]).timeout == 5
+    assert parse_command_line(["resume", "some-session", "--timeout=5"]).timeout == 5
+    monkeypatch.setenv("SPECDEC_JSON", "ture")
+    assert parse_command_line(["resume", "some-session", "--timeout", "5", "--no-json"]).json is False
+    # A variable set empty is unset, as SPECDEC_STOP= and a switch's were (the others were refused)
+    for env in ("SPECDEC_TIMEOUT", "SPECDEC_JSON", "SPECDEC_ADDRESS"):
+        monkeypatch.setenv(env, "")
+    args = parse_command_line(["resume", "some-session"])
+    assert (args.timeout, args.json, args.address) == (None, False, "127.0.0.1:50051")
 
 
 def test_a_redis_url_of_another_scheme_is_refused_with_the_schemes_and_never_printed(capsys, monkeypatch):
@@ -269,6 +281,26 @@ def test_a_switch_the_environment_turns_on_is_turned_off_for_one_command_by_its_
     assert build_parser().parse_args(["generate", "hi"]).json is True
 
 
+def test_an_empty_model_an_unknown_device_and_ngram_sizes_out_of_order_are_refused_before_torch_is_imported(capsys):
+    """`--model ""` served the model in the current directory without a word; `--device banana`
+    and `--min-ngram 5 --max-ngram 2` were refused only after torch's import, the last in the
+    draft's own words (min_ngram), naming no flag."""
+    from specdec.cli import main, parse_command_line
+
+    for argv in (["serve", "target", "--model", ""], ["generate", "hi", "--target", " "], ["distill", "--target", "", "--out", "x"]):
+        with pytest.raises(SystemExit):
+            parse_command_line(argv)
+        assert "the model is empty: give a catalog name" in capsys.readouterr().err, argv
+    with pytest.raises(SystemExit):
+        parse_command_line(["serve", "draft", "--device", "banana"])
+    assert "argument --device: unknown device 'banana'; use cpu, cuda, cuda:N or auto" in capsys.readouterr().err
+    assert parse_command_line(["serve", "draft", "--device", "CUDA:1"]).device == "CUDA:1"  # placed at load
+    with pytest.raises(SystemExit) as refused:
+        main(["serve", "draft", "--model", "ngram", "--min-ngram", "5", "--max-ngram", "2", "--allow-unauthenticated",
+              "--redis-url", "redis://127.0.0.1:1"])  # fmt: skip
+    assert str(refused.value) == "specdec serve draft: --min-ngram 5 is above --max-ngram 2"
+
+
 def test_a_service_on_port_zero_serves_on_a_free_port_and_says_which(redis_url):
     env = {**os.environ, "SPECDEC_REDIS_URL": redis_url}
     service = subprocess.Popen([*SPECDEC, "serve", "draft", "--model", "ngram", "--port", "0", "--allow-unauthenticated"],
@@ -304,7 +336,7 @@ def test_an_unreadable_token_or_ca_file_ends_generate_with_one_line_before_a_sta
     missing = str(tmp_path / "missing.pem")
     with pytest.raises(SystemExit) as exited:
         main(["generate", "hi", flag, missing])
-    assert str(exited.value) == f"{message} {missing!r}: No such file or directory"
+    assert str(exited.value) == f"specdec generate: {message} {missing!r}: No such file or directory"
     assert "starting a local stack" not in capsys.readouterr().err
 
 
@@ -359,7 +391,7 @@ def test_a_token_file_that_is_not_utf8_ends_generate_with_one_line(tmp_path, cap
     latin1.write_bytes(b"caf\xe9-token\n")
     with pytest.raises(SystemExit) as exited:
         main(["generate", "hi", "--token-file", str(latin1)])
-    assert str(exited.value) == f"the token file {str(latin1)!r} is not UTF-8: byte 0xe9 at offset 3"
+    assert str(exited.value) == f"specdec generate: the token file {str(latin1)!r} is not UTF-8: byte 0xe9 at offset 3"
     assert "starting a local stack" not in capsys.readouterr().err
 
 
@@ -460,8 +492,13 @@ def test_an_unavailable_call_is_told_where_it_looked_only_where_it_reached_no_co
         answered = SpecdecClientError(grpc.StatusCode.UNAVAILABLE, said)
         assert client_error(answered, SimpleNamespace(address="10.0.0.5:50051")) == f"error: {answered}", said
     refused = SpecdecClientError(grpc.StatusCode.UNAVAILABLE, "failed to connect to all addresses")
-    line = client_error(refused, SimpleNamespace(address=None, tls_ca="ca.pem"))
+    line = client_error(refused, SimpleNamespace(command="generate", address=None, tls_ca="ca.pem"))
     assert "is a coordinator serving at 127.0.0.1:50051?" in line and "a local one is started only without --tls-ca" in line
+    line = client_error(refused, SimpleNamespace(command="generate", address=None))
+    assert "without --address, generate and trace start one for the command" in line
+    for command in ("resume", "delete"):  # which start no local stack: the hint said they would
+        line = client_error(refused, SimpleNamespace(command=command, address=None))
+        assert line.endswith("(is a coordinator serving at 127.0.0.1:50051? `specdec up` starts one)"), line
 
 
 @pytest.mark.parametrize("address", ["myhost", "10.0.0.5", "[::1]", "dns:///coordinator"])
@@ -702,9 +739,13 @@ def test_up_with_tls_and_api_tokens_serves_only_clients_that_have_both(tiny_mode
         assert good.returncode == 0, good.stderr
         assert len(json.loads(good.stdout)["token_ids"]) >= 1
         no_token = run_cli(*args, "--tls-ca", pki["ca"])
-        assert no_token.returncode == 1 and "UNAUTHENTICATED" in no_token.stderr
+        assert no_token.returncode == 1 and "UNAUTHENTICATED: this server requires an API token" in no_token.stderr
+        assert "read from --token-file FILE" in no_token.stderr  # it used to say which gRPC metadata to send
+        wrong = run_cli(*args, "--tls-ca", pki["ca"], env=dict(os.environ, SPECDEC_TOKEN="cli-token-43"))
+        assert wrong.returncode == 1 and "does not accept the token sent" in wrong.stderr, wrong.stderr
         plaintext = run_cli(*args, env=dict(os.environ, SPECDEC_TOKEN="cli-token-42"))
         assert plaintext.returncode == 1 and "UNAVAILABLE" in plaintext.stderr
+        assert "a coordinator serving TLS? pass --tls-ca" in plaintext.stderr, plaintext.stderr  # it said start one
     finally:
         up.send_signal(signal.SIGTERM)
         assert up.wait(timeout=60) == 0

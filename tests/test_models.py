@@ -616,7 +616,7 @@ def test_an_error_reading_while_a_model_is_prepared_is_not_called_a_full_cache(e
         ensure_catalog_model(SMOLLM2, progress=False)
 
 
-def test_a_model_file_or_directory_a_load_cannot_read_is_one_line_naming_it(tmp_path, monkeypatch):
+def test_a_model_file_or_directory_a_load_cannot_read_is_one_line_naming_it(tmp_path, monkeypatch, tiny_models):
     """A directory with config.json and a tokenizer but no weights, an empty or truncated .gguf,
     or another format named .gguf passed the checks, and loading ended in a traceback (OSError,
     struct.error) or in "cannot mmap an empty file", naming no file; `specdec bench` too."""
@@ -628,6 +628,13 @@ def test_a_model_file_or_directory_a_load_cannot_read_is_one_line_naming_it(tmp_
     assert check_model(str(tokenizer_only))  # the coordinator's: a tokenizer is all it reads
     with pytest.raises(ModelNotFoundError, match="has config.json but no weights"):
         load_model(str(tokenizer_only))
+    corrupt = tmp_path / "corrupt"  # a truncated download: safetensors' traceback, naming no file
+    shutil.copytree(tiny_models.target, corrupt)
+    (corrupt / "model.safetensors").write_bytes(b"junk")
+    with pytest.raises(ValueError, match=re.escape(f"the weights in {str(corrupt)!r} do not read (Error while deserializing header")):
+        load_model(str(corrupt))
+    with pytest.raises(SystemExit, match="target: could not load: the weights in .*corrupt.* do not read"):
+        main(["bench", "--target", str(corrupt), "--draft", "ngram"])
     for name, content, says in [("empty.gguf", b"", "empty"), ("short.gguf", b"GGUF\x03\x00", "truncated"),
                                 ("other.gguf", b"PK\x03\x04" + bytes(40), "it begins b'PK\\x03\\x04', not b'GGUF'")]:  # fmt: skip
         (tmp_path / name).write_bytes(content)

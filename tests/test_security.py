@@ -78,6 +78,7 @@ def test_public_api_refuses_missing_and_wrong_tokens_with_unauthenticated(tls_st
         with specdec.Client(tls_stack.address, tls_ca=pki["ca"], token=token) as client:
             code, message = code_of(lambda: client.generate(PROMPT, max_new_tokens=2))
             assert code == grpc.StatusCode.UNAUTHENTICATED and "Bearer" in message, token
+            assert ("does not accept the token sent" in message) == (token is not None), message  # missing or wrong
             assert code_of(client.info)[0] == grpc.StatusCode.UNAUTHENTICATED
     # The health service stays open for probes.
     assert is_serving(tls_stack.address, credentials=credentials(pki["ca"]))

@@ -2310,11 +2310,15 @@ def test_an_address_is_host_port_or_a_grpc_target_and_the_sdk_refuses_one_that_n
         ("dns:///coordinator:x", "'coordinator:x' in 'dns:///coordinator:x' is not HOST:PORT"),
         ("ipv4:10.0.0.5:1,10.0.0.6:0", "'10.0.0.6:0' in 'ipv4:10.0.0.5:1,10.0.0.6:0' is not HOST:PORT"),
         ("localhost:]", "'localhost:]' is not HOST:PORT"),  # ends as [::1] does, but is no bracketed host
+        # gRPC's own answer: UNAVAILABLE "Misformatted domain name", at the first call
+        ("127.0.0.1:50061,127.0.0.1:1", "names several addresses: give one HOST:PORT"),
     ]:
         assert says in (address_problem(bad) or ""), bad
         for client in (Client, AsyncClient):  # before a channel opens
             with pytest.raises(ValueError, match=re.escape(says)):
                 client(bad)
+    with Client(" 127.0.0.1:9\n") as pasted:  # gRPC took the space for part of the name
+        assert pasted.address == "127.0.0.1:9"
 
 
 def test_the_sdk_refuses_a_token_no_grpc_header_can_carry_without_showing_it():
