@@ -37,7 +37,7 @@ from typing import TypedDict, Unpack
 import grpc
 
 from specdec.ranges import (
-    DEFAULT_RETRIES, FLOAT32_MAX, INT32, RETRIES, SECONDS, SEED, TEMPERATURE, UINT32, Range, address_problem,
+    DEFAULT_RETRIES, FLOAT32_MAX, INT32, RETRIES, SECONDS, SEED, TEMPERATURE, TOP_P, UINT32, Range, address_problem,
     text_problem, token_problem,
 )
 from specdec.v1 import specdec_pb2 as pb
@@ -141,8 +141,7 @@ class _Resumption:
 
     def __init__(self, session_id: str, retries: int, timeout: float | None, *, tokens: int = 0, chars: int = 0,
                  own_id: bool = False, began: bool = False):  # fmt: skip
-        if timeout is not None and (problem := SECONDS.problem("timeout", timeout)):
-            raise ValueError(f"{problem} (None: no deadline)")  # 1e10 s ended the call DEADLINE_EXCEEDED at once
+        check_timeout(timeout)
         self.session_id = session_id
         self.own_id = own_id  # the id was made here (a uuid4), not the caller's
         self.tokens = tokens  # output tokens received (a hand-made Resume: those the caller has)
@@ -217,12 +216,24 @@ class _Resumption:
         return SpecdecClientError(error.code(), error.details() or "", self.session_id if self.began else None)
 
 
+def check_timeout(timeout: float | None) -> None:
+    """ValueError for a call timeout gRPC cannot hold (SECONDS; None: no deadline): 1e10 s, inf
+    or NaN ended the call DEADLINE_EXCEEDED at once."""
+    if timeout is not None and (problem := SECONDS.problem("timeout", timeout)):
+        raise ValueError(f"{problem} (None: no deadline)")
+
+
+# What may end a call after its last chunk came and leave the output whole: the connection
+# broken, the call's deadline passed or its client closed before the server's closing status.
+ENDS_A_WHOLE_OUTPUT = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED)
+
+
 def ended_whole(finished: bool, error: grpc.RpcError) -> bool:
-    """Whether `error` only broke the connection (UNAVAILABLE) after a stream's last chunk (the
-    one with its finish_reason, `finished`) came: the output is whole, so the stream ends as if
-    it had closed cleanly. A stream or a Resume used to fail on a complete output, and
-    generate() or resume() with it."""
-    return finished and error.code() == grpc.StatusCode.UNAVAILABLE
+    """Whether `error` (ENDS_A_WHOLE_OUTPUT) ended a stream after its last chunk (the one with
+    its finish_reason, `finished`) came: the output is whole, so the stream ends as if it had
+    closed cleanly. A stream or a Resume used to fail on a complete output, and generate() or
+    resume() with it: on UNAVAILABLE, and until now on a deadline that ran out in between."""
+    return finished and error.code() in ENDS_A_WHOLE_OUTPUT
 
 
 def channel_credentials(
@@ -289,6 +300,11 @@ class SpecdecClientError(Exception):
         self.code = code
         self.message = message
         self.session_id = session_id
+
+    def __reduce__(self):
+        """Pickled by its own arguments (a process pool's worker sends it back so; Exception's
+        default passes the one message, which __init__ does not take)."""
+        return type(self), (self.code, self.message, self.session_id)
 
 
 @dataclass
@@ -532,8 +548,9 @@ def build_request(
         stop = [stop]
     for name, value in (("max_new_tokens", max_new_tokens), ("top_k", top_k), ("num_speculative_tokens", num_speculative_tokens)):
         check_integers(name, [] if value is None else [value], INT32)
-    if isinstance(temperature, (int, float)) and abs(temperature) > FLOAT32_MAX:  # protobuf would send inf
-        raise ValueError(TEMPERATURE.problem("temperature", temperature))
+    for name, value, allowed in (("temperature", temperature, TEMPERATURE), ("top_p", top_p, TOP_P)):
+        if isinstance(value, (int, float)) and abs(value) > FLOAT32_MAX:  # protobuf would send inf
+            raise ValueError(allowed.problem(name, value))
     ids = [] if prompt_token_ids is None else list(prompt_token_ids)  # a list, a tuple, a numpy array, ...
     check_integers("prompt_token_ids", ids, INT32)
     check_text("prompt", prompt)
@@ -597,9 +614,11 @@ async def headers_of_async(call):
         return ()
 
 
-def cut_by_close() -> "SpecdecClientError":
-    """What a call cut by its client's close() raises, from either client."""
-    return SpecdecClientError(grpc.StatusCode.CANCELLED, CUT_BY_CLOSE)
+def cut_by_close(resumption: "_Resumption | None" = None) -> "SpecdecClientError":
+    """What a call cut by its client's close() raises, from either client: a stream's names its
+    session where it had begun (client.resume takes it), as any other failed stream's does."""
+    session_id = resumption.session_id if resumption is not None and resumption.began else None
+    return SpecdecClientError(grpc.StatusCode.CANCELLED, CUT_BY_CLOSE, session_id)
 
 
 def stop_call(call) -> None:
@@ -791,13 +810,15 @@ class Client(_Stub):
             except grpc.RpcError as exc:
                 if ended_whole(resumption.finished, exc):
                     return
+                if self._open_stub is None:  # close() cut it (gRPC: CANCELLED "Channel closed!")
+                    raise cut_by_close(resumption) from None
                 if (resume := resumption.next_call(exc, headers_of(call))) is None:
                     raise resumption.error_of(exc) from None
             finally:
                 stop_call(call)
             resume_request, wait, timeout = resume
             if self._closing.wait(wait) or self._open_stub is None:  # close() during the wait cuts the stream
-                raise cut_by_close()
+                raise cut_by_close(resumption)
             call = self._stub.Resume(resume_request, timeout=timeout, metadata=self._metadata)
 
     generate_stream.__doc__ = "Yield a Chunk per cycle as the server commits it.\n" + _GENERATE_DOC
@@ -834,8 +855,9 @@ class Client(_Stub):
         return collector.result()
 
     def delete(self, session_id: str, timeout: float | None = 10.0) -> bool:
-        """Delete the session `session_id` now instead of when it expires (an hour after its
-        last use): its record, prompt and tokens leave Redis and the model services drop its
+        """Delete the session `session_id` now instead of when it expires (the services'
+        --session-ttl after its last use, an hour by default): its record, prompt and tokens
+        leave Redis and the model services drop its
         caches; a stream of it still running ends NOT_FOUND. True if it existed; False if not
         (expired, deleted already, or never created), or if another session was created under
         its id while the call checked it (that one is left alone). PERMISSION_DENIED where the session was
@@ -844,6 +866,7 @@ class Client(_Stub):
         raises UNAVAILABLE when they do not in time (it is gone from the Redis master then:
         delete again once the replicas are back; False then confirms it)."""
         check_text("session_id", session_id)
+        check_timeout(timeout)
         try:
             reply = self._stub.Delete(pb.DeleteRequest(session_id=session_id), timeout=timeout, metadata=self._metadata)
         except grpc.RpcError as exc:
@@ -853,6 +876,7 @@ class Client(_Stub):
     def info(self, timeout: float | None = 10.0) -> ServerInfo:
         """The models the stack serves (target and draft) and its request defaults, as the
         coordinator reports them."""
+        check_timeout(timeout)
         try:
             return ServerInfo.from_pb(self._stub.Info(pb.InfoRequest(), timeout=timeout, metadata=self._metadata))
         except grpc.RpcError as exc:
@@ -911,7 +935,7 @@ class AsyncClient(_Stub):
         return self._open_stub
 
     @contextlib.contextmanager
-    def _cut_by_close(self):
+    def _cut_by_close(self, resumption: _Resumption | None = None):
         """Raise SpecdecClientError CANCELLED where this client's close() cut the call within (it
         cancels the channel's calls, which grpc.aio ends in asyncio.CancelledError), as Client
         does; a cancel() of the task awaiting the call goes on as CancelledError."""
@@ -920,7 +944,7 @@ class AsyncClient(_Stub):
         except asyncio.CancelledError:
             task = asyncio.current_task()
             if self._closed and task is not None and not task.cancelling():
-                raise cut_by_close() from None
+                raise cut_by_close(resumption) from None
             raise
 
     async def __aenter__(self) -> "AsyncClient":
@@ -968,14 +992,17 @@ class AsyncClient(_Stub):
                                  own_id=not request.session_id)  # fmt: skip
         request.session_id = resumption.session_id
         call = self._stub.Generate(request, timeout=timeout, metadata=self._metadata)
-        async for chunk in self._follow(call, resumption):
-            yield chunk
+        # A stream closed (aclose, or abandoned in an `async with aclosing`) cancels its call now,
+        # not when the loop finalizes the inner generator: the coordinator went on generating.
+        async with contextlib.aclosing(self._follow(call, resumption)) as chunks:
+            async for chunk in chunks:
+                yield chunk
 
     async def _follow(self, call, resumption: _Resumption) -> AsyncIterator[Chunk]:
         """Client._follow, awaited."""
         while True:
             try:
-                with self._cut_by_close():
+                with self._cut_by_close(resumption):
                     async for msg in call:
                         yield resumption.saw(Chunk.from_pb(msg))
                 return
@@ -990,7 +1017,7 @@ class AsyncClient(_Stub):
             with contextlib.suppress(TimeoutError):  # close() during the wait cuts the stream, as it cuts a call
                 await asyncio.wait_for(self._closing.wait(), wait)
             if self._closed:
-                raise cut_by_close()
+                raise cut_by_close(resumption)
             call = self._stub.Resume(resume_request, timeout=timeout, metadata=self._metadata)
 
     generate_stream.__doc__ = "Yield a Chunk per cycle as the server commits it.\n" + _GENERATE_DOC
@@ -1002,8 +1029,9 @@ class AsyncClient(_Stub):
         resumption = _Resumption(session_id, self.retries, timeout, tokens=received_tokens, chars=received_chars,
                                  began=True)  # fmt: skip
         call = self._stub.Resume(request, timeout=timeout, metadata=self._metadata)
-        async for chunk in self._follow(call, resumption):
-            yield chunk
+        async with contextlib.aclosing(self._follow(call, resumption)) as chunks:
+            async for chunk in chunks:
+                yield chunk
 
     async def resume(self, session_id: str, **options: Unpack[ResumeOptions]) -> Result:
         """Resume and return the rest as a Result (same arguments as resume_stream)."""
@@ -1022,6 +1050,7 @@ class AsyncClient(_Stub):
     async def delete(self, session_id: str, timeout: float | None = 10.0) -> bool:
         """Client.delete, awaited."""
         check_text("session_id", session_id)
+        check_timeout(timeout)
         try:
             with self._cut_by_close():
                 reply = await self._stub.Delete(pb.DeleteRequest(session_id=session_id), timeout=timeout,
@@ -1032,6 +1061,7 @@ class AsyncClient(_Stub):
 
     async def info(self, timeout: float | None = 10.0) -> ServerInfo:
         """Client.info, awaited."""
+        check_timeout(timeout)
         try:
             with self._cut_by_close():
                 return ServerInfo.from_pb(await self._stub.Info(pb.InfoRequest(), timeout=timeout, metadata=self._metadata))

@@ -381,7 +381,7 @@ def test_a_stream_that_breaks_after_its_last_chunk_ends_whole_without_a_resume(s
 
 
 class EndlessCoordinator(FlakyCoordinator):
-    """Streams "a" every 20 ms for 4 s; Info answers after 4 s."""
+    """Streams "a" every 20 ms for 4 s, from a Generate or a Resume; Info answers after 4 s."""
 
     def Generate(self, request, context):
         context.send_initial_metadata(((SESSION_HEADER, request.session_id),))
@@ -390,6 +390,8 @@ class EndlessCoordinator(FlakyCoordinator):
                 return
             yield pb.GenerateChunk(text="a", token_ids=[1], session_id=request.session_id)
             time.sleep(0.02)
+
+    Resume = Generate
 
     def Info(self, request, context):
         time.sleep(4.0)
@@ -411,18 +413,21 @@ def test_a_call_cut_by_its_clients_close_raises_cancelled_from_both_clients_and_
     address = serve(EndlessCoordinator(failures=0))
     client = specdec.Client(address)
     with pytest.raises(specdec.SpecdecClientError) as cut:
-        for chunk_count, _ in enumerate(client.generate_stream("x", max_new_tokens=200), 1):
+        for chunk_count, _ in enumerate(client.generate_stream("x", max_new_tokens=200, session_id="cut-sync"), 1):
             if chunk_count == 2:
                 client.close()
-    assert cut.value.code == grpc.StatusCode.CANCELLED
+    # Client's said gRPC's "Channel closed!"; AsyncClient's named no session, which client.resume takes
+    assert cut.value.code == grpc.StatusCode.CANCELLED and "closed during the call" in cut.value.message
+    assert cut.value.session_id == "cut-sync"
 
     async def cut_async_calls():
         client = specdec.AsyncClient(address)
         with pytest.raises(specdec.SpecdecClientError) as cut:
-            async for chunk_count, _ in aenumerate(client.generate_stream("x", max_new_tokens=200)):
+            async for chunk_count, _ in aenumerate(client.generate_stream("x", max_new_tokens=200, session_id="cut-async")):
                 if chunk_count == 2:
                     await client.close()
         assert cut.value.code == grpc.StatusCode.CANCELLED and "closed during the call" in cut.value.message
+        assert cut.value.session_id == "cut-async"
         for call in (lambda c: c.generate("x", max_new_tokens=200), lambda c: c.info()):
             client = specdec.AsyncClient(address)
             closing = asyncio.get_running_loop().call_later(0.3, lambda: asyncio.ensure_future(client.close()))
@@ -460,6 +465,7 @@ def test_a_stream_broken_while_its_client_waits_to_resume_it_ends_cancelled_when
     with pytest.raises(specdec.SpecdecClientError) as cut:
         list(client.generate_stream("x", max_new_tokens=2))
     assert cut.value.code == grpc.StatusCode.CANCELLED and "closed during the call" in cut.value.message
+    assert cut.value.session_id == flaky.session_ids[-1], "the session, which had begun, was not named"
     assert time.monotonic() - started < 3.0, "the wait was cut short"
 
     async def close_while_waiting():
@@ -469,10 +475,81 @@ def test_a_stream_broken_while_its_client_waits_to_resume_it_ends_cancelled_when
         with pytest.raises(specdec.SpecdecClientError) as cut:
             await client.generate("x", max_new_tokens=2)
         assert cut.value.code == grpc.StatusCode.CANCELLED and "closed during the call" in cut.value.message
+        assert cut.value.session_id == flaky.session_ids[-1]
         assert time.monotonic() - started < 3.0, "the wait was cut short"
 
     asyncio.run(close_while_waiting())
     assert not flaky.resumes
+
+
+class FinishedThenSlow(FlakyCoordinator):
+    """Streams "ab" with its finish_reason, then takes 3 s before its closing status."""
+
+    def Generate(self, request, context):
+        yield pb.GenerateChunk(text="ab", token_ids=[1, 2], finish_reason=pb.FINISH_REASON_LENGTH,
+                               session_id=request.session_id)  # fmt: skip
+        time.sleep(3.0)
+
+
+def test_an_output_whose_last_chunk_came_before_the_deadline_ran_out_is_returned_whole(serve):
+    """A deadline that ran out after the chunk with the finish_reason and before the server's
+    closing status failed generate() DEADLINE_EXCEEDED, the whole output in hand."""
+    address = serve(FinishedThenSlow(failures=0))
+    with specdec.Client(address) as client:
+        assert client.generate("x", max_new_tokens=2, timeout=1.0).text == "ab"
+
+    async def run():
+        async with specdec.AsyncClient(address) as client:
+            return (await client.generate("x", max_new_tokens=2, timeout=1.0)).text
+
+    assert asyncio.run(run()) == "ab"
+
+
+def test_an_async_stream_closed_early_cancels_its_call_before_aclose_returns(serve, monkeypatch):
+    """AsyncClient's stream passed its chunks on from an inner generator without closing it:
+    aclose() returned with the call still open, cancelled only once the loop finalized the
+    inner generator, and the coordinator went on generating meanwhile."""
+    stopped = []
+    monkeypatch.setattr("specdec.client.stop_call", lambda call: stopped.append(call.cancel()))
+    address = serve(EndlessCoordinator(failures=0))
+
+    async def run():
+        async with specdec.AsyncClient(address) as client:
+            for stream in (client.generate_stream("x", max_new_tokens=200), client.resume_stream("endless")):
+                await stream.__anext__()
+                await stream.aclose()
+                assert stopped, "aclose() returned before the call was cancelled"
+                stopped.clear()
+
+    asyncio.run(run())
+
+
+def test_an_sdk_error_survives_pickling_and_info_and_delete_refuse_a_timeout_grpc_cannot_hold():
+    """A process pool's worker that raised SpecdecClientError broke the pool (TypeError rebuilding
+    it); info() and delete() took timeout=inf and failed DEADLINE_EXCEEDED at once."""
+    import copy
+    import pickle
+
+    from specdec.client import SpecdecClientError
+
+    error = SpecdecClientError(grpc.StatusCode.NOT_FOUND, "gone", "s1")
+    for again in (pickle.loads(pickle.dumps(error)), copy.copy(error)):
+        assert (again.code, again.message, again.session_id, str(again)) == (error.code, "gone", "s1", "NOT_FOUND: gone")
+    with specdec.Client("127.0.0.1:1", retries=0) as client:
+        for timeout in (float("inf"), float("nan"), 1e10, -1):
+            for call in (lambda: client.info(timeout=timeout), lambda: client.delete("s", timeout=timeout)):
+                with pytest.raises(ValueError, match="timeout must be a number above 0"):
+                    call()
+        with pytest.raises(ValueError, match="top_p must be a number above 0 and at most 1"):
+            client.generate("x", top_p=1e39)  # protobuf would send inf, which the coordinator quoted back
+
+    async def run():
+        async with specdec.AsyncClient("127.0.0.1:1", retries=0) as client:
+            for call in (lambda: client.info(timeout=float("inf")), lambda: client.delete("s", timeout=float("inf"))):
+                with pytest.raises(ValueError, match="timeout must be a number above 0"):
+                    await call()
+
+    asyncio.run(run())
 
 
 def test_a_traced_client_resumes_a_stream_broken_before_its_first_chunk_and_reports_one_that_never_began(serve):
