@@ -30,7 +30,7 @@ import threading
 import time
 import urllib.parse
 import uuid
-from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import TypedDict, Unpack
 
@@ -548,9 +548,9 @@ def build_request(
         stop = [stop]
     for name, value in (("max_new_tokens", max_new_tokens), ("top_k", top_k), ("num_speculative_tokens", num_speculative_tokens)):
         check_integers(name, [] if value is None else [value], INT32)
-    for name, value, allowed in (("temperature", temperature, TEMPERATURE), ("top_p", top_p, TOP_P)):
-        if isinstance(value, (int, float)) and abs(value) > FLOAT32_MAX:  # protobuf would send inf
-            raise ValueError(allowed.problem(name, value))
+    for name, number, allowed in (("temperature", temperature, TEMPERATURE), ("top_p", top_p, TOP_P)):
+        if isinstance(number, (int, float)) and abs(number) > FLOAT32_MAX:  # protobuf would send inf
+            raise ValueError(allowed.problem(name, number))
     ids = [] if prompt_token_ids is None else list(prompt_token_ids)  # a list, a tuple, a numpy array, ...
     check_integers("prompt_token_ids", ids, INT32)
     check_text("prompt", prompt)
@@ -998,7 +998,7 @@ class AsyncClient(_Stub):
             async for chunk in chunks:
                 yield chunk
 
-    async def _follow(self, call, resumption: _Resumption) -> AsyncIterator[Chunk]:
+    async def _follow(self, call, resumption: _Resumption) -> AsyncGenerator[Chunk, None]:
         """Client._follow, awaited."""
         while True:
             try:
