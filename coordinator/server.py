@@ -35,7 +35,8 @@ from specdec.errors import (
 from specdec.metrics import CoordinatorMetrics
 from specdec.ngram import DEFAULT_K, DEFAULT_MAX_NGRAM, DEFAULT_MIN_NGRAM, NGRAM_DRAFT
 from specdec.ranges import (
-    DEFAULT_DRAIN_S, DEFAULT_MAX_K, DEFAULT_MAX_NEW_TOKENS_LIMIT, DEFAULT_STALL_TIMEOUT_S, DEFAULT_TTL_S, DEFAULT_WAIT_MS,
+    DEFAULT_DRAIN_S, DEFAULT_MAX_K, DEFAULT_MAX_NEW_TOKENS_LIMIT, DEFAULT_STALL_TIMEOUT_S, DEFAULT_STARTUP_TIMEOUT_S,
+    DEFAULT_TTL_S, DEFAULT_WAIT_MS,
 )
 from specdec.security import ChannelSecurity, ServerSecurity, caller_id, is_caller, redact_url
 from specdec.session import CALLER_LEASE_S, NotReplicated, SessionStore, check_session_id, new_session_id, session_gone
@@ -63,7 +64,6 @@ PROMPT_CHARS_PER_TOKEN = 16
 # session or stop the streaming of this one.
 MAX_STOP_STRINGS = 64
 MAX_STOP_CHARS = 1000
-STARTUP_TIMEOUT_S = 600.0
 WAIT_LOG_S = 10.0  # how often a coordinator waiting for a model service says so (wait_for_model_info)
 MODEL_INFO_TIMEOUT_S = 5.0  # one ModelInfo call while waiting for a model service
 # A stream cancelled this close to its call's deadline, or later, was ended by the deadline
@@ -155,7 +155,7 @@ class CoordinatorConfig:
     # Seconds a session stays in Redis after its last write (SessionStore.ttl_s).
     session_ttl_s: int = DEFAULT_TTL_S
     # How long to wait for the model services at start-up.
-    startup_timeout_s: float = STARTUP_TIMEOUT_S
+    startup_timeout_s: float = DEFAULT_STARTUP_TIMEOUT_S  # --startup-timeout
     # Port of the Prometheus /metrics endpoint; 0 = off.
     metrics_port: int = 0
     # Draft the next cycle while the target verifies (requests may override).
@@ -1008,7 +1008,8 @@ async def wait_for_model_info(replicas: Replicas, name: str, timeout_s: float) -
                            "wrong or unreachable")  # fmt: skip
         if (now := time.monotonic()) > deadline:
             raise FailedPrecondition(
-                f"the {name} service at {replicas.address} did not become ready in {timeout_s:.0f}s ({problem})"
+                f"the {name} service at {replicas.address} did not become ready in {timeout_s:.0f}s ({problem}); "
+                "a model that loads longer needs a longer --startup-timeout"
             )
         if now >= next_log:
             log.info("waiting for the %s service at %s (%.0f s so far, at most %.0f): %s",

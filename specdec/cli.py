@@ -16,7 +16,7 @@ from typing import NoReturn
 from specdec import __version__
 from specdec.ngram import DEFAULT_K, DEFAULT_MAX_NGRAM, DEFAULT_MIN_NGRAM, NGRAM_DRAFT
 from specdec.ranges import (
-    AT_LEAST_ONE, DEFAULT_DRAIN_S, DEFAULT_MAX_BATCH, DEFAULT_MAX_K, DEFAULT_MAX_NEW_TOKENS_LIMIT, DEFAULT_RETRIES,
+    AT_LEAST_ONE, DEFAULT_DRAIN_S, DEFAULT_STARTUP_TIMEOUT_S, DEFAULT_MAX_BATCH, DEFAULT_MAX_K, DEFAULT_MAX_NEW_TOKENS_LIMIT, DEFAULT_RETRIES,
     DEFAULT_PASS_TIMEOUT_S, DEFAULT_STALL_TIMEOUT_S, DEFAULT_TTL_S, DEFAULT_WAIT_MS,
     DRAIN_S, MAX_NEW_TOKENS, METRICS_PORT, PASS_TIMEOUT_S, PER_CALLER, PORT, RETRIES, SECONDS, SEED, REPLICA_REFRESH_S,
     SERVICE_PORT, SESSION_TTL_S, STALL_TIMEOUT_S, TEMPERATURE, THREADS, TOP_K, TOP_P, UINT32, WAIT_MS, WAIT_REPLICAS,
@@ -460,6 +460,10 @@ def add_coordinator_flags(p: argparse.ArgumentParser) -> None:
     env_flag(p, "--draft-timeout", "SPECDEC_DRAFT_TIMEOUT", default=2.0, type=Range(float, 0, note="0 = only the deadline"),
              help="seconds a cycle waits for the draft before running target-only (also at most a quarter "
                   "of a request's remaining deadline; 0 = only the deadline)")  # fmt: skip
+    env_flag(p, "--startup-timeout", "SPECDEC_STARTUP_TIMEOUT", default=DEFAULT_STARTUP_TIMEOUT_S, type=SECONDS,
+             metavar="SECONDS",
+             help="seconds to wait at start for the draft and target services to load their models before "
+                  "giving up (in Kubernetes, at least the startup probe's failureThreshold x periodSeconds)")  # fmt: skip
     env_flag(p, "--drain-s", "SPECDEC_DRAIN_S", default=DEFAULT_DRAIN_S, type=DRAIN_S,
              help="on SIGTERM, seconds running requests may go on before they are cancelled (UNAVAILABLE; "
                   "the SDK resumes them through another coordinator); keep it below the pod's "
@@ -601,6 +605,7 @@ def run_serve(args) -> NoReturn:
             default_max_new_tokens=args.default_max_new_tokens, max_new_tokens_limit=args.max_new_tokens_limit,
             metrics_port=args.metrics_port, pipeline=not args.no_pipeline, adaptive_k=args.adaptive_k,
             pipeline_min_keep=args.pipeline_min_keep, draft_timeout_s=args.draft_timeout, drain_s=args.drain_s,
+            startup_timeout_s=args.startup_timeout,
             stall_timeout_s=args.stall_timeout,
             ngram_via_draft_service=args.ngram_via_draft_service, ngram_first=args.ngram_first,
             max_prompt_tokens=args.max_prompt_tokens, max_concurrent_requests=args.max_concurrent_requests,

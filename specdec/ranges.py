@@ -120,6 +120,8 @@ SESSION_TTL_S = Range(int, 60, 10**9)
 # Seconds a stopping service lets running calls go on (serving.run's grace; `--drain-s`).
 DRAIN_S = Range(float, 0)
 DEFAULT_DRAIN_S = 5.0
+# How long a starting coordinator waits for its model services to load (--startup-timeout).
+DEFAULT_STARTUP_TIMEOUT_S = 600.0
 # Seconds one chunk's write to a client may wait before the coordinator ends its stream
 # (coordinator.server.StallWatch; `--stall-timeout`).
 STALL_TIMEOUT_S = Range(float, 0, note="0 = never")

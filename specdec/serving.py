@@ -24,7 +24,7 @@ from grpc_reflection.v1alpha import reflection
 from specdec import telemetry
 from specdec.catalog import USER_LOAD_ERRORS
 from specdec.client import CHANNEL_OPTIONS, GRPC_OPTIONS
-from specdec.errors import MalformedRequest, WorkerWedged
+from specdec.errors import FailedPrecondition, MalformedRequest, WorkerWedged
 from specdec.metrics import serve_metrics
 from specdec.ranges import DEFAULT_DRAIN_S, join_host_port
 from specdec.security import ChannelSecurity, ServerSecurity, TokenChannel
@@ -307,8 +307,10 @@ async def run(
 def load_failed(name: str, exc: BaseException) -> str:
     """The process's last line when `load()` failed. A user's error (a model path that is
     not there or not loadable, a draft for another vocabulary, a catalog model it cannot fetch
-    or cache: catalog.USER_LOAD_ERRORS) is that one line; anything else logs its traceback first."""
-    if not isinstance(exc, USER_LOAD_ERRORS):
+    or cache: catalog.USER_LOAD_ERRORS; a coordinator's model services that never became ready
+    within --startup-timeout: FailedPrecondition) is that one line; anything else logs its
+    traceback first."""
+    if not isinstance(exc, (*USER_LOAD_ERRORS, FailedPrecondition)):
         log.error("%s could not load", name, exc_info=exc)
     else:  # one line; where it is a bug after all, --log-level DEBUG shows where it came from
         log.debug("%s could not load", name, exc_info=exc)

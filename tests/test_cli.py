@@ -301,6 +301,19 @@ def test_an_empty_model_an_unknown_device_and_ngram_sizes_out_of_order_are_refus
     assert str(refused.value) == "specdec serve draft: --min-ngram 5 is above --max-ngram 2"
 
 
+def test_a_coordinator_whose_model_services_never_load_gives_up_after_its_startup_timeout_in_one_line():
+    """It waited a fixed ten minutes (a Kubernetes startup probe allowed 15, the gpu overlay 30:
+    a large model's coordinator restarted meanwhile), and gave up in a traceback."""
+    down = [f"127.0.0.1:{free_port()}" for _ in range(2)]
+    out = run_cli("serve", "coordinator", "--port", "0", "--startup-timeout", "1", "--draft-address", down[0],
+                  "--target-address", down[1], "--redis-url", f"redis://127.0.0.1:{free_port()}", timeout=120)  # fmt: skip
+    assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr
+    assert out.stderr.strip().splitlines()[-1] == (
+        f"coordinator: could not load: the target service at {down[1]} did not become ready in 1s (no answer in 5 s: "
+        "nothing serves there yet, or the address is wrong or unreachable); a model that loads longer needs a "
+        "longer --startup-timeout")  # fmt: skip
+
+
 def test_a_service_on_port_zero_serves_on_a_free_port_and_says_which(redis_url):
     env = {**os.environ, "SPECDEC_REDIS_URL": redis_url}
     service = subprocess.Popen([*SPECDEC, "serve", "draft", "--model", "ngram", "--port", "0", "--allow-unauthenticated"],

@@ -371,6 +371,19 @@ def test_gpus_only_in_the_gpu_overlay(overlay):
     assert volumes[shm["name"]]["emptyDir"]["medium"] == "Memory"
 
 
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_a_rolling_update_replaces_a_model_pod_where_the_overlay_has_room_for_one_copy_only(overlay):
+    """A new config value rolls all three Deployments; one that starts a second model pod beside
+    the first needs room for both: the gpu overlay's spare GPUs, or cpu-demo's laptop memory
+    ("about 4 GiB to spare"), were not there, the new pod stayed Pending and with maxUnavailable 0
+    the update never went on. There, a model pod is replaced."""
+    r = rendered(overlay)
+    for component in ("draft", "target"):
+        rolling = r.workload(component)["spec"]["strategy"]["rollingUpdate"]
+        surge = (rolling["maxSurge"], rolling["maxUnavailable"])
+        assert surge == (0, 1), f"{overlay}/{component}: maxSurge, maxUnavailable = {surge}"
+
+
 # ---------------------------------------------------------------- 3. manifests <-> code
 
 
@@ -492,6 +505,10 @@ def test_services_match_the_cli(overlay, monkeypatch):
     # every service keeps sessions as long as Redis does; a hung device takes a model pod out
     assert parsed["draft"].session_ttl == parsed["target"].session_ttl == coordinator.session_ttl
     assert parsed["draft"].pass_timeout > 0 and parsed["target"].pass_timeout > 0
+    # a coordinator waits for the model services as long as its startup probe lets it start (it
+    # waited a fixed 10 minutes where the probes allowed 15, and 30 in the gpu overlay)
+    probe = r.container("coordinator")["startupProbe"]
+    assert coordinator.startup_timeout >= probe["failureThreshold"] * probe["periodSeconds"], coordinator.startup_timeout
     # a per-caller limit is below the pod's, and means something only where callers are told apart
     assert 0 <= coordinator.max_requests_per_caller <= coordinator.max_concurrent_requests
     assert not coordinator.max_requests_per_caller or API_TOKENS[overlay], "a per-caller limit without API tokens"

@@ -89,8 +89,8 @@ def test_a_rollout_is_followed_once_a_replica_refused_before_serves_what_the_oth
 
 def test_a_coordinator_waiting_for_a_model_service_says_what_it_waits_for_and_why(monkeypatch, caplog):
     """A coordinator given addresses where nothing serves said only "loading" until it gave up
-    after STARTUP_TIMEOUT_S (ten minutes); now it logs the address and the last error as it waits,
-    and the give-up names the error too."""
+    after --startup-timeout (ten minutes by default); now it logs the address and the last error as
+    it waits, and the give-up names the error too, and the flag."""
     import logging
 
     from coordinator import server
@@ -110,6 +110,7 @@ def test_a_coordinator_waiting_for_a_model_service_says_what_it_waits_for_and_wh
     with caplog.at_level(logging.INFO, logger="specdec.coordinator"), pytest.raises(FailedPrecondition) as gave_up:
         asyncio.run(wait())
     assert f"the target service at {down[0]},{down[1]} did not become ready in 1s (UNAVAILABLE: " in str(gave_up.value)
+    assert str(gave_up.value).endswith("a model that loads longer needs a longer --startup-timeout")
     waiting = [r.getMessage() for r in caplog.records if r.getMessage().startswith("waiting for the target service")]
     assert len(waiting) >= 2 and f"at {down[0]},{down[1]} (" in waiting[0] and "at most 1): UNAVAILABLE: " in waiting[0]
 
