@@ -282,6 +282,8 @@ class Stack:
         return [
             "--draft-address", f"127.0.0.1:{self.ports['draft']}",
             "--target-address", f"127.0.0.1:{self.ports['target']}",
+            # it waits for the models as long as the stack waits for it (it gave up after 600 s of a 900 s start)
+            "--startup-timeout", f"{cfg.ready_timeout_s:g}",
             *auth, *lookups, *cfg.coordinator_args,
         ]  # fmt: skip
 

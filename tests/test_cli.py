@@ -697,6 +697,9 @@ def test_up_then_generate_json_end_to_end(tiny_models):
         assert len(children) >= 4  # redis-server, draft, target, coordinator
         services = [c for c in children if "serve" in c.cmdline()]
         assert len(services) == 3 and all(c.environ().get("SPECDEC_SESSION_TTL") == "120" for c in services)
+        (coordinator,) = [c.cmdline() for c in services if "coordinator" in c.cmdline()]
+        # it waits for the models as long as `up` waits for the stack (it gave up after 600 s of 900)
+        assert coordinator[coordinator.index("--startup-timeout") + 1] == "900"
         out = run_cli("generate", "hello world", "--address", f"127.0.0.1:{port}", "--json",
                       "--max-new-tokens", "12", "--k", "3")  # fmt: skip
         assert out.returncode == 0, out.stderr
