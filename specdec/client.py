@@ -857,8 +857,8 @@ class Client(_Stub):
     def delete(self, session_id: str, timeout: float | None = 10.0) -> bool:
         """Delete the session `session_id` now instead of when it expires (the services'
         --session-ttl after its last use, an hour by default): its record, prompt and tokens
-        leave Redis and the model services drop its
-        caches; a stream of it still running ends NOT_FOUND. True if it existed; False if not
+        leave Redis and the model services drop its caches; a stream of it still running ends
+        NOT_FOUND. True if it existed; False if not
         (expired, deleted already, or never created), or if another session was created under
         its id while the call checked it (that one is left alone). PERMISSION_DENIED where the session was
         created with another API token, as for resume. Behind a coordinator run with
