@@ -7,6 +7,7 @@ own /metrics endpoint."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import os
 import signal
@@ -180,6 +181,22 @@ async def bare_server() -> tuple[grpc.aio.Server, str]:
     return server, f"127.0.0.1:{port}"
 
 
+@contextlib.asynccontextmanager
+async def bare_replicas(count: int, *more: str):
+    """(Replicas, endpoints) of `count` bare servers on loopback, then the endpoints `more`,
+    started; closed, and the servers stopped, on the way out."""
+    servers = [await bare_server() for _ in range(count)]
+    endpoints = (*(address for _, address in servers), *more)
+    replicas = Replicas(ReplicaAddress(endpoints=endpoints), pb_grpc.TargetStub)
+    try:
+        await replicas.start()
+        yield replicas, endpoints
+    finally:
+        await replicas.close()
+        for server, _ in servers:
+            await server.stop(None)
+
+
 async def wait_until(condition, timeout_s: float = 10.0) -> None:
     deadline = time.monotonic() + timeout_s
     while not condition():
@@ -191,11 +208,7 @@ def test_a_failed_replica_is_skipped_for_a_while_and_its_sessions_come_back_once
     monkeypatch.setattr("coordinator.replicas.DOWN_S", 0.3)
 
     async def run():
-        servers = [await bare_server() for _ in range(2)]
-        endpoints = tuple(address for _, address in servers)
-        replicas = Replicas(ReplicaAddress(endpoints=endpoints), pb_grpc.TargetStub)
-        try:
-            await replicas.start()
+        async with bare_replicas(2) as (replicas, endpoints):
             sessions = [f"s{i}" for i in range(200)]
             before = picks(replicas, sessions)
             first = replicas.replicas[endpoints[0]]
@@ -208,10 +221,6 @@ def test_a_failed_replica_is_skipped_for_a_while_and_its_sessions_come_back_once
             replicas.replicas[endpoints[1]].failed()
             first.failed()
             all_down = picks(replicas, sessions)  # nowhere better to go: each session's own replica
-        finally:
-            await replicas.close()
-            for server, _ in servers:
-                await server.stop(None)
         return endpoints, before, during, usable_during, after, all_down
 
     endpoints, before, during, usable_during, after, all_down = asyncio.run(run())
@@ -231,11 +240,7 @@ def test_a_failed_replica_that_accepts_connections_but_answers_nothing_stays_ski
     mute = socket.create_server(("127.0.0.1", 0))  # listens (the kernel completes handshakes), never answers
 
     async def run():
-        server, alive = await bare_server()
-        endpoints = (alive, f"127.0.0.1:{mute.getsockname()[1]}")
-        replicas = Replicas(ReplicaAddress(endpoints=endpoints), pb_grpc.TargetStub)
-        try:
-            await replicas.start()
+        async with bare_replicas(1, f"127.0.0.1:{mute.getsockname()[1]}") as (replicas, endpoints):
             sessions = [f"s{i}" for i in range(200)]
             frozen = replicas.replicas[endpoints[1]]
             frozen.failed()
@@ -243,9 +248,6 @@ def test_a_failed_replica_that_accepts_connections_but_answers_nothing_stays_ski
             state = frozen.channel.get_state()
             chosen = picks(replicas, sessions)
             usable = replicas.usable_count()
-        finally:
-            await replicas.close()
-            await server.stop(None)
         return endpoints, state, chosen, usable
 
     try:
@@ -268,28 +270,24 @@ def test_a_failed_replica_whose_health_says_not_serving_stays_skipped_until_it_s
     monkeypatch.setattr("coordinator.replicas.RECONNECT_CHECK_S", 0.05)
 
     async def run():
-        server, alive = await bare_server()
         wedged = grpc.aio.server()
         checks = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(checks, wedged)
-        endpoints = (alive, f"127.0.0.1:{wedged.add_insecure_port('127.0.0.1:0')}")
+        wedged_endpoint = f"127.0.0.1:{wedged.add_insecure_port('127.0.0.1:0')}"
         await wedged.start()
         await checks.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
-        replicas = Replicas(ReplicaAddress(endpoints=endpoints), pb_grpc.TargetStub)
         try:
-            await replicas.start()
-            sessions = [f"s{i}" for i in range(200)]
-            before = picks(replicas, sessions)
-            hung = replicas.replicas[endpoints[1]]
-            hung.failed()
-            await asyncio.sleep(1.0)  # well past DOWN_S: connected, and asked its health meanwhile
-            state, during = hung.channel.get_state(), picks(replicas, sessions)
-            await checks.set("", health_pb2.HealthCheckResponse.SERVING)  # its pass ended
-            await wait_until(lambda: not hung.recovering, timeout_s=2.0)
-            after = picks(replicas, sessions)
+            async with bare_replicas(1, wedged_endpoint) as (replicas, endpoints):
+                sessions = [f"s{i}" for i in range(200)]
+                before = picks(replicas, sessions)
+                hung = replicas.replicas[endpoints[1]]
+                hung.failed()
+                await asyncio.sleep(1.0)  # well past DOWN_S: connected, and asked its health meanwhile
+                state, during = hung.channel.get_state(), picks(replicas, sessions)
+                await checks.set("", health_pb2.HealthCheckResponse.SERVING)  # its pass ended
+                await wait_until(lambda: not hung.recovering, timeout_s=2.0)
+                after = picks(replicas, sessions)
         finally:
-            await replicas.close()
-            await server.stop(None)
             await wedged.stop(None)
         return endpoints, before, state, during, after
 
@@ -306,21 +304,13 @@ def test_a_replica_removed_while_it_recovers_ends_its_recovery_without_an_error(
     monkeypatch.setattr("coordinator.replicas.DOWN_S", 0.05)
 
     async def run():
-        servers = [await bare_server() for _ in range(2)]
-        endpoints = tuple(address for _, address in servers)
-        replicas = Replicas(ReplicaAddress(endpoints=endpoints), pb_grpc.TargetStub)
-        try:
-            await replicas.start()
+        async with bare_replicas(2) as (replicas, endpoints):
             gone = replicas.replicas[endpoints[1]]
             gone.failed()
             replicas.update([endpoints[0]])
             await asyncio.sleep(0.2)
             await gone.channel.close()
             return gone.recovery.cancelled(), await gone.says_serving()
-        finally:
-            await replicas.close()
-            for server, _ in servers:
-                await server.stop(None)
 
     assert asyncio.run(run()) == (True, False)
 
